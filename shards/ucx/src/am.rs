@@ -1,0 +1,639 @@
+//! Active messages: send with a header and a payload; receive through a handler that sees the
+//! header and takes eager data or pulls rendezvous data into a buffer it chooses.
+
+use std::cell::RefCell;
+use std::ffi::c_void;
+use std::future::Future;
+use std::pin::Pin;
+use std::ptr;
+use std::rc::Rc;
+use std::task::{Context as TaskContext, Poll};
+
+use ucx1_sys as sys;
+
+use crate::buf::{IoBuf, IoBufMut};
+use crate::endpoint::{Endpoint, EpInner};
+use crate::ffi;
+use crate::request::{self, guard, CbKind, InFlight, Keep, ParamExtra, Posted};
+use crate::status::{self, check, Error, RawStatus, Result};
+use crate::worker::{Worker, WorkerInner};
+
+/// An active-message id (UCX's AM ids are 16 bits).
+pub type AmIdRaw = u16;
+
+/// How UCX should carry a message's payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AmProto {
+    /// Let UCX choose by size and transport.
+    #[default]
+    Auto,
+    /// Force eager: data is pushed with the header (`UCP_AM_SEND_FLAG_EAGER`).
+    Eager,
+    /// Force rendezvous: the receiver pulls the data into a buffer it picks
+    /// (`UCP_AM_SEND_FLAG_RNDV`).
+    Rendezvous,
+}
+
+type Handler = Box<dyn FnMut(&[u8], AmPayload)>;
+
+/// A registered handler; boxed, so its address is UCX's `arg`.
+pub(crate) struct AmSlot {
+    id: AmIdRaw,
+    handler: RefCell<Handler>,
+    worker: *const WorkerInner,
+}
+
+impl AmSlot {
+    pub(crate) fn clear(&self, worker: sys::ucp_worker_h) {
+        let param = handler_param(self.id, None, ptr::null_mut());
+        // SAFETY: ucp.h (`ucp_worker_set_am_recv_handler`): a NULL callback clears the handler.
+        unsafe { ffi::ucp_worker_set_am_recv_handler(worker, &param) };
+    }
+}
+
+/// The payload of a received active message.
+pub enum AmPayload {
+    /// Eager data, already here.
+    Data(AmData),
+    /// Rendezvous data, still at the sender: pull it with [`Worker::am_recv_data`] into a
+    /// buffer of your choice, or drop it to decline (the sender's operation then completes).
+    Rendezvous(AmRndv),
+}
+
+/// Eager active-message data, kept past the handler (a UCX descriptor or an owned copy).
+pub struct AmData {
+    inner: DataInner,
+}
+
+enum DataInner {
+    Desc {
+        worker: Rc<WorkerInner>,
+        ptr: *mut c_void,
+        len: usize,
+    },
+    Owned(Vec<u8>),
+}
+
+/// Rendezvous active-message data waiting at the sender.
+pub struct AmRndv {
+    worker: Rc<WorkerInner>,
+    desc: *mut c_void,
+    len: usize,
+}
+
+fn handler_param(
+    id: AmIdRaw,
+    cb: Option<ffi::AmRecvCb>,
+    arg: *mut c_void,
+) -> sys::ucp_am_handler_param_t {
+    sys::ucp_am_handler_param_t {
+        field_mask: ffi::UCP_AM_HANDLER_PARAM_FIELD_ID
+            | ffi::UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+            | ffi::UCP_AM_HANDLER_PARAM_FIELD_CB
+            | ffi::UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        id: id as std::ffi::c_uint,
+        flags: ffi::UCP_AM_FLAG_WHOLE_MSG,
+        cb: cb.and_then(ffi::am_recv_cb),
+        arg,
+    }
+}
+
+unsafe extern "C" fn am_recv(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: sys::size_t,
+    data: *mut c_void,
+    length: sys::size_t,
+    param: *const sys::ucp_am_recv_param_t,
+) -> RawStatus {
+    guard(status::UCS_OK, || {
+        // SAFETY: `arg` is a boxed `AmSlot` owned by the worker; slots live as long as the
+        // worker, and UCX calls handlers only inside `ucp_worker_progress` on it.
+        let slot = unsafe { &*arg.cast::<AmSlot>() };
+        // SAFETY: the slot's worker pointer is the `WorkerInner` that owns the slot, alive
+        // while its progress runs.
+        let worker_ref = unsafe { &*slot.worker };
+        if worker_ref.dying.get() {
+            // The worker is being torn down (its strong count is already zero): take nothing.
+            return status::UCS_OK;
+        }
+        // SAFETY: ucp_def.h (`ucp_am_recv_callback_t`): `param` is valid during the callback.
+        let attr = if param.is_null() {
+            0
+        } else {
+            unsafe { (*param).recv_attr }
+        };
+        let header = if header.is_null() || header_length == 0 {
+            &[][..]
+        } else {
+            // SAFETY: ucp_def.h: `header` points to `header_length` bytes valid during the
+            // callback; the slice does not outlive it.
+            unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length as usize) }
+        };
+        let worker = rc_of(worker_ref);
+        let (payload, kept) = if attr & ffi::UCP_AM_RECV_ATTR_FLAG_RNDV != 0 {
+            (
+                AmPayload::Rendezvous(AmRndv {
+                    worker,
+                    desc: data,
+                    len: length as usize,
+                }),
+                true,
+            )
+        } else if attr & ffi::UCP_AM_RECV_ATTR_FLAG_DATA != 0 {
+            (
+                AmPayload::Data(AmData {
+                    inner: DataInner::Desc {
+                        worker,
+                        ptr: data,
+                        len: length as usize,
+                    },
+                }),
+                true,
+            )
+        } else {
+            let bytes = if data.is_null() || length == 0 {
+                Vec::new()
+            } else {
+                // SAFETY: ucp_def.h: without UCP_AM_RECV_ATTR_FLAG_DATA, `data` points to
+                // `length` bytes valid during the callback; we copy them.
+                unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length as usize) }.to_vec()
+            };
+            (
+                AmPayload::Data(AmData {
+                    inner: DataInner::Owned(bytes),
+                }),
+                false,
+            )
+        };
+        if kept {
+            worker_ref.am_cb_desc.set(data);
+            worker_ref.am_cb_released.set(false);
+        }
+        let ran = {
+            let mut h = slot.handler.borrow_mut();
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (h)(header, payload)))
+        };
+        if ran.is_err() {
+            crate::request::count_panic();
+        }
+        if !kept {
+            return status::UCS_OK;
+        }
+        worker_ref.am_cb_desc.set(ptr::null_mut());
+        if worker_ref.am_cb_released.get() {
+            // The handler dropped the descriptor: UCX may release it (for rendezvous data,
+            // this declines it and completes the sender).
+            status::UCS_OK
+        } else {
+            // The handler kept it: it is released by `AmData`/`AmRndv` later.
+            status::UCS_INPROGRESS
+        }
+    })
+}
+
+/// An `Rc` to the worker, from a reference to it obtained inside its own progress call.
+fn rc_of(worker: &WorkerInner) -> Rc<WorkerInner> {
+    // The slot stores a raw pointer (an `Rc` would make a cycle); the worker is alive because
+    // we are inside its progress, and the only owners of `WorkerInner` are `Rc`s, so we can
+    // recover one by incrementing the count.
+    let raw: *const WorkerInner = worker;
+    // SAFETY: `raw` came from `Rc::as_ptr` of a live `Rc<WorkerInner>` (see `set_am_handler`);
+    // incrementing the strong count and rebuilding an `Rc` from the same pointer is the
+    // documented way to mint a new owner.
+    unsafe {
+        Rc::increment_strong_count(raw);
+        Rc::from_raw(raw)
+    }
+}
+
+fn release_desc(worker: &WorkerInner, desc: *mut c_void) {
+    if worker.am_cb_desc.get() == desc {
+        // Still inside the handler that received it: tell the handler wrapper instead of UCX.
+        worker.am_cb_released.set(true);
+    } else {
+        // SAFETY: ucp.h (`ucp_am_data_release`): releases a descriptor kept by returning
+        // UCS_INPROGRESS from the handler (data or rendezvous), exactly once.
+        unsafe { sys::ucp_am_data_release(worker.handle, desc) };
+    }
+}
+
+impl AmData {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.inner {
+            DataInner::Desc { ptr, len, .. } => {
+                if ptr.is_null() || *len == 0 {
+                    &[]
+                } else {
+                    // SAFETY: a kept UCX descriptor of `len` bytes, valid until released in
+                    // `Drop`; UCX does not write it after delivering it.
+                    unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), *len) }
+                }
+            }
+            DataInner::Owned(v) => v,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Whether the message had no payload.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes as a vector (copies unless they were already copied).
+    pub fn into_vec(mut self) -> Vec<u8> {
+        match &mut self.inner {
+            DataInner::Owned(v) => std::mem::take(v),
+            DataInner::Desc { .. } => self.as_slice().to_vec(),
+        }
+    }
+}
+
+impl Drop for AmData {
+    fn drop(&mut self) {
+        if let DataInner::Desc { worker, ptr, .. } = &self.inner {
+            release_desc(worker, *ptr);
+        }
+    }
+}
+
+impl std::fmt::Debug for AmData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AmData({} bytes)", self.len())
+    }
+}
+
+impl AmRndv {
+    /// Length of the data waiting at the sender.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the data is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for AmRndv {
+    fn drop(&mut self) {
+        if !self.desc.is_null() {
+            release_desc(&self.worker, self.desc);
+        }
+    }
+}
+
+impl std::fmt::Debug for AmRndv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AmRndv({} bytes)", self.len)
+    }
+}
+
+impl std::fmt::Debug for AmPayload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AmPayload::Data(d) => d.fmt(f),
+            AmPayload::Rendezvous(r) => r.fmt(f),
+        }
+    }
+}
+
+impl Worker {
+    /// Install the handler for active-message `id`, replacing any previous one.
+    ///
+    /// The handler runs inside [`Worker::progress`] with the message header (valid during the
+    /// call only) and the payload, which it may keep: eager data as [`AmData`], rendezvous data
+    /// as [`AmRndv`] to pull later with [`Worker::am_recv_data`]. It must not block; a panic in
+    /// it is caught and counted ([`crate::callback_panics`]), and the message is dropped.
+    pub fn set_am_handler<F>(&self, id: AmIdRaw, handler: F) -> Result<()>
+    where
+        F: FnMut(&[u8], AmPayload) + 'static,
+    {
+        let slot = Box::new(AmSlot {
+            id,
+            handler: RefCell::new(Box::new(handler)),
+            worker: Rc::as_ptr(&self.inner),
+        });
+        let arg = (&*slot as *const AmSlot) as *mut c_void;
+        let param = handler_param(id, Some(am_recv), arg);
+        // SAFETY: ucp.h (`ucp_worker_set_am_recv_handler`): live worker created with
+        // UCP_FEATURE_AM (else UCX returns an error); `arg` is a boxed slot that the worker
+        // keeps until it is destroyed, so it outlives every call of the handler. Old slots are
+        // kept too, since a replaced handler's `arg` is never used again but costs little.
+        check(unsafe { ffi::ucp_worker_set_am_recv_handler(self.inner.handle, &param) })?;
+        self.inner.am_slots.borrow_mut().push(slot);
+        Ok(())
+    }
+
+    /// Pull rendezvous data into `buf` (at least `rndv.len()` bytes). Resolves with the
+    /// number of bytes received and the buffer.
+    pub fn am_recv_data<B: IoBufMut>(&self, rndv: AmRndv, buf: B) -> AmRecvData<B> {
+        AmRecvData {
+            worker: self.inner.clone(),
+            rndv: Some(rndv),
+            buf: Some(buf),
+            flight: None,
+        }
+    }
+}
+
+/// Future of [`Worker::am_recv_data`].
+pub struct AmRecvData<B: IoBufMut> {
+    worker: Rc<WorkerInner>,
+    rndv: Option<AmRndv>,
+    buf: Option<B>,
+    flight: Option<InFlight>,
+}
+
+impl<B: IoBufMut> Future for AmRecvData<B> {
+    type Output = (Result<usize>, B);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if let Some(mut rndv) = this.rndv.take() {
+            let Some(buf) = this.buf.as_mut() else {
+                return Poll::Pending;
+            };
+            if buf.bytes_total() < rndv.len {
+                let b = this
+                    .buf
+                    .take()
+                    .expect("buffer present until the future resolves");
+                // `rndv` drops here, declining the data.
+                return Poll::Ready((Err(Error::MessageTruncated), b));
+            }
+            let desc = std::mem::replace(&mut rndv.desc, ptr::null_mut());
+            let len = rndv.len;
+            let ptr = buf.stable_mut_ptr();
+            let extra = ParamExtra {
+                memory_type: Some(buf.memory_type()),
+                ..ParamExtra::default()
+            };
+            let worker = this.worker.handle;
+            let posted = request::post(
+                &this.worker,
+                CbKind::AmRecvData,
+                extra,
+                Keep::default(),
+                |param, _| {
+                    // SAFETY: ucp.h (`ucp_am_recv_data_nbx`): `desc` is a rendezvous descriptor
+                    // kept from a handler (UCX takes ownership of it here, even on failure);
+                    // `ptr` addresses `len` writable bytes owned by this future until the request
+                    // completes (or parked with the worker if the future is dropped).
+                    unsafe {
+                        sys::ucp_am_recv_data_nbx(
+                            worker,
+                            desc,
+                            ptr.cast(),
+                            len as sys::size_t,
+                            param,
+                        )
+                    }
+                },
+            );
+            match posted {
+                Posted::Now(c) => {
+                    let b = this
+                        .buf
+                        .take()
+                        .expect("buffer present until the future resolves");
+                    return Poll::Ready((c.result().map(|_| len), b));
+                }
+                Posted::Later(f) => this.flight = Some(f),
+            }
+        }
+        let Some(f) = this.flight.as_mut() else {
+            return Poll::Pending;
+        };
+        match f.poll(cx) {
+            Poll::Ready(c) => {
+                this.flight = None;
+                let b = this
+                    .buf
+                    .take()
+                    .expect("buffer present until the future resolves");
+                Poll::Ready((c.result().map(|_| c.length), b))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<B: IoBufMut> Drop for AmRecvData<B> {
+    fn drop(&mut self) {
+        if let Some(mut f) = self.flight.take() {
+            if let Some(b) = self.buf.take() {
+                f.park(Box::new(b));
+            }
+        }
+    }
+}
+
+impl Endpoint {
+    /// Send active message `id` with `header` (copied; at most the worker's maximum AM header
+    /// size) and `payload`. Resolves when UCX no longer needs the payload, handing it back.
+    pub fn am_send<B: IoBuf>(
+        &self,
+        id: AmIdRaw,
+        header: &[u8],
+        payload: B,
+        proto: AmProto,
+    ) -> AmSend<B> {
+        AmSend {
+            ep: self.inner.clone(),
+            id,
+            header: header.to_vec(),
+            proto,
+            bufs: Some(payload),
+            flight: None,
+        }
+    }
+
+    /// Send active message `id` whose payload is gathered from several buffers (an iovec).
+    pub fn am_send_iov<B: IoBuf>(
+        &self,
+        id: AmIdRaw,
+        header: &[u8],
+        payload: Vec<B>,
+        proto: AmProto,
+    ) -> AmSend<Vec<B>> {
+        AmSend {
+            ep: self.inner.clone(),
+            id,
+            header: header.to_vec(),
+            proto,
+            bufs: Some(payload),
+            flight: None,
+        }
+    }
+}
+
+/// What an [`AmSend`] sends: one buffer, or several gathered.
+pub trait AmPayloadBufs: Unpin + 'static {
+    #[doc(hidden)]
+    fn describe(
+        &self,
+    ) -> (
+        Vec<sys::ucp_dt_iov_t>,
+        Option<(*const u8, usize)>,
+        crate::MemoryType,
+    );
+}
+
+impl<B: IoBuf> AmPayloadBufs for B {
+    fn describe(
+        &self,
+    ) -> (
+        Vec<sys::ucp_dt_iov_t>,
+        Option<(*const u8, usize)>,
+        crate::MemoryType,
+    ) {
+        (
+            Vec::new(),
+            Some((self.stable_ptr(), self.bytes_init())),
+            self.memory_type(),
+        )
+    }
+}
+
+impl<B: IoBuf> AmPayloadBufs for Vec<B> {
+    fn describe(
+        &self,
+    ) -> (
+        Vec<sys::ucp_dt_iov_t>,
+        Option<(*const u8, usize)>,
+        crate::MemoryType,
+    ) {
+        let iov = self
+            .iter()
+            .map(|b| sys::ucp_dt_iov_t {
+                buffer: b.stable_ptr() as *mut c_void,
+                length: b.bytes_init() as sys::size_t,
+            })
+            .collect();
+        let mt = self
+            .first()
+            .map(|b| b.memory_type())
+            .unwrap_or(crate::MemoryType::Host);
+        (iov, None, mt)
+    }
+}
+
+/// Future of [`Endpoint::am_send`] and [`Endpoint::am_send_iov`].
+pub struct AmSend<B: AmPayloadBufs> {
+    ep: Rc<EpInner>,
+    id: AmIdRaw,
+    header: Vec<u8>,
+    proto: AmProto,
+    bufs: Option<B>,
+    flight: Option<InFlight>,
+}
+
+impl<B: AmPayloadBufs> Future for AmSend<B> {
+    type Output = (Result<()>, B);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if this.flight.is_none() {
+            let Some(bufs) = this.bufs.as_ref() else {
+                return Poll::Pending;
+            };
+            if let Err(e) = this.ep.usable() {
+                let b = this
+                    .bufs
+                    .take()
+                    .expect("buffers present until the future resolves");
+                return Poll::Ready((Err(e), b));
+            }
+            let (iov, contig, mt) = bufs.describe();
+            let flags = match this.proto {
+                AmProto::Auto => 0,
+                AmProto::Eager => ffi::UCP_AM_SEND_FLAG_EAGER,
+                AmProto::Rendezvous => ffi::UCP_AM_SEND_FLAG_RNDV,
+            };
+            let (datatype, count) = match contig {
+                Some((_, len)) => (ffi::UCP_DATATYPE_CONTIG_BYTES, len),
+                None => (ffi::UCP_DATATYPE_IOV, iov.len()),
+            };
+            let extra = ParamExtra {
+                flags: Some(flags),
+                datatype: Some(datatype),
+                memory_type: Some(mt),
+            };
+            // The header and the iovec array live in the request state until completion.
+            let hdr_len = this.header.len();
+            let keep = Keep {
+                header: std::mem::take(&mut this.header),
+                iov,
+            };
+            let ep = this.ep.handle.get();
+            let id = this.id as std::ffi::c_uint;
+            let posted =
+                request::post(&this.ep.worker, CbKind::Send, extra, keep, |param, keep| {
+                    let hdr = if hdr_len == 0 {
+                        ptr::null()
+                    } else {
+                        keep.header.as_ptr()
+                    };
+                    let buffer = match contig {
+                        Some((p, _)) => p.cast::<c_void>(),
+                        None => keep.iov.as_ptr().cast::<c_void>(),
+                    };
+                    // SAFETY: ucp.h (`ucp_am_send_nbx`): live endpoint (held by `this.ep`);
+                    // `hdr` is `hdr_len` bytes and `buffer` the payload (contiguous bytes or an
+                    // iovec array), all owned by the request state or this future until the
+                    // request completes, or parked with the worker if the future is dropped.
+                    unsafe {
+                        sys::ucp_am_send_nbx(
+                            ep,
+                            id,
+                            hdr.cast(),
+                            hdr_len as sys::size_t,
+                            buffer,
+                            count as sys::size_t,
+                            param,
+                        )
+                    }
+                });
+            match posted {
+                Posted::Now(c) => {
+                    let b = this
+                        .bufs
+                        .take()
+                        .expect("buffers present until the future resolves");
+                    return Poll::Ready((c.result(), b));
+                }
+                Posted::Later(f) => this.flight = Some(f),
+            }
+        }
+        let Some(f) = this.flight.as_mut() else {
+            return Poll::Pending;
+        };
+        match f.poll(cx) {
+            Poll::Ready(c) => {
+                this.flight = None;
+                let b = this
+                    .bufs
+                    .take()
+                    .expect("buffers present until the future resolves");
+                Poll::Ready((c.result(), b))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<B: AmPayloadBufs> Drop for AmSend<B> {
+    fn drop(&mut self) {
+        if let Some(mut f) = self.flight.take() {
+            if let Some(b) = self.bufs.take() {
+                f.park(Box::new(b));
+            }
+        }
+    }
+}

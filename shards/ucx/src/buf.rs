@@ -1,0 +1,231 @@
+//! Memory that UCX may read or write while an operation is in flight.
+//!
+//! Operations take their buffers by value and hand them back with the result, so a buffer can
+//! never be freed, moved out of or touched by Rust code while UCX uses it. Dropping an
+//! operation's future parks the buffer with the worker until UCX reports completion.
+//!
+//! The traits are `unsafe` to implement: UCX is handed a raw pointer at the start of an
+//! operation and uses it until the operation completes, while the Rust value holding the
+//! buffer may be moved around (into a future, into the worker's parking lot). Only types whose
+//! bytes live on the heap, at an address that does not change when the value moves, qualify.
+//! Other crates of shardcx forbid unsafe code, so every buffer type lives here.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use crate::rma::MemHandle;
+
+/// Where a buffer's bytes live, as UCX's `ucs_memory_type_t` sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemoryType {
+    /// Ordinary host memory.
+    Host,
+    /// CUDA device memory.
+    Cuda,
+}
+
+/// A buffer UCX may read from for the whole life of an operation.
+///
+/// # Safety
+///
+/// Implementors promise that:
+/// - `stable_ptr()` points to `bytes_init()` readable bytes (it may dangle only when
+///   `bytes_init()` is 0), of the memory type `memory_type()`;
+/// - the pointer and length stay valid and unchanged while the value is moved, until the value
+///   is dropped or mutably borrowed (the bytes live on the heap or in static memory);
+/// - nothing else writes those bytes while the value is owned by an operation.
+pub unsafe trait IoBuf: Unpin + 'static {
+    /// Address of the first byte.
+    fn stable_ptr(&self) -> *const u8;
+    /// Number of bytes UCX may read.
+    fn bytes_init(&self) -> usize;
+    /// Where the bytes live.
+    fn memory_type(&self) -> MemoryType {
+        MemoryType::Host
+    }
+    /// The UCX memory registration covering these bytes, when there is one.
+    fn mem_handle(&self) -> Option<&MemHandle> {
+        None
+    }
+}
+
+/// A buffer UCX may write into for the whole life of an operation.
+///
+/// # Safety
+///
+/// As for [`IoBuf`], and in addition `stable_mut_ptr()` points to `bytes_total()` writable bytes
+/// that no Rust reference aliases while an operation owns the value.
+pub unsafe trait IoBufMut: IoBuf {
+    /// Address of the first writable byte.
+    fn stable_mut_ptr(&mut self) -> *mut u8;
+    /// Number of bytes UCX may write.
+    fn bytes_total(&self) -> usize;
+}
+
+// SAFETY: a Vec's bytes live on the heap (or dangle when the length is zero); moving the Vec
+// moves only its (ptr, len, capacity) triple, so the pointer stays valid until the Vec is
+// dropped or mutated, which the owning operation prevents.
+unsafe impl IoBuf for Vec<u8> {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: as for `IoBuf`; the writable region is `[0, len)`, which is initialised memory
+// owned by the Vec. To receive into a Vec, size it first (`vec![0; n]`).
+unsafe impl IoBufMut for Vec<u8> {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+    fn bytes_total(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: a boxed slice's bytes live on the heap; moving the box does not move them.
+unsafe impl IoBuf for Box<[u8]> {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: as above; the whole slice is initialised and writable.
+unsafe impl IoBufMut for Box<[u8]> {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+    fn bytes_total(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: static bytes never move and are never freed; they are immutable, so nothing writes
+// them.
+unsafe impl IoBuf for &'static [u8] {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A zeroed heap buffer with a chosen alignment (cache line, page), for transfers that want
+/// aligned memory.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    layout: Layout,
+}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes aligned to `align` (a power of two).
+    pub fn zeroed(len: usize, align: usize) -> crate::Result<Self> {
+        let layout = Layout::from_size_align(len.max(1), align)
+            .map_err(|_| crate::Error::InvalidArgument("alignment must be a power of two"))?;
+        // SAFETY: `layout` has a non-zero size (`len.max(1)`), as `alloc_zeroed` requires.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(crate::Error::NoMemory)?;
+        Ok(Self { ptr, len, layout })
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised (zeroed, then written) bytes we own.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The alignment the buffer was allocated with.
+    pub fn align(&self) -> usize {
+        self.layout.align()
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `alloc_zeroed` with exactly this layout and is freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .field("align", &self.layout.align())
+            .finish()
+    }
+}
+
+// SAFETY: `AlignedBuf` owns a heap allocation that it frees only on drop; no other handle to it
+// exists, so sending it to another thread moves sole ownership.
+unsafe impl Send for AlignedBuf {}
+
+// SAFETY: the heap bytes do not move when the `AlignedBuf` value moves.
+unsafe impl IoBuf for AlignedBuf {
+    fn stable_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: as above; all `len` bytes are initialised and exclusively owned.
+unsafe impl IoBufMut for AlignedBuf {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn bytes_total(&self) -> usize {
+        self.len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_buffers_are_aligned_and_zeroed() {
+        let mut b = AlignedBuf::zeroed(1000, 4096).expect("alloc");
+        assert_eq!(b.stable_ptr() as usize % 4096, 0);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        b.as_mut_slice()[999] = 7;
+        assert_eq!(b.as_slice()[999], 7);
+        assert!(AlignedBuf::zeroed(10, 3).is_err());
+        let empty = AlignedBuf::zeroed(0, 64).expect("alloc");
+        assert!(empty.is_empty());
+    }
+
+    #[test]
+    fn vec_pointer_survives_moves() {
+        let v = vec![1u8; 100];
+        let p = v.stable_ptr();
+        let boxed: Box<dyn std::any::Any> = Box::new(v);
+        let v = boxed.downcast::<Vec<u8>>().expect("vec");
+        assert_eq!(v.stable_ptr(), p);
+    }
+}

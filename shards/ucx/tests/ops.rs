@@ -1,0 +1,308 @@
+//! Tier 2: two workers in one process, over shared memory and over TCP on loopback.
+
+mod common;
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::task::Poll;
+
+use common::{pair, pattern, transports, Pair};
+use shardcx_ucx::{AlignedBuf, AmPayload, AmProto, Error, MemHandle, RemoteKey, Worker};
+
+type Inbox = Rc<RefCell<VecDeque<(Vec<u8>, AmPayload)>>>;
+
+fn inbox(worker: &Worker, id: u16) -> Inbox {
+    let q: Inbox = Rc::default();
+    let q2 = q.clone();
+    worker
+        .set_am_handler(id, move |hdr, payload| {
+            q2.borrow_mut().push_back((hdr.to_vec(), payload))
+        })
+        .expect("handler");
+    q
+}
+
+/// Wait for the next message in `q`, pulling rendezvous data into a fresh buffer.
+async fn next_message(worker: &Worker, q: &Inbox) -> (Vec<u8>, Vec<u8>, bool) {
+    let (hdr, payload) = poll_fn(|cx| match q.borrow_mut().pop_front() {
+        Some(m) => Poll::Ready(m),
+        None => {
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await;
+    match payload {
+        AmPayload::Data(d) => (hdr, d.into_vec(), false),
+        AmPayload::Rendezvous(r) => {
+            let len = r.len();
+            let (res, buf) = worker.am_recv_data(r, vec![0u8; len]).await;
+            assert_eq!(res.expect("rndv receive"), len);
+            (hdr, buf, true)
+        }
+    }
+}
+
+fn am_round_trip(p: &Pair, size: usize, proto: AmProto) -> bool {
+    let qa = inbox(&p.a, 7);
+    let qb = inbox(&p.b, 7);
+    let payload = pattern(size, 3);
+    let header = (size as u64).to_le_bytes();
+    p.run(async {
+        // A rendezvous send completes only once the receiver has pulled the data: run both.
+        let send = p.ab.am_send(7, &header, payload.clone(), proto);
+        let ((res, sent), (hdr, data, rndv_b)) = join(send, next_message(&p.b, &qb)).await;
+        res.expect("send a->b");
+        assert_eq!(sent, payload, "buffer handed back intact");
+        assert_eq!(hdr, header);
+        assert_eq!(data.len(), size);
+        assert!(data == payload, "content a->b, {size} bytes");
+        let send = p.ba.am_send(7, &hdr, data, proto);
+        let ((res, _), (hdr, data, _)) = join(send, next_message(&p.a, &qa)).await;
+        res.expect("send b->a");
+        assert_eq!(hdr, header);
+        assert!(data == payload, "content b->a, {size} bytes");
+        rndv_b
+    })
+}
+
+const SIZES: &[usize] = &[0, 1, 8, 4096, 64 << 10, 1 << 20, 16 << 20];
+
+#[test]
+fn am_round_trips_all_sizes() {
+    for tls in transports() {
+        let p = pair(tls);
+        for &size in SIZES {
+            am_round_trip(&p, size, AmProto::Auto);
+        }
+    }
+}
+
+#[test]
+fn am_forced_rendezvous_lands_in_handler_chosen_buffer() {
+    for tls in transports() {
+        let p = pair(tls);
+        for &size in &[1usize, 4096, 1 << 20] {
+            let rndv = am_round_trip(&p, size, AmProto::Rendezvous);
+            assert!(
+                rndv,
+                "{tls}: {size} B with forced rendezvous must arrive as rendezvous"
+            );
+        }
+        // Forced eager arrives as data, never rendezvous.
+        assert!(!am_round_trip(&p, 4096, AmProto::Eager));
+    }
+}
+
+#[test]
+fn am_rendezvous_into_aligned_buffer_and_iov_send() {
+    for tls in transports() {
+        let p = pair(tls);
+        let q = inbox(&p.b, 9);
+        let parts = vec![pattern(1000, 1), pattern(5000, 2), pattern(70_000, 3)];
+        let whole: Vec<u8> = parts.concat();
+        p.run(async {
+            let send =
+                p.ab.am_send_iov(9, b"iov", parts.clone(), AmProto::Rendezvous);
+            let recv = async {
+                let (hdr, payload) = poll_fn(|cx| match q.borrow_mut().pop_front() {
+                    Some(m) => Poll::Ready(m),
+                    None => {
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                })
+                .await;
+                assert_eq!(hdr, b"iov");
+                let AmPayload::Rendezvous(r) = payload else {
+                    panic!("expected rendezvous")
+                };
+                let buf = AlignedBuf::zeroed(r.len(), 4096).expect("aligned");
+                let (res, buf) = p.b.am_recv_data(r, buf).await;
+                assert_eq!(res.expect("pull"), whole.len());
+                assert!(buf.as_slice() == &whole[..]);
+            };
+            let ((res, back), ()) = join(send, recv).await;
+            res.expect("iov send");
+            assert_eq!(back, parts);
+        });
+    }
+}
+
+#[test]
+fn am_rendezvous_into_too_small_buffer_is_refused_and_sender_completes() {
+    let p = pair("tcp");
+    let q = inbox(&p.b, 3);
+    p.run(async {
+        let send =
+            p.ab.am_send(3, b"", pattern(100_000, 1), AmProto::Rendezvous);
+        let recv = async {
+            let (_, payload) = poll_fn(|cx| match q.borrow_mut().pop_front() {
+                Some(m) => Poll::Ready(m),
+                None => {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+            })
+            .await;
+            let AmPayload::Rendezvous(r) = payload else {
+                panic!("expected rendezvous")
+            };
+            let (res, _) = p.b.am_recv_data(r, vec![0u8; 10]).await;
+            assert_eq!(res, Err(Error::MessageTruncated));
+        };
+        let ((res, _), ()) = join(send, recv).await;
+        // Declining the data completes the sender's operation.
+        res.expect("sender completes after the receiver declines");
+    });
+}
+
+#[test]
+fn handler_dropping_data_inside_the_callback_is_fine() {
+    for tls in transports() {
+        let p = pair(tls);
+        let seen = Rc::new(RefCell::new(Vec::new()));
+        let s2 = seen.clone();
+        p.b.set_am_handler(5, move |_h, payload| {
+            let n = match &payload {
+                AmPayload::Data(d) => d.len(),
+                AmPayload::Rendezvous(r) => r.len(),
+            };
+            s2.borrow_mut().push(n);
+            drop(payload);
+        })
+        .expect("handler");
+        p.run(async {
+            // Dropping rendezvous data in the handler declines it, which completes the send.
+            for &size in &[8usize, 64 << 10, 1 << 20] {
+                let (res, _) = p.ab.am_send(5, b"x", pattern(size, 0), AmProto::Auto).await;
+                res.expect("send");
+            }
+            poll_fn(|cx| {
+                if seen.borrow().len() == 3 {
+                    Poll::Ready(())
+                } else {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+            })
+            .await;
+        });
+        assert_eq!(*seen.borrow(), vec![8, 64 << 10, 1 << 20]);
+    }
+}
+
+#[test]
+fn tag_matching_with_masks_and_early_arrivals() {
+    for tls in transports() {
+        let p = pair(tls);
+        p.run(async {
+            // Sent before any receive is posted: matched from the unexpected queue.
+            for i in 0..4u64 {
+                let (res, _) =
+                    p.ab.tag_send(0xAB00 | i, pattern(100 + i as usize, i as u8))
+                        .await;
+                res.expect("early send");
+            }
+            p.b.flush().await.expect("flush");
+            // Exact match picks the right one regardless of order.
+            let (res, buf) = p.b.tag_recv(0xAB02, u64::MAX, vec![0u8; 4096]).await;
+            let info = res.expect("exact");
+            assert_eq!(info.sender_tag, 0xAB02);
+            assert_eq!(&buf[..info.len], &pattern(102, 2)[..]);
+            // Masked match: any tag 0xAB??, in send order.
+            let mut got = Vec::new();
+            for _ in 0..3 {
+                let (res, buf) = p.b.tag_recv(0xAB00, 0xFF00, vec![0u8; 4096]).await;
+                let info = res.expect("masked");
+                let i = info.sender_tag & 0xFF;
+                assert_eq!(&buf[..info.len], &pattern(100 + i as usize, i as u8)[..]);
+                got.push(i);
+            }
+            assert_eq!(got, vec![0, 1, 3]);
+            // Posted before the send: completes when it arrives, large enough for rendezvous.
+            let recv = p.b.tag_recv(0x5000_0000, 0xF000_0000, vec![0u8; 1 << 20]);
+            let send = p.ab.tag_send(0x5123_4567, pattern(1 << 20, 9));
+            let ((rres, rbuf), (sres, _)) = join(recv, send).await;
+            sres.expect("send");
+            let info = rres.expect("recv");
+            assert_eq!(info.sender_tag, 0x5123_4567);
+            assert!(rbuf == pattern(1 << 20, 9));
+            // A message larger than the buffer is truncated: a typed error.
+            let recv = p.b.tag_recv(77, u64::MAX, vec![0u8; 16]);
+            let send = p.ab.tag_send(77, pattern(64, 1));
+            let ((rres, _), (sres, _)) = join(recv, send).await;
+            let _ = sres;
+            assert_eq!(rres, Err(Error::MessageTruncated));
+        });
+    }
+}
+
+#[test]
+fn put_get_and_flush_including_zero_length() {
+    for tls in transports() {
+        let p = pair(tls);
+        // The region is mapped on b's context; a writes and reads it through the rkey.
+        let region = MemHandle::allocate(&p.b_context, 1 << 20).expect("alloc");
+        region.write_at(0, &vec![0xEE; 1 << 20]).expect("fill");
+        let rkey = RemoteKey::unpack(&p.ab, &region.pack_rkey().expect("pack")).expect("unpack");
+        let base = region.address();
+        p.run(async {
+            let data = pattern(300_000, 4);
+            let (res, back) = p.ab.put(data.clone(), base + 1000, &rkey).await;
+            res.expect("put");
+            assert_eq!(back, data);
+            p.ab.flush().await.expect("flush");
+            let mut check = vec![0u8; 300_000];
+            region.read_at(1000, &mut check).expect("read");
+            assert!(check == data, "put landed");
+            let mut before = [0u8; 1];
+            region.read_at(999, &mut before).expect("read");
+            assert_eq!(before, [0xEE], "nothing written before the target range");
+
+            let (res, got) = p.ab.get(vec![0u8; 300_000], base + 1000, &rkey).await;
+            res.expect("get");
+            assert!(got == data, "get read back");
+
+            // Zero-length operations complete and change nothing.
+            let (res, _) = p.ab.put(Vec::new(), base, &rkey).await;
+            res.expect("zero put");
+            let (res, got) = p.ab.get(Vec::new(), base, &rkey).await;
+            res.expect("zero get");
+            assert!(got.is_empty());
+            p.ab.flush().await.expect("flush");
+            p.a.flush().await.expect("worker flush");
+        });
+    }
+}
+
+/// Poll two futures to completion concurrently.
+async fn join<A: std::future::Future, B: std::future::Future>(
+    a: A,
+    b: B,
+) -> (A::Output, B::Output) {
+    let mut a = std::pin::pin!(a);
+    let mut b = std::pin::pin!(b);
+    let mut ra = None;
+    let mut rb = None;
+    poll_fn(|cx| {
+        if ra.is_none() {
+            if let Poll::Ready(v) = a.as_mut().poll(cx) {
+                ra = Some(v);
+            }
+        }
+        if rb.is_none() {
+            if let Poll::Ready(v) = b.as_mut().poll(cx) {
+                rb = Some(v);
+            }
+        }
+        if ra.is_some() && rb.is_some() {
+            Poll::Ready((ra.take().expect("a"), rb.take().expect("b")))
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
+}
