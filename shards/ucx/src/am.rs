@@ -117,10 +117,11 @@ unsafe extern "C" fn am_recv(
             // The worker is being torn down (its strong count is already zero): take nothing.
             return status::UCS_OK;
         }
-        // SAFETY: ucp_def.h (`ucp_am_recv_callback_t`): `param` is valid during the callback.
         let attr = if param.is_null() {
             0
         } else {
+            // SAFETY: ucp_def.h (`ucp_am_recv_callback_t`): `param` is valid during the
+            // callback.
             unsafe { (*param).recv_attr }
         };
         let header = if header.is_null() || header_length == 0 {

@@ -62,8 +62,10 @@ pub(crate) struct EpInner {
 
 /// A UCP endpoint (`ucp_ep_h`). `!Send`, `!Sync`: it belongs to its worker's thread.
 ///
-/// Dropping an endpoint closes it in flush mode (force mode if it has failed); the close
-/// completes in the background as the worker progresses.
+/// Dropping an endpoint closes it in force mode when its error mode is [`ErrorMode::Peer`]
+/// (operations still in flight are cancelled, their buffers released when UCX reports it) and
+/// in flush mode otherwise (UCX forbids force mode there); the close completes in the
+/// background as the worker progresses. For an orderly end, `close(CloseMode::Flush).await`.
 pub struct Endpoint {
     pub(crate) inner: Rc<EpInner>,
 }
@@ -348,7 +350,10 @@ impl EpInner {
 
 impl Drop for EpInner {
     fn drop(&mut self) {
-        let Some(res) = self.start_close(CloseMode::Flush) else {
+        // Dropping is abrupt where UCX allows it (error mode PEER): outstanding operations are
+        // cancelled rather than waited for, so teardown never depends on the peer. Call
+        // `Endpoint::close(CloseMode::Flush)` to deliver them first.
+        let Some(res) = self.start_close(CloseMode::Force) else {
             return;
         };
         if let Ok(Some(mut flight)) = res {

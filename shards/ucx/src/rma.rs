@@ -235,9 +235,13 @@ impl RemoteKey {
     /// Unpack a peer's packed key on the endpoint to that peer.
     pub fn unpack(ep: &Endpoint, packed: &PackedRkey) -> Result<Self> {
         ep.inner.usable()?;
-        if packed.bytes.is_empty() {
-            return Err(Error::InvalidArgument("empty remote key"));
-        }
+        check_packed_rkey(&packed.bytes)?;
+        // `ucp_ep_rkey_unpack` takes no length: it trusts the sizes inside the key. The layout
+        // was checked above; the copy adds zeroed slack so that even a newer UCX reading
+        // trailing fields stays inside our allocation.
+        let mut padded = Vec::with_capacity(packed.bytes.len() + RKEY_SLACK);
+        padded.extend_from_slice(&packed.bytes);
+        padded.resize(packed.bytes.len() + RKEY_SLACK, 0);
         let mut rkey = ptr::null_mut();
         // SAFETY: ucp.h (`ucp_ep_rkey_unpack`): live endpoint; the buffer holds a key packed by
         // `ucp_rkey_pack` (UCX validates its content); on success a key to destroy with
@@ -259,6 +263,34 @@ impl RemoteKey {
             }),
         })
     }
+}
+
+/// Zeroed bytes appended to a packed key before UCX parses it.
+const RKEY_SLACK: usize = 256;
+
+/// Check the layout of a packed key as UCX (1.12 and later) writes it (`ucp_rkey_pack_uct`,
+/// `ucp_rkey_dump_packed` in ucp_rkey.c): a 64-bit little-endian map of memory domains, a
+/// memory-type byte, then for each bit of the map a size byte and that many bytes; newer
+/// releases may append device information. UCX itself checks none of this, so a short or
+/// corrupt key from the network would make it read past the buffer.
+fn check_packed_rkey(bytes: &[u8]) -> Result<()> {
+    const BAD: Error = Error::InvalidArgument("malformed remote key");
+    let map: [u8; 8] = bytes.get(..8).and_then(|b| b.try_into().ok()).ok_or(BAD)?;
+    let md_map = u64::from_le_bytes(map);
+    let mem_type = *bytes.get(8).ok_or(BAD)?;
+    // `UCS_MEMORY_TYPE_LAST` is 5 in UCX 1.12; UCX indexes tables with this byte.
+    if mem_type >= 5 {
+        return Err(BAD);
+    }
+    let mut at = 9usize;
+    for _ in 0..md_map.count_ones() {
+        let size = *bytes.get(at).ok_or(BAD)? as usize;
+        at = at.checked_add(1 + size).ok_or(BAD)?;
+        if at > bytes.len() {
+            return Err(BAD);
+        }
+    }
+    Ok(())
 }
 
 impl Drop for RkeyInner {

@@ -37,7 +37,7 @@ impl Endpoint {
 impl Worker {
     /// Receive into `buf` the first message whose tag `t` satisfies `t & mask == tag & mask`,
     /// from any endpoint of this worker. Messages that arrived earlier are matched at once.
-    /// A message longer than `buf` fails with [`Error::MessageTruncated`].
+    /// A message longer than `buf` fails with [`crate::Error::MessageTruncated`].
     pub fn tag_recv<B: IoBufMut>(&self, tag: u64, mask: u64, buf: B) -> TagRecv<B> {
         TagRecv {
             worker: self.inner.clone(),

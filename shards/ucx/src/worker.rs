@@ -25,7 +25,9 @@ const TEARDOWN_BUDGET: Duration = Duration::from_secs(2);
 pub(crate) struct WorkerInner {
     pub(crate) handle: sys::ucp_worker_h,
     pub(crate) orphans: Rc<Orphans>,
-    /// Active-message handler slots; boxed so their addresses (UCX's `arg`) never move.
+    /// Active-message handler slots; boxed so their addresses (UCX's `arg`) never move when
+    /// the vector grows.
+    #[allow(clippy::vec_box)] // the box is the point: a stable address per slot
     pub(crate) am_slots: RefCell<Vec<Box<AmSlot>>>,
     /// The AM descriptor whose handler is running now, and whether the handler released it.
     pub(crate) am_cb_desc: Cell<*mut c_void>,

@@ -14,14 +14,14 @@ pub(crate) fn transports() -> Vec<&'static str> {
 }
 
 pub(crate) struct Pair {
-    pub a_context: Context,
-    pub b_context: Context,
-    pub a: Worker,
-    pub b: Worker,
+    pub(crate) a_context: Context,
+    pub(crate) b_context: Context,
+    pub(crate) a: Worker,
+    pub(crate) b: Worker,
     /// Endpoint on `a` to `b`.
-    pub ab: Endpoint,
+    pub(crate) ab: Endpoint,
     /// Endpoint on `b` to `a`.
-    pub ba: Endpoint,
+    pub(crate) ba: Endpoint,
 }
 
 pub(crate) fn context(tls: &str, features: Features) -> Context {
@@ -68,12 +68,12 @@ pub(crate) fn pair(tls: &str) -> Pair {
 }
 
 impl Pair {
-    pub fn run<F: std::future::Future>(&self, fut: F) -> F::Output {
+    pub(crate) fn run<F: std::future::Future>(&self, fut: F) -> F::Output {
         block_on(&[&self.a, &self.b], fut)
     }
 
     /// Progress both workers for a while (lets background completions happen).
-    pub fn spin(&self, rounds: usize) {
+    pub(crate) fn spin(&self, rounds: usize) {
         for _ in 0..rounds {
             self.a.progress();
             self.b.progress();
