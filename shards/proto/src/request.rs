@@ -1,0 +1,632 @@
+//! Request tracking: deadlines, at-most-once deduplication and credit-based flow control.
+//!
+//! * [`PendingTable`] — the client side of requests: one entry per request in flight, with a
+//!   deadline. Completion, cancellation and expiry race; exactly one of them gets the entry.
+//! * [`DedupWindow`] — the server side of at-most-once RPC: remembers which
+//!   `(node, incarnation, request)` it has seen, bounded by count and age.
+//! * [`CreditWindow`] — per-peer flow control: bytes in flight never exceed the window.
+//!
+//! All three follow the crate's sans-IO pattern: time is passed in, expiry is pulled with
+//! `poll_*`, and [`PendingTable::poll_timeout`] says when to come back.
+
+use crate::ids::{Incarnation, NodeId, ReqId};
+use crate::time::Timestamp;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::time::Duration;
+use thiserror::Error;
+
+/// Requests in flight, keyed by [`ReqId`], each with a deadline.
+///
+/// # Exactly one completion
+///
+/// An entry leaves the table exactly once, through whichever of [`PendingTable::complete`],
+/// [`PendingTable::cancel`], [`PendingTable::poll_expired`] or [`PendingTable::drain`] reaches it
+/// first; that call returns `Some(value)` and every later one returns `None`. Ids are allocated
+/// sequentially from 1 and never reused, so a late response cannot complete a newer request.
+///
+/// # Deadlines
+///
+/// A deadline of [`Timestamp::MAX`] (what `now + Duration::MAX` saturates to) never expires and
+/// costs no timer entry. An entry whose deadline is at or before `now` expires on the next
+/// [`PendingTable::poll_expired`].
+///
+/// # Calling order
+///
+/// Insert with [`PendingTable::insert`]; on each response or cancellation call
+/// [`PendingTable::complete`] / [`PendingTable::cancel`]; when the time from
+/// [`PendingTable::poll_timeout`] is reached, call [`PendingTable::poll_expired`] until it returns
+/// `None`.
+#[derive(Clone, Debug)]
+pub struct PendingTable<T> {
+    entries: HashMap<ReqId, (Timestamp, T)>,
+    /// Min-heap of finite deadlines; entries already gone are skipped lazily.
+    timers: BinaryHeap<Reverse<(Timestamp, ReqId)>>,
+    next_id: u64,
+}
+
+/// What the dedup window says about a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DedupVerdict<'a, R> {
+    /// Never seen: it is now recorded as in progress; execute it.
+    Fresh,
+    /// Seen and still executing: drop this copy.
+    InProgress,
+    /// Seen and finished: resend the cached reply, do not execute again.
+    Done(&'a R),
+    /// Too old to tell (from an older incarnation, or below the window's floor after eviction):
+    /// refuse it without executing, since it may already have run.
+    TooOld,
+}
+
+/// The key of a request in the dedup window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DedupKey {
+    /// Sending node.
+    pub node: NodeId,
+    /// Its incarnation.
+    pub incarnation: Incarnation,
+    /// The request.
+    pub req_id: ReqId,
+}
+
+#[derive(Clone, Debug)]
+enum DedupState<R> {
+    InProgress,
+    Done(R),
+}
+
+/// At-most-once bookkeeping for incoming requests, bounded by count and age.
+///
+/// Requests are keyed by [`DedupKey`]. An entry stays for at most `max_age` after it arrived and
+/// the window holds at most `max_entries`; the oldest go first. To stay at-most-once after
+/// forgetting, the window keeps for each node the newest incarnation seen and a *floor*: the
+/// largest request id it has evicted for that incarnation. A request at or below the floor, or
+/// from an older incarnation, is [`DedupVerdict::TooOld`]: it may have run, so it is refused.
+/// This relies on each sender allocating request ids in increasing order (as [`PendingTable`]
+/// does); a fresh request delayed past the window is refused too, which is the safe direction.
+/// The per-node table grows with the number of distinct peer nodes, not with traffic.
+#[derive(Clone, Debug)]
+pub struct DedupWindow<R> {
+    max_entries: usize,
+    max_age: Duration,
+    entries: HashMap<DedupKey, DedupState<R>>,
+    order: VecDeque<(Timestamp, DedupKey)>,
+    floors: HashMap<NodeId, (Incarnation, ReqId)>,
+    evicted: u64,
+}
+
+/// Credit-based flow control for one peer.
+///
+/// `try_acquire(n)` succeeds only if `in_flight + n <= window`, so bytes in flight never exceed
+/// the window. A single message larger than the whole window is refused with
+/// [`CreditError::LargerThanWindow`] rather than let through: size the window at least as large
+/// as the maximum message size. Credits are returned with [`CreditWindow::release`] when the
+/// operation completes (response, error, cancellation or expiry).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CreditWindow {
+    window: u64,
+    in_flight: u64,
+    high_water: u64,
+}
+
+/// Flow-control errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum CreditError {
+    /// Not enough credit now; retry after some completes.
+    #[error("{wanted} bytes wanted, {available} of {window} available")]
+    Exhausted {
+        /// Bytes requested.
+        wanted: u64,
+        /// Bytes available now.
+        available: u64,
+        /// The window.
+        window: u64,
+    },
+    /// The message can never fit.
+    #[error("{wanted} bytes exceed the whole window of {window}")]
+    LargerThanWindow {
+        /// Bytes requested.
+        wanted: u64,
+        /// The window.
+        window: u64,
+    },
+    /// More released than was in flight (a bookkeeping bug in the caller).
+    #[error("released {released} bytes with only {in_flight} in flight")]
+    OverRelease {
+        /// Bytes released.
+        released: u64,
+        /// Bytes that were in flight.
+        in_flight: u64,
+    },
+}
+
+impl<T> PendingTable<T> {
+    /// An empty table.
+    pub fn new() -> PendingTable<T> {
+        PendingTable {
+            entries: HashMap::new(),
+            timers: BinaryHeap::new(),
+            next_id: 1,
+        }
+    }
+
+    /// Records a request due by `deadline` and returns its fresh id.
+    pub fn insert(&mut self, deadline: Timestamp, value: T) -> ReqId {
+        let id = ReqId::new(self.next_id);
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        self.entries.insert(id, (deadline, value));
+        if !deadline.is_never() {
+            self.timers.push(Reverse((deadline, id)));
+        }
+        self.compact();
+        id
+    }
+
+    /// Records a request due `timeout` after `now` (saturating: `Duration::MAX` never expires).
+    pub fn insert_with_timeout(&mut self, now: Timestamp, timeout: Duration, value: T) -> ReqId {
+        self.insert(now.saturating_add(timeout), value)
+    }
+
+    /// The response arrived: returns the entry if it was still pending.
+    pub fn complete(&mut self, id: ReqId) -> Option<T> {
+        self.entries.remove(&id).map(|(_, v)| v)
+    }
+
+    /// The caller gave up: returns the entry if it was still pending.
+    pub fn cancel(&mut self, id: ReqId) -> Option<T> {
+        self.complete(id)
+    }
+
+    /// The deadline of a pending request.
+    pub fn deadline(&self, id: ReqId) -> Option<Timestamp> {
+        self.entries.get(&id).map(|(d, _)| *d)
+    }
+
+    /// Whether `id` is pending.
+    pub fn contains(&self, id: ReqId) -> bool {
+        self.entries.contains_key(&id)
+    }
+
+    /// The pending value for `id`.
+    pub fn get(&self, id: ReqId) -> Option<&T> {
+        self.entries.get(&id).map(|(_, v)| v)
+    }
+
+    /// The pending value for `id`, mutably (the deadline cannot be changed).
+    pub fn get_mut(&mut self, id: ReqId) -> Option<&mut T> {
+        self.entries.get_mut(&id).map(|(_, v)| v)
+    }
+
+    /// Every pending request, in arbitrary order.
+    pub fn iter(&self) -> impl Iterator<Item = (ReqId, &T)> + '_ {
+        self.entries.iter().map(|(id, (_, v))| (*id, v))
+    }
+
+    /// Requests pending.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is pending.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The next request whose deadline is at or before `now`, removed from the table.
+    pub fn poll_expired(&mut self, now: Timestamp) -> Option<(ReqId, T)> {
+        while let Some(Reverse((deadline, id))) = self.timers.peek().copied() {
+            if deadline > now {
+                return None;
+            }
+            self.timers.pop();
+            if self.entries.get(&id).is_some_and(|(d, _)| *d == deadline) {
+                if let Some((_, v)) = self.entries.remove(&id) {
+                    return Some((id, v));
+                }
+            }
+        }
+        None
+    }
+
+    /// The earliest deadline still pending, if any is finite.
+    pub fn poll_timeout(&mut self) -> Option<Timestamp> {
+        while let Some(Reverse((deadline, id))) = self.timers.peek().copied() {
+            if self.entries.contains_key(&id) {
+                return Some(deadline);
+            }
+            self.timers.pop();
+        }
+        None
+    }
+
+    /// Removes and returns every pending request (e.g. when the connection failed), in id order.
+    pub fn drain(&mut self) -> Vec<(ReqId, T)> {
+        self.timers.clear();
+        let mut all: Vec<(ReqId, T)> = self.entries.drain().map(|(id, (_, v))| (id, v)).collect();
+        all.sort_by_key(|(id, _)| *id);
+        all
+    }
+
+    /// Removes and returns the pending requests for which `pred` holds, in id order.
+    pub fn drain_where(&mut self, mut pred: impl FnMut(ReqId, &T) -> bool) -> Vec<(ReqId, T)> {
+        let ids: Vec<ReqId> = self
+            .entries
+            .iter()
+            .filter(|(id, (_, v))| pred(**id, v))
+            .map(|(id, _)| *id)
+            .collect();
+        let mut out: Vec<(ReqId, T)> = ids
+            .into_iter()
+            .filter_map(|id| self.entries.remove(&id).map(|(_, v)| (id, v)))
+            .collect();
+        out.sort_by_key(|(id, _)| *id);
+        self.compact();
+        out
+    }
+
+    /// Keeps the lazy timer heap within a constant factor of the live entries.
+    fn compact(&mut self) {
+        if self.timers.len() > 64 && self.timers.len() > 2 * self.entries.len() {
+            let entries = &self.entries;
+            self.timers
+                .retain(|Reverse((_, id))| entries.contains_key(id));
+        }
+    }
+}
+
+impl<T> Default for PendingTable<T> {
+    fn default() -> PendingTable<T> {
+        PendingTable::new()
+    }
+}
+
+impl<R> DedupWindow<R> {
+    /// A window holding at most `max_entries` requests (at least 1) for at most `max_age` each.
+    pub fn new(max_entries: usize, max_age: Duration) -> DedupWindow<R> {
+        DedupWindow {
+            max_entries: max_entries.max(1),
+            max_age,
+            entries: HashMap::new(),
+            order: VecDeque::new(),
+            floors: HashMap::new(),
+            evicted: 0,
+        }
+    }
+
+    /// Classifies a request arriving at `now` and records it if fresh.
+    pub fn check_and_insert(&mut self, now: Timestamp, key: DedupKey) -> DedupVerdict<'_, R> {
+        self.expire(now);
+        match self.floors.get(&key.node) {
+            Some((inc, _)) if key.incarnation < *inc => return DedupVerdict::TooOld,
+            Some((inc, floor)) if key.incarnation == *inc && key.req_id <= *floor => {
+                return DedupVerdict::TooOld;
+            }
+            Some((inc, _)) if key.incarnation > *inc => {
+                // The node restarted: everything from its previous life is void. Drop it eagerly
+                // so old entries cannot crowd the window.
+                let node = key.node;
+                self.entries.retain(|k, _| k.node != node);
+                self.order.retain(|(_, k)| k.node != node);
+                self.floors.insert(node, (key.incarnation, ReqId::NONE));
+            }
+            Some(_) => {}
+            None => {
+                self.floors.insert(key.node, (key.incarnation, ReqId::NONE));
+            }
+        }
+        if self.entries.contains_key(&key) {
+            return match self.entries.get(&key) {
+                Some(DedupState::Done(r)) => DedupVerdict::Done(r),
+                _ => DedupVerdict::InProgress,
+            };
+        }
+        while self.entries.len() >= self.max_entries {
+            if !self.evict_oldest() {
+                break;
+            }
+        }
+        self.entries.insert(key, DedupState::InProgress);
+        self.order.push_back((now, key));
+        DedupVerdict::Fresh
+    }
+
+    /// Records the reply of a request that finished, for resending to duplicates. Returns
+    /// `false` if the request is no longer in the window.
+    pub fn complete(&mut self, key: DedupKey, reply: R) -> bool {
+        match self.entries.get_mut(&key) {
+            Some(state) => {
+                *state = DedupState::Done(reply);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forgets entries older than the window's age at `now`.
+    pub fn expire(&mut self, now: Timestamp) {
+        while let Some((at, _)) = self.order.front() {
+            if now.saturating_duration_since(*at) < self.max_age {
+                break;
+            }
+            self.evict_oldest();
+        }
+    }
+
+    /// When the oldest entry ages out.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        self.order
+            .front()
+            .map(|(at, _)| at.saturating_add(self.max_age))
+    }
+
+    /// Requests currently remembered.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Entries evicted so far (by age or count).
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    fn evict_oldest(&mut self) -> bool {
+        let Some((_, key)) = self.order.pop_front() else {
+            return false;
+        };
+        if self.entries.remove(&key).is_some() {
+            self.evicted += 1;
+            if let Some((inc, floor)) = self.floors.get_mut(&key.node) {
+                if *inc == key.incarnation && key.req_id > *floor {
+                    *floor = key.req_id;
+                }
+            }
+        }
+        true
+    }
+}
+
+impl CreditWindow {
+    /// A window of `window` bytes.
+    pub fn new(window: u64) -> CreditWindow {
+        CreditWindow {
+            window,
+            in_flight: 0,
+            high_water: 0,
+        }
+    }
+
+    /// Takes `bytes` of credit, or says why not.
+    pub fn try_acquire(&mut self, bytes: u64) -> Result<(), CreditError> {
+        if bytes > self.window {
+            return Err(CreditError::LargerThanWindow {
+                wanted: bytes,
+                window: self.window,
+            });
+        }
+        let available = self.available();
+        if bytes > available {
+            return Err(CreditError::Exhausted {
+                wanted: bytes,
+                available,
+                window: self.window,
+            });
+        }
+        self.in_flight += bytes;
+        self.high_water = self.high_water.max(self.in_flight);
+        Ok(())
+    }
+
+    /// Returns `bytes` of credit. Releasing more than is in flight is an error and changes
+    /// nothing.
+    pub fn release(&mut self, bytes: u64) -> Result<(), CreditError> {
+        if bytes > self.in_flight {
+            return Err(CreditError::OverRelease {
+                released: bytes,
+                in_flight: self.in_flight,
+            });
+        }
+        self.in_flight -= bytes;
+        Ok(())
+    }
+
+    /// Bytes in flight.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight
+    }
+
+    /// Bytes that may be acquired now.
+    pub fn available(&self) -> u64 {
+        self.window - self.in_flight
+    }
+
+    /// The window size.
+    pub fn window(&self) -> u64 {
+        self.window
+    }
+
+    /// The most bytes ever in flight at once.
+    pub fn high_water(&self) -> u64 {
+        self.high_water
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
+mod tests {
+    use super::*;
+
+    fn t(ms: u64) -> Timestamp {
+        Timestamp::from_nanos(ms * 1_000_000)
+    }
+
+    #[test]
+    fn first_completion_wins() {
+        let mut p = PendingTable::new();
+        let a = p.insert(t(10), "a");
+        let b = p.insert(t(20), "b");
+        let c = p.insert(t(30), "c");
+        assert_eq!(p.poll_timeout(), Some(t(10)));
+        assert_eq!(p.complete(a), Some("a"));
+        assert_eq!(p.cancel(a), None);
+        assert_eq!(
+            p.poll_expired(t(15)),
+            None,
+            "completed entries do not expire"
+        );
+        assert_eq!(p.cancel(b), Some("b"));
+        assert_eq!(p.complete(b), None);
+        assert_eq!(p.poll_timeout(), Some(t(30)));
+        assert_eq!(p.poll_expired(t(29)), None);
+        assert_eq!(p.poll_expired(t(30)), Some((c, "c")));
+        assert_eq!(p.complete(c), None);
+        assert_eq!(p.poll_timeout(), None);
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn duration_max_deadline_is_safe() {
+        let mut p = PendingTable::new();
+        let id = p.insert_with_timeout(t(5), Duration::MAX, 1);
+        assert_eq!(p.deadline(id), Some(Timestamp::MAX));
+        assert_eq!(p.poll_timeout(), None);
+        assert_eq!(p.poll_expired(Timestamp::MAX), None);
+        let id2 = p.insert_with_timeout(Timestamp::MAX, Duration::from_secs(1), 2);
+        assert_eq!(p.poll_expired(Timestamp::MAX), None);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p.drain(), vec![(id, 1), (id2, 2)]);
+    }
+
+    #[test]
+    fn ids_are_unique_and_expiry_is_ordered() {
+        let mut p = PendingTable::new();
+        let ids: Vec<ReqId> = (0..100).map(|i| p.insert(t(100 - i), i)).collect();
+        let mut sorted = ids.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 100);
+        let mut last = Timestamp::ZERO;
+        let mut n = 0;
+        while let Some((id, v)) = p.poll_expired(t(1_000)) {
+            let deadline = t(100 - v);
+            assert!(deadline >= last, "expiry out of order");
+            assert_eq!(ids[v as usize], id);
+            last = deadline;
+            n += 1;
+        }
+        assert_eq!(n, 100);
+        let d = p.insert(t(1), 7);
+        assert!(p.contains(d));
+        assert_eq!(p.get(d), Some(&7));
+        assert_eq!(p.drain_where(|_, v| *v == 7), vec![(d, 7)]);
+    }
+
+    #[test]
+    fn heap_stays_bounded() {
+        let mut p = PendingTable::new();
+        for i in 0..10_000u64 {
+            let id = p.insert(t(i + 1), i);
+            assert_eq!(p.complete(id), Some(i));
+        }
+        assert!(p.timers.len() <= 65, "{}", p.timers.len());
+    }
+
+    fn key(node: u64, inc: u64, req: u64) -> DedupKey {
+        DedupKey {
+            node: NodeId::new(node),
+            incarnation: Incarnation::new(inc),
+            req_id: ReqId::new(req),
+        }
+    }
+
+    #[test]
+    fn dedup_states() {
+        let mut w: DedupWindow<&str> = DedupWindow::new(3, Duration::from_secs(10));
+        assert_eq!(w.check_and_insert(t(0), key(1, 1, 1)), DedupVerdict::Fresh);
+        assert_eq!(
+            w.check_and_insert(t(1), key(1, 1, 1)),
+            DedupVerdict::InProgress
+        );
+        assert!(w.complete(key(1, 1, 1), "r1"));
+        assert_eq!(
+            w.check_and_insert(t(2), key(1, 1, 1)),
+            DedupVerdict::Done(&"r1")
+        );
+        assert!(!w.complete(key(9, 9, 9), "x"));
+        // Count bound: the fourth entry evicts the first and raises the floor.
+        for r in 2..=4 {
+            assert_eq!(w.check_and_insert(t(3), key(1, 1, r)), DedupVerdict::Fresh);
+        }
+        assert_eq!(w.len(), 3);
+        assert_eq!(w.evicted(), 1);
+        assert_eq!(w.check_and_insert(t(4), key(1, 1, 1)), DedupVerdict::TooOld);
+        // Other nodes are independent.
+        assert_eq!(w.check_and_insert(t(4), key(2, 1, 1)), DedupVerdict::Fresh);
+    }
+
+    #[test]
+    fn dedup_age_and_incarnation() {
+        let mut w: DedupWindow<()> = DedupWindow::new(100, Duration::from_millis(10));
+        assert_eq!(w.check_and_insert(t(0), key(1, 5, 1)), DedupVerdict::Fresh);
+        assert_eq!(w.poll_timeout(), Some(t(10)));
+        assert_eq!(
+            w.check_and_insert(t(9), key(1, 5, 1)),
+            DedupVerdict::InProgress
+        );
+        assert_eq!(
+            w.check_and_insert(t(10), key(1, 5, 1)),
+            DedupVerdict::TooOld
+        );
+        assert!(w.is_empty());
+        assert_eq!(
+            w.check_and_insert(t(11), key(1, 4, 50)),
+            DedupVerdict::TooOld
+        );
+        assert_eq!(w.check_and_insert(t(11), key(1, 5, 2)), DedupVerdict::Fresh);
+        // A new incarnation voids the old one, including its entries.
+        assert_eq!(w.check_and_insert(t(12), key(1, 6, 1)), DedupVerdict::Fresh);
+        assert_eq!(w.len(), 1);
+        assert_eq!(
+            w.check_and_insert(t(12), key(1, 5, 3)),
+            DedupVerdict::TooOld
+        );
+    }
+
+    #[test]
+    fn credits_never_exceed_window() {
+        let mut c = CreditWindow::new(100);
+        assert_eq!(c.try_acquire(60), Ok(()));
+        assert_eq!(
+            c.try_acquire(50),
+            Err(CreditError::Exhausted {
+                wanted: 50,
+                available: 40,
+                window: 100
+            })
+        );
+        assert_eq!(c.try_acquire(40), Ok(()));
+        assert_eq!(c.available(), 0);
+        assert_eq!(
+            c.try_acquire(101),
+            Err(CreditError::LargerThanWindow {
+                wanted: 101,
+                window: 100
+            })
+        );
+        assert_eq!(c.release(60), Ok(()));
+        assert_eq!(c.in_flight(), 40);
+        assert!(matches!(
+            c.release(41),
+            Err(CreditError::OverRelease { .. })
+        ));
+        assert_eq!(c.in_flight(), 40);
+        assert_eq!(c.high_water(), 100);
+        assert_eq!(c.window(), 100);
+    }
+}

@@ -1,0 +1,783 @@
+//! A deterministic network simulator for protocol tests.
+//!
+//! [`Sim`] runs N nodes in virtual time. Each node holds one real [`Connection`] per peer it has
+//! been linked with, plus a small RPC layer built from this crate's own parts ([`PendingTable`]
+//! on the caller, [`DedupWindow`] on the callee). Frames are really encoded to bytes, carried by
+//! a lossy network model and decoded again, so the wire format is exercised too.
+//!
+//! The network model ([`NetConfig`]) delays each frame by a uniform latency, loses it with some
+//! probability, duplicates it with some probability, and with some probability adds extra delay
+//! so it overtakes or is overtaken (reordering). Partitions cut a pair of nodes in both directions,
+//! including frames already in flight. Nodes can crash and restart with a new incarnation.
+//!
+//! Everything random comes from one [`Rng`] seeded at construction, and all iteration is in a
+//! fixed order, so a run is a pure function of its seed and inputs: a failing seed reproduces.
+//!
+//! # The RPC layer
+//!
+//! [`Sim::call`] sends an `RpcRequest` carrying a `u64` argument with a deadline. Until it
+//! completes the caller retransmits it every [`RpcConfig::retry_interval`] under the same request
+//! id (the function is *not* idempotent: the callee's dedup window must prevent a second
+//! execution). The callee executes `arg * 2 + 1`, caches the reply, and answers duplicates from
+//! the cache. Each call ends in exactly one [`RpcOutcome`]: a reply, a refusal, expiry at its
+//! deadline, or failure of its connection.
+
+use crate::conn::{ConnConfig, Connection, Event, Received, Seeds, State};
+use crate::ids::{Incarnation, NodeId, ReqId};
+use crate::request::{DedupKey, DedupVerdict, DedupWindow, PendingTable};
+use crate::rng::Rng;
+use crate::time::Timestamp;
+use crate::wire::{decode_frame, encode_frame, FrameHeader, FrameKind, Limits};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+use thiserror::Error;
+
+/// Network behaviour.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NetConfig {
+    /// Smallest one-way latency.
+    pub latency_min: Duration,
+    /// Largest one-way latency (before reordering delay).
+    pub latency_max: Duration,
+    /// Probability that a frame is lost.
+    pub loss: f64,
+    /// Probability that a frame is delivered twice.
+    pub duplicate: f64,
+    /// Probability that a frame gets up to `reorder_delay` of extra delay.
+    pub reorder: f64,
+    /// The most extra delay a reordered frame gets.
+    pub reorder_delay: Duration,
+}
+
+/// The simulated RPC layer's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RpcConfig {
+    /// Time between retransmissions of an unanswered request.
+    pub retry_interval: Duration,
+    /// Dedup window capacity (requests).
+    pub dedup_entries: usize,
+    /// Dedup window age.
+    pub dedup_age: Duration,
+}
+
+/// Something a connection reported, with when and where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimEvent {
+    /// When.
+    pub at: Timestamp,
+    /// The node whose connection reported it.
+    pub node: usize,
+    /// The peer node (index) of that connection.
+    pub peer: usize,
+    /// What.
+    pub event: Event,
+}
+
+/// How a call ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RpcResult {
+    /// The callee's reply.
+    Reply(u64),
+    /// The callee refused it (expired on arrival, or too old for its dedup window).
+    Refused,
+    /// The deadline passed.
+    Expired,
+    /// The connection failed (or the caller crashed) first.
+    ConnectionLost,
+}
+
+/// One finished call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RpcOutcome {
+    /// Calling node.
+    pub node: usize,
+    /// Called node.
+    pub peer: usize,
+    /// Request id (unique per calling node incarnation).
+    pub req_id: ReqId,
+    /// The caller's incarnation.
+    pub incarnation: Incarnation,
+    /// The argument.
+    pub arg: u64,
+    /// When it was issued.
+    pub issued: Timestamp,
+    /// Its deadline.
+    pub deadline: Timestamp,
+    /// When it ended.
+    pub at: Timestamp,
+    /// How.
+    pub result: RpcResult,
+}
+
+/// Network counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NetStats {
+    /// Frames handed to the network.
+    pub sent: u64,
+    /// Frames delivered to a node.
+    pub delivered: u64,
+    /// Frames lost at random.
+    pub lost: u64,
+    /// Extra copies created.
+    pub duplicated: u64,
+    /// Frames dropped by a partition or a crashed node.
+    pub cut: u64,
+    /// Frames that did not decode.
+    pub malformed: u64,
+}
+
+/// Simulator errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum SimError {
+    /// Time stopped advancing (a state machine keeps asking to be woken at the same instant).
+    #[error("livelock at {at:?}")]
+    Livelock {
+        /// The instant.
+        at: Timestamp,
+    },
+    /// No such node.
+    #[error("no node {node}")]
+    NoSuchNode {
+        /// The index given.
+        node: usize,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Packet {
+    from: usize,
+    to: usize,
+    bytes: Vec<u8>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct PendingCall {
+    peer: usize,
+    arg: u64,
+    issued: Timestamp,
+    next_send: Timestamp,
+}
+
+/// One simulated node.
+#[derive(Clone, Debug)]
+pub struct SimNode {
+    id: NodeId,
+    incarnation: Incarnation,
+    cfg: ConnConfig,
+    up: bool,
+    dials: BTreeSet<usize>,
+    accepts: BTreeSet<usize>,
+    conns: BTreeMap<usize, Connection>,
+    pending: PendingTable<PendingCall>,
+    dedup: DedupWindow<u64>,
+    executions: HashMap<DedupKey, u32>,
+}
+
+/// The simulator. See the module docs.
+#[derive(Clone, Debug)]
+pub struct Sim {
+    now: Timestamp,
+    rng: Rng,
+    net: NetConfig,
+    rpc: RpcConfig,
+    limits: Limits,
+    nodes: Vec<SimNode>,
+    in_flight: BTreeMap<(Timestamp, u64), Packet>,
+    seq: u64,
+    cuts: BTreeSet<(usize, usize)>,
+    events: Vec<SimEvent>,
+    outcomes: Vec<RpcOutcome>,
+    stats: NetStats,
+}
+
+impl Default for NetConfig {
+    /// 50–150 µs latency, no loss, duplication or reordering.
+    fn default() -> NetConfig {
+        NetConfig {
+            latency_min: Duration::from_micros(50),
+            latency_max: Duration::from_micros(150),
+            loss: 0.0,
+            duplicate: 0.0,
+            reorder: 0.0,
+            reorder_delay: Duration::from_millis(1),
+        }
+    }
+}
+
+impl Default for RpcConfig {
+    /// Retry every 20 ms; remember 10,000 requests for 10 s.
+    fn default() -> RpcConfig {
+        RpcConfig {
+            retry_interval: Duration::from_millis(20),
+            dedup_entries: 10_000,
+            dedup_age: Duration::from_secs(10),
+        }
+    }
+}
+
+impl SimNode {
+    /// The node's id.
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    /// The node's current incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+
+    /// Whether the node is running.
+    pub fn is_up(&self) -> bool {
+        self.up
+    }
+
+    /// The connection to `peer`, if linked.
+    pub fn conn(&self, peer: usize) -> Option<&Connection> {
+        self.conns.get(&peer)
+    }
+
+    /// How many times this node executed each request it received.
+    pub fn executions(&self) -> &HashMap<DedupKey, u32> {
+        &self.executions
+    }
+
+    /// Calls still pending.
+    pub fn pending_calls(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+impl Sim {
+    /// A simulator with no nodes at time zero.
+    pub fn new(seed: u64, net: NetConfig, rpc: RpcConfig) -> Sim {
+        Sim {
+            now: Timestamp::ZERO,
+            rng: Rng::new(seed),
+            net,
+            rpc,
+            limits: Limits::default(),
+            nodes: Vec::new(),
+            in_flight: BTreeMap::new(),
+            seq: 0,
+            cuts: BTreeSet::new(),
+            events: Vec::new(),
+            outcomes: Vec::new(),
+            stats: NetStats::default(),
+        }
+    }
+
+    /// Adds a node with the given connection settings (its identity is `cfg.handshake.node_id`
+    /// and `cfg.handshake.incarnation`); returns its index.
+    pub fn add_node(&mut self, cfg: ConnConfig) -> usize {
+        self.nodes.push(SimNode {
+            id: cfg.handshake.node_id,
+            incarnation: cfg.handshake.incarnation,
+            cfg,
+            up: true,
+            dials: BTreeSet::new(),
+            accepts: BTreeSet::new(),
+            conns: BTreeMap::new(),
+            pending: PendingTable::new(),
+            dedup: DedupWindow::new(self.rpc.dedup_entries, self.rpc.dedup_age),
+            executions: HashMap::new(),
+        });
+        self.nodes.len() - 1
+    }
+
+    /// Links `client` to `server`: the client dials now, the server waits for its hello.
+    pub fn connect(&mut self, client: usize, server: usize) -> Result<(), SimError> {
+        self.check(client)?;
+        self.check(server)?;
+        self.nodes[client].dials.insert(server);
+        self.nodes[server].accepts.insert(client);
+        self.open_server(server, client);
+        self.open_client(client, server);
+        Ok(())
+    }
+
+    /// The current virtual time.
+    pub fn now(&self) -> Timestamp {
+        self.now
+    }
+
+    /// A node.
+    ///
+    /// # Panics
+    ///
+    /// If `i` is not an index returned by [`Sim::add_node`] (this is test support).
+    pub fn node(&self, i: usize) -> &SimNode {
+        &self.nodes[i]
+    }
+
+    /// Every connection event so far.
+    pub fn events(&self) -> &[SimEvent] {
+        &self.events
+    }
+
+    /// Every finished call so far.
+    pub fn outcomes(&self) -> &[RpcOutcome] {
+        &self.outcomes
+    }
+
+    /// Network counters.
+    pub fn net_stats(&self) -> NetStats {
+        self.stats
+    }
+
+    /// Changes the network behaviour from now on.
+    pub fn set_net(&mut self, net: NetConfig) {
+        self.net = net;
+    }
+
+    /// Cuts `a` and `b` apart (both directions, frames in flight included).
+    pub fn partition(&mut self, a: usize, b: usize) {
+        self.cuts.insert((a.min(b), a.max(b)));
+    }
+
+    /// Heals a partition.
+    pub fn heal(&mut self, a: usize, b: usize) {
+        self.cuts.remove(&(a.min(b), a.max(b)));
+    }
+
+    /// Stops a node: its state is lost, its pending calls end as [`RpcResult::ConnectionLost`],
+    /// frames to it are dropped.
+    pub fn crash(&mut self, i: usize) -> Result<(), SimError> {
+        self.check(i)?;
+        let now = self.now;
+        let node = &mut self.nodes[i];
+        node.up = false;
+        node.conns.clear();
+        let incarnation = node.incarnation;
+        for (req_id, call) in node.pending.drain() {
+            self.outcomes.push(RpcOutcome {
+                node: i,
+                peer: call.peer,
+                req_id,
+                incarnation,
+                arg: call.arg,
+                issued: call.issued,
+                deadline: Timestamp::MAX,
+                at: now,
+                result: RpcResult::ConnectionLost,
+            });
+        }
+        Ok(())
+    }
+
+    /// Starts a crashed (or running) node again with the next incarnation and fresh state; it
+    /// re-dials the peers it dialled and waits for those that dialled it.
+    pub fn restart(&mut self, i: usize) -> Result<(), SimError> {
+        if self.nodes.get(i).is_some_and(|n| n.up) {
+            self.crash(i)?;
+        }
+        self.check(i)?;
+        let node = &mut self.nodes[i];
+        node.incarnation = node.incarnation.next();
+        node.cfg.handshake.incarnation = node.incarnation;
+        node.up = true;
+        node.pending = PendingTable::new();
+        node.dedup = DedupWindow::new(self.rpc.dedup_entries, self.rpc.dedup_age);
+        let accepts: Vec<usize> = node.accepts.iter().copied().collect();
+        let dials: Vec<usize> = node.dials.iter().copied().collect();
+        for peer in accepts {
+            self.open_server(i, peer);
+        }
+        for peer in dials {
+            self.open_client(i, peer);
+        }
+        Ok(())
+    }
+
+    /// Issues a call from `node` to `peer` with `timeout`. Returns `None` (nothing sent) when the
+    /// connection is not ready.
+    pub fn call(&mut self, node: usize, peer: usize, arg: u64, timeout: Duration) -> Option<ReqId> {
+        let now = self.now;
+        let n = self.nodes.get_mut(node)?;
+        if !n.up || n.conns.get(&peer).map(Connection::state) != Some(State::Ready) {
+            return None;
+        }
+        let deadline = now.saturating_add(timeout);
+        let call = PendingCall {
+            peer,
+            arg,
+            issued: now,
+            next_send: now,
+        };
+        let id = n.pending.insert(deadline, call);
+        self.send_request(node, id);
+        Some(id)
+    }
+
+    /// Runs until virtual time `until` (inclusive), processing everything due.
+    pub fn run_until(&mut self, until: Timestamp) -> Result<(), SimError> {
+        let mut same_instant = 0u32;
+        loop {
+            let next = match self.next_wakeup() {
+                Some(t) if t <= until => t.max(self.now),
+                _ => {
+                    self.now = self.now.max(until);
+                    return Ok(());
+                }
+            };
+            if next == self.now {
+                same_instant += 1;
+                if same_instant > 100_000 {
+                    return Err(SimError::Livelock { at: next });
+                }
+            } else {
+                same_instant = 0;
+            }
+            self.now = next;
+            self.step();
+        }
+    }
+
+    /// Runs for `d` of virtual time.
+    pub fn run_for(&mut self, d: Duration) -> Result<(), SimError> {
+        self.run_until(self.now.saturating_add(d))
+    }
+
+    fn check(&self, i: usize) -> Result<(), SimError> {
+        if i < self.nodes.len() {
+            Ok(())
+        } else {
+            Err(SimError::NoSuchNode { node: i })
+        }
+    }
+
+    fn seeds(&mut self) -> Seeds {
+        let mut nonce = [0u8; 32];
+        self.rng.fill_bytes(&mut nonce);
+        Seeds {
+            rng: self.rng.next_u64(),
+            nonce,
+        }
+    }
+
+    fn open_server(&mut self, node: usize, peer: usize) {
+        let seeds = self.seeds();
+        let now = self.now;
+        let n = &mut self.nodes[node];
+        let conn = Connection::server(now, n.cfg.clone(), seeds);
+        n.conns.insert(peer, conn);
+    }
+
+    fn open_client(&mut self, node: usize, peer: usize) {
+        let seeds = self.seeds();
+        let now = self.now;
+        let peer_id = self.nodes[peer].id;
+        let n = &mut self.nodes[node];
+        let mut conn = Connection::client(n.cfg.clone(), peer_id, seeds);
+        // A fresh client connection is Idle, so connect cannot fail.
+        let _ = conn.connect(now);
+        n.conns.insert(peer, conn);
+        self.flush(node);
+    }
+
+    fn next_wakeup(&mut self) -> Option<Timestamp> {
+        let mut t = self.in_flight.keys().next().map(|(at, _)| *at);
+        let mut consider = |x: Option<Timestamp>| {
+            if let Some(x) = x {
+                t = Some(t.map_or(x, |t| t.min(x)));
+            }
+        };
+        for n in self.nodes.iter_mut().filter(|n| n.up) {
+            for c in n.conns.values() {
+                consider(c.poll_timeout());
+            }
+            consider(n.pending.poll_timeout());
+            consider(n.dedup.poll_timeout());
+        }
+        for n in self.nodes.iter().filter(|n| n.up) {
+            for (_, call) in n.pending.iter() {
+                consider(Some(call.next_send));
+            }
+        }
+        t
+    }
+
+    fn step(&mut self) {
+        let now = self.now;
+        while let Some(entry) = self.in_flight.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let p = entry.remove();
+            self.deliver(p);
+        }
+        for i in 0..self.nodes.len() {
+            if !self.nodes[i].up {
+                continue;
+            }
+            let peers: Vec<usize> = self.nodes[i].conns.keys().copied().collect();
+            for peer in peers {
+                if let Some(c) = self.nodes[i].conns.get_mut(&peer) {
+                    if c.poll_timeout().is_some_and(|t| t <= now) {
+                        c.handle_timeout(now);
+                    }
+                }
+            }
+            self.flush(i);
+            let incarnation = self.nodes[i].incarnation;
+            while let Some((req_id, call)) = self.nodes[i].pending.poll_expired(now) {
+                self.outcomes.push(RpcOutcome {
+                    node: i,
+                    peer: call.peer,
+                    req_id,
+                    incarnation,
+                    arg: call.arg,
+                    issued: call.issued,
+                    deadline: now,
+                    at: now,
+                    result: RpcResult::Expired,
+                });
+            }
+            self.nodes[i].dedup.expire(now);
+            let mut due: Vec<ReqId> = self.nodes[i]
+                .pending
+                .iter()
+                .filter(|(_, call)| call.next_send <= now)
+                .map(|(id, _)| id)
+                .collect();
+            // The table iterates in hash order; sort so the run stays a function of the seed.
+            due.sort_unstable();
+            for id in due {
+                self.send_request(i, id);
+            }
+        }
+    }
+
+    fn send_request(&mut self, node: usize, id: ReqId) {
+        let now = self.now;
+        let retry = self.rpc.retry_interval;
+        let n = &mut self.nodes[node];
+        let Some(deadline) = n.pending.deadline(id) else {
+            return;
+        };
+        let Some(call) = n.pending.get(id).copied() else {
+            return;
+        };
+        // Reschedule first, so a call whose connection is not ready waits for the next retry.
+        if let Some(c) = n.pending.get_mut(id) {
+            c.next_send = now.saturating_add(retry);
+        }
+        let Some(conn) = n.conns.get(&call.peer) else {
+            return;
+        };
+        let Ok(header) = conn.frame_header(FrameKind::RpcRequest) else {
+            return;
+        };
+        let header = FrameHeader {
+            req_id: id,
+            ..header.with_deadline(now, deadline)
+        };
+        self.send_app(node, call.peer, header, &call.arg.to_le_bytes());
+    }
+
+    fn send_app(&mut self, node: usize, peer: usize, header: FrameHeader, payload: &[u8]) {
+        let mut buf = vec![0u8; crate::wire::payload_offset() + payload.len()];
+        if encode_frame(&header, payload, &mut buf, &self.limits).is_ok() {
+            self.send_bytes(node, peer, buf);
+        }
+    }
+
+    fn send_bytes(&mut self, from: usize, to: usize, bytes: Vec<u8>) {
+        self.stats.sent += 1;
+        if self.cuts.contains(&(from.min(to), from.max(to))) {
+            self.stats.cut += 1;
+            return;
+        }
+        if self.rng.gen_bool(self.net.loss) {
+            self.stats.lost += 1;
+            return;
+        }
+        let copies = if self.rng.gen_bool(self.net.duplicate) {
+            self.stats.duplicated += 1;
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let mut delay = self
+                .rng
+                .duration_between(self.net.latency_min, self.net.latency_max);
+            if self.rng.gen_bool(self.net.reorder) {
+                delay += self
+                    .rng
+                    .duration_between(Duration::ZERO, self.net.reorder_delay);
+            }
+            self.seq += 1;
+            let at = self.now.saturating_add(delay);
+            self.in_flight.insert(
+                (at, self.seq),
+                Packet {
+                    from,
+                    to,
+                    bytes: bytes.clone(),
+                },
+            );
+        }
+    }
+
+    fn deliver(&mut self, p: Packet) {
+        let now = self.now;
+        if self.cuts.contains(&(p.from.min(p.to), p.from.max(p.to))) || !self.nodes[p.to].up {
+            self.stats.cut += 1;
+            return;
+        }
+        let (header, payload) = match decode_frame(&p.bytes, &self.limits) {
+            Ok((h, pl)) => (h, pl.to_vec()),
+            Err(_) => {
+                self.stats.malformed += 1;
+                return;
+            }
+        };
+        self.stats.delivered += 1;
+        let Some(conn) = self.nodes[p.to].conns.get_mut(&p.from) else {
+            return;
+        };
+        let received = conn.handle_frame(now, &header, &payload);
+        let peer_id = conn.peer().map(|info| info.node_id);
+        self.flush(p.to);
+        if received == Received::Deliver {
+            if let Some(peer_id) = peer_id {
+                self.on_app_frame(p.to, p.from, peer_id, &header, &payload);
+            }
+        }
+    }
+
+    fn on_app_frame(
+        &mut self,
+        node: usize,
+        from: usize,
+        peer_id: NodeId,
+        header: &FrameHeader,
+        payload: &[u8],
+    ) {
+        let now = self.now;
+        match header.kind {
+            FrameKind::RpcRequest => {
+                let reply_header = |n: &SimNode, kind| {
+                    n.conns
+                        .get(&from)
+                        .and_then(|c| c.frame_header(kind).ok())
+                        .map(|h| FrameHeader {
+                            req_id: header.req_id,
+                            ..h
+                        })
+                };
+                let n = &mut self.nodes[node];
+                let Ok(arg_bytes) = <[u8; 8]>::try_from(payload) else {
+                    if let Some(h) = reply_header(n, FrameKind::RpcError) {
+                        self.send_app(node, from, h, &[]);
+                    }
+                    return;
+                };
+                let key = DedupKey {
+                    node: peer_id,
+                    incarnation: header.incarnation,
+                    req_id: header.req_id,
+                };
+                let reply = match n.dedup.check_and_insert(now, key) {
+                    DedupVerdict::Fresh if header.ttl_ns == 0 => {
+                        n.dedup.complete(key, u64::MAX);
+                        None
+                    }
+                    DedupVerdict::Fresh => {
+                        *n.executions.entry(key).or_insert(0) += 1;
+                        let r = u64::from_le_bytes(arg_bytes)
+                            .wrapping_mul(2)
+                            .wrapping_add(1);
+                        n.dedup.complete(key, r);
+                        Some(r)
+                    }
+                    DedupVerdict::Done(r) if *r != u64::MAX => Some(*r),
+                    DedupVerdict::InProgress => return,
+                    DedupVerdict::Done(_) | DedupVerdict::TooOld => None,
+                };
+                match reply {
+                    Some(r) => {
+                        if let Some(h) = reply_header(n, FrameKind::RpcResponse) {
+                            self.send_app(node, from, h, &r.to_le_bytes());
+                        }
+                    }
+                    None => {
+                        if let Some(h) = reply_header(n, FrameKind::RpcError) {
+                            self.send_app(node, from, h, &[]);
+                        }
+                    }
+                }
+            }
+            FrameKind::RpcResponse | FrameKind::RpcError => {
+                let n = &mut self.nodes[node];
+                let deadline = n.pending.deadline(header.req_id).unwrap_or(now);
+                let Some(call) = n.pending.complete(header.req_id) else {
+                    return;
+                };
+                let result = match <[u8; 8]>::try_from(payload) {
+                    Ok(b) if header.kind == FrameKind::RpcResponse => {
+                        RpcResult::Reply(u64::from_le_bytes(b))
+                    }
+                    _ => RpcResult::Refused,
+                };
+                self.outcomes.push(RpcOutcome {
+                    node,
+                    peer: call.peer,
+                    req_id: header.req_id,
+                    incarnation: n.incarnation,
+                    arg: call.arg,
+                    issued: call.issued,
+                    deadline,
+                    at: now,
+                    result,
+                });
+            }
+            _ => {}
+        }
+    }
+
+    /// Moves every queued transmit of `node` onto the network and records its events.
+    fn flush(&mut self, node: usize) {
+        let now = self.now;
+        let peers: Vec<usize> = self.nodes[node].conns.keys().copied().collect();
+        for peer in peers {
+            while let Some(conn) = self.nodes[node].conns.get_mut(&peer) {
+                if let Some(t) = conn.poll_transmit() {
+                    self.send_bytes(node, peer, t.to_vec());
+                    continue;
+                }
+                let Some(event) = conn.poll_event() else {
+                    break;
+                };
+                if matches!(event, Event::Failed { .. }) {
+                    self.fail_calls(node, peer);
+                }
+                self.events.push(SimEvent {
+                    at: now,
+                    node,
+                    peer,
+                    event,
+                });
+            }
+        }
+    }
+
+    fn fail_calls(&mut self, node: usize, peer: usize) {
+        let now = self.now;
+        let n = &mut self.nodes[node];
+        for (id, call) in n.pending.drain_where(|_, c| c.peer == peer) {
+            self.outcomes.push(RpcOutcome {
+                node,
+                peer,
+                req_id: id,
+                incarnation: n.incarnation,
+                arg: call.arg,
+                issued: call.issued,
+                deadline: Timestamp::MAX,
+                at: now,
+                result: RpcResult::ConnectionLost,
+            });
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! Replays the fuzz corpora on stable Rust, and generates / checks the seed corpus.
+//!
+//! `SHARDCX_WRITE_CORPUS=1 cargo test -p shardcx-proto --test corpus` (re)writes the seeds.
+
+// Tests may unwrap: a panic is a test failure with a message.
+#![allow(clippy::unwrap_used)]
+
+use shardcx_proto::fuzzing::{self, FUZZ_LIMITS};
+use shardcx_proto::handshake::{Confirm, HandshakeMessage, Hello, Reject, RejectReason, Welcome};
+use shardcx_proto::wire::{encode_frame, payload_offset};
+use shardcx_proto::{
+    Features, FrameFlags, FrameHeader, FrameKind, Incarnation, NodeId, ReqId, ShardId,
+};
+use std::path::PathBuf;
+
+fn corpus_dir(target: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target)
+}
+
+fn frame(header: FrameHeader, payload: &[u8]) -> Vec<u8> {
+    let mut buf = vec![0u8; payload_offset() + payload.len()];
+    let n = encode_frame(&header, payload, &mut buf, &FUZZ_LIMITS).unwrap();
+    buf.truncate(n);
+    buf
+}
+
+fn hs_frame(msg: HandshakeMessage) -> Vec<u8> {
+    let mut p = [0u8; 128];
+    let n = msg.encode(&mut p).unwrap();
+    frame(FrameHeader::new(msg.kind()), &p[..n])
+}
+
+/// (name, bytes, expected to decode) for each target.
+fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {
+    let rpc = FrameHeader {
+        kind: FrameKind::RpcRequest,
+        flags: FrameFlags::IDEMPOTENT,
+        src_shard: ShardId::new(2),
+        dst_shard: ShardId::new(5),
+        id: 77,
+        req_id: ReqId::new(12345),
+        incarnation: Incarnation::new(3),
+        ttl_ns: 1_000_000,
+        ..FrameHeader::new(FrameKind::RpcRequest)
+    };
+    let valid_rpc = frame(rpc, b"payload bytes");
+    let mut s = vec![
+        (
+            "frame",
+            "valid-heartbeat",
+            frame(FrameHeader::new(FrameKind::Heartbeat), &[]),
+            true,
+        ),
+        ("frame", "valid-rpc-request", valid_rpc.clone(), true),
+        (
+            "frame",
+            "valid-am-empty",
+            frame(FrameHeader::new(FrameKind::Am), &[]),
+            true,
+        ),
+        ("frame", "empty", Vec::new(), false),
+        ("frame", "truncated-header", valid_rpc[..47].to_vec(), false),
+        (
+            "frame",
+            "truncated-payload",
+            valid_rpc[..valid_rpc.len() - 1].to_vec(),
+            false,
+        ),
+    ];
+    let mut bad = valid_rpc.clone();
+    bad[0] = b'X';
+    s.push(("frame", "bad-magic", bad, false));
+    let mut bad = valid_rpc.clone();
+    bad[4] = 9;
+    s.push(("frame", "bad-version", bad, false));
+    let mut bad = valid_rpc.clone();
+    bad[5] = 200;
+    s.push(("frame", "unknown-kind", bad, false));
+    let mut bad = valid_rpc.clone();
+    bad[7] = 0x80;
+    s.push(("frame", "reserved-flags", bad, false));
+    let mut bad = valid_rpc.clone();
+    bad[40..48].copy_from_slice(&u64::MAX.to_le_bytes());
+    s.push(("frame", "huge-length", bad, false));
+    let mut bad = valid_rpc.clone();
+    bad[40..48].copy_from_slice(&(FUZZ_LIMITS.max_message_size + 1).to_le_bytes());
+    s.push(("frame", "length-over-limit", bad, false));
+
+    let hello = Hello {
+        min_version: 1,
+        max_version: 1,
+        shard_count: 4,
+        node_id: NodeId::new(9),
+        incarnation: Incarnation::new(2),
+        features: Features::RPC,
+        nonce: [3; 32],
+    };
+    let welcome = Welcome {
+        version: 1,
+        shard_count: 8,
+        node_id: NodeId::new(1),
+        incarnation: Incarnation::new(1),
+        features: Features::RPC,
+        nonce: [4; 32],
+        echo: [7; 32],
+        proof: [5; 32],
+    };
+    s.push((
+        "handshake",
+        "valid-hello",
+        hs_frame(HandshakeMessage::Hello(hello)),
+        true,
+    ));
+    s.push((
+        "handshake",
+        "valid-welcome-bad-proof",
+        hs_frame(HandshakeMessage::Welcome(welcome)),
+        true,
+    ));
+    s.push((
+        "handshake",
+        "valid-confirm-bad-proof",
+        hs_frame(HandshakeMessage::Confirm(Confirm {
+            echo: [8; 32],
+            proof: [0; 32],
+        })),
+        true,
+    ));
+    s.push((
+        "handshake",
+        "valid-reject",
+        hs_frame(HandshakeMessage::Reject(Reject {
+            reason: RejectReason::Busy,
+            min_version: 1,
+            max_version: 1,
+            echo: [7; 32],
+        })),
+        true,
+    ));
+    s.push((
+        "handshake",
+        "hello-zero-shards",
+        hs_frame(HandshakeMessage::Hello(Hello {
+            shard_count: 0,
+            ..hello
+        })),
+        true,
+    ));
+    let mut p = hello.to_bytes();
+    p[5] = 1;
+    s.push((
+        "handshake",
+        "hello-reserved-set",
+        frame(FrameHeader::new(FrameKind::Hello), &p),
+        false,
+    ));
+    s.push((
+        "handshake",
+        "hello-short",
+        frame(FrameHeader::new(FrameKind::Hello), &p[..63]),
+        false,
+    ));
+    s.push((
+        "handshake",
+        "welcome-as-confirm",
+        frame(FrameHeader::new(FrameKind::Confirm), &welcome.to_bytes()),
+        false,
+    ));
+    s.push((
+        "handshake",
+        "not-handshake",
+        frame(FrameHeader::new(FrameKind::Am), &p),
+        false,
+    ));
+    s
+}
+
+#[test]
+fn seed_corpus_matches_generator() {
+    let write = std::env::var_os("SHARDCX_WRITE_CORPUS").is_some();
+    for (target, name, bytes, _) in seeds() {
+        let path = corpus_dir(target).join(name);
+        if write {
+            std::fs::create_dir_all(corpus_dir(target)).unwrap();
+            std::fs::write(&path, &bytes).unwrap();
+        } else {
+            let on_disk = std::fs::read(&path).unwrap_or_else(|e| {
+                panic!(
+                    "{}: {e} (regenerate with SHARDCX_WRITE_CORPUS=1)",
+                    path.display()
+                )
+            });
+            assert_eq!(on_disk, bytes, "{} is stale", path.display());
+        }
+    }
+}
+
+#[test]
+fn seeds_decode_as_expected() {
+    for (target, name, bytes, ok) in seeds() {
+        let decoded = match target {
+            "frame" => fuzzing::frame(&bytes),
+            _ => fuzzing::handshake(&bytes),
+        };
+        assert_eq!(decoded, ok, "{target}/{name}");
+    }
+}
+
+#[test]
+fn replay_every_corpus_file() {
+    for (target, run) in [
+        ("frame", fuzzing::frame as fn(&[u8]) -> bool),
+        ("handshake", fuzzing::handshake),
+    ] {
+        let dir = corpus_dir(target);
+        let mut count = 0;
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.unwrap().path();
+            if path.is_file() {
+                let bytes = std::fs::read(&path).unwrap();
+                // Every file must not panic; other targets' files are fed too, for breadth.
+                let _ = fuzzing::frame(&bytes);
+                let _ = fuzzing::handshake(&bytes);
+                let _ = run(&bytes);
+                count += 1;
+            }
+        }
+        assert!(count >= 9, "{target}: only {count} corpus files");
+    }
+}

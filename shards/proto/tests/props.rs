@@ -1,0 +1,267 @@
+//! Property tests (issue #3, item 9): round trips, and decoders that never panic on any input.
+
+// Tests may unwrap: a panic is a test failure with a message.
+#![allow(clippy::unwrap_used)]
+
+use proptest::prelude::*;
+use shardcx_proto::handshake::{Confirm, HandshakeMessage, Hello, Reject, RejectReason, Welcome};
+use shardcx_proto::request::{CreditWindow, PendingTable};
+use shardcx_proto::wire::{decode_frame, encode_frame, payload_offset, HEADER_LEN};
+use shardcx_proto::{
+    Features, FrameFlags, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ReqId, ShardId,
+    SizeClassPool, Tag, TagKind, Timestamp,
+};
+use shardcx_proto::{PoolConfig, WireError};
+use std::collections::HashSet;
+
+fn kind() -> impl Strategy<Value = FrameKind> {
+    prop::sample::select(FrameKind::ALL.to_vec())
+}
+
+fn header() -> impl Strategy<Value = FrameHeader> {
+    (
+        kind(),
+        0u16..8,
+        any::<u16>(),
+        any::<u16>(),
+        any::<u32>(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+        0u64..=1 << 24,
+    )
+        .prop_map(
+            |(kind, flags, src, dst, id, req, inc, ttl, len)| FrameHeader {
+                version: 1,
+                kind,
+                flags: FrameFlags::from_bits(flags).unwrap_or_default(),
+                src_shard: ShardId::new(src),
+                dst_shard: ShardId::new(dst),
+                id,
+                req_id: ReqId::new(req),
+                incarnation: Incarnation::new(inc),
+                ttl_ns: ttl,
+                payload_len: len,
+            },
+        )
+}
+
+fn nonce() -> impl Strategy<Value = [u8; 32]> {
+    prop::array::uniform32(any::<u8>())
+}
+
+fn handshake_message() -> impl Strategy<Value = HandshakeMessage> {
+    prop_oneof![
+        (
+            any::<u8>(),
+            any::<u8>(),
+            any::<u16>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            nonce()
+        )
+            .prop_map(|(a, b, s, n, i, f, nonce)| HandshakeMessage::Hello(Hello {
+                min_version: a,
+                max_version: b,
+                shard_count: s,
+                node_id: NodeId::new(n),
+                incarnation: Incarnation::new(i),
+                features: Features::from_bits_retain(f),
+                nonce,
+            })),
+        (
+            any::<u8>(),
+            any::<u16>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            nonce(),
+            nonce(),
+            nonce()
+        )
+            .prop_map(
+                |(v, s, n, i, f, nonce, echo, proof)| HandshakeMessage::Welcome(Welcome {
+                    version: v,
+                    shard_count: s,
+                    node_id: NodeId::new(n),
+                    incarnation: Incarnation::new(i),
+                    features: Features::from_bits_retain(f),
+                    nonce,
+                    echo,
+                    proof,
+                })
+            ),
+        (nonce(), nonce())
+            .prop_map(|(echo, proof)| HandshakeMessage::Confirm(Confirm { echo, proof })),
+        (1u8..=6, any::<u8>(), any::<u8>(), nonce()).prop_map(|(r, a, b, echo)| {
+            HandshakeMessage::Reject(Reject {
+                reason: RejectReason::from_u8(r),
+                min_version: a,
+                max_version: b,
+                echo,
+            })
+        }),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn header_round_trips(h in header()) {
+        let mut buf = [0u8; HEADER_LEN];
+        prop_assert_eq!(h.encode(&mut buf), Ok(HEADER_LEN));
+        let limits = Limits { max_message_size: 1 << 24 };
+        prop_assert_eq!(FrameHeader::decode(&buf, &limits), Ok(h));
+    }
+
+    #[test]
+    fn frame_round_trips(h in header(), payload in prop::collection::vec(any::<u8>(), 0..512)) {
+        let limits = Limits::default();
+        let mut buf = vec![0u8; payload_offset() + payload.len()];
+        let n = encode_frame(&h, &payload, &mut buf, &limits).unwrap();
+        let (h2, p2) = decode_frame(&buf[..n], &limits).unwrap();
+        prop_assert_eq!(p2, &payload[..]);
+        prop_assert_eq!(h2, FrameHeader { payload_len: payload.len() as u64, ..h });
+    }
+
+    #[test]
+    fn header_decoder_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..128), max in any::<u64>()) {
+        let limits = Limits { max_message_size: max };
+        match FrameHeader::decode(&bytes, &limits) {
+            Ok(h) => {
+                prop_assert!(h.payload_len <= max);
+                prop_assert!(bytes.len() >= HEADER_LEN);
+                prop_assert_eq!(&h.to_bytes()[..], &bytes[..HEADER_LEN]);
+            }
+            Err(WireError::Truncated { .. }) => prop_assert!(bytes.len() < HEADER_LEN),
+            Err(_) => {}
+        }
+        let _ = decode_frame(&bytes, &limits);
+    }
+
+    #[test]
+    fn mutated_valid_header_never_panics(h in header(), pos in 0usize..HEADER_LEN, byte in any::<u8>()) {
+        let mut b = h.to_bytes();
+        b[pos] = byte;
+        let _ = FrameHeader::decode(&b, &Limits::default());
+    }
+
+    #[test]
+    fn handshake_round_trips(m in handshake_message()) {
+        let mut buf = [0u8; 128];
+        let n = m.encode(&mut buf).unwrap();
+        prop_assert_eq!(HandshakeMessage::decode(m.kind(), &buf[..n]), Ok(m));
+    }
+
+    #[test]
+    fn handshake_decoder_never_panics(k in kind(), bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+        if let Ok(m) = HandshakeMessage::decode(k, &bytes) {
+            prop_assert_eq!(m.kind(), k);
+            prop_assert_eq!(m.encoded_len(), bytes.len());
+        }
+    }
+
+    #[test]
+    fn tag_round_trips(k in 0u8..4, shard in 0u16..4096, user in 0u64..(1 << 48)) {
+        let kind = match k { 0 => TagKind::User, 1 => TagKind::RndvData, 2 => TagKind::Stream, _ => TagKind::Control };
+        let t = Tag::new(kind, ShardId::new(shard), user).unwrap();
+        prop_assert_eq!(Tag::parse(t.raw()), Ok(t));
+        prop_assert_eq!((t.kind(), t.source_shard().get(), t.user()), (kind, shard, user));
+    }
+
+    #[test]
+    fn tag_parse_never_panics(raw in any::<u64>()) {
+        if let Ok(t) = Tag::parse(raw) {
+            prop_assert_eq!(t.raw(), raw);
+        }
+    }
+
+    /// Complete, cancel and expire race in any order: every request ends exactly once.
+    #[test]
+    fn pending_exactly_once(ops in prop::collection::vec((0u8..4, 0u64..40, 0u64..100), 1..200)) {
+        let mut table = PendingTable::new();
+        let mut ids = Vec::new();
+        let mut finished = HashSet::new();
+        let mut now = Timestamp::ZERO;
+        for (op, pick, t) in ops {
+            match op {
+                0 => {
+                    let deadline = if t == 99 { Timestamp::MAX } else { Timestamp::from_nanos(now.as_nanos() + t) };
+                    let id = table.insert(deadline, ids.len());
+                    ids.push(id);
+                }
+                1 | 2 if !ids.is_empty() => {
+                    let id = ids[(pick as usize) % ids.len()];
+                    let got = if op == 1 { table.complete(id) } else { table.cancel(id) };
+                    if let Some(v) = got {
+                        prop_assert!(finished.insert(v), "finished twice");
+                    }
+                }
+                _ => {
+                    now = Timestamp::from_nanos(now.as_nanos() + t);
+                    while let Some((id, v)) = table.poll_expired(now) {
+                        prop_assert_eq!(ids[v], id);
+                        prop_assert!(table.deadline(id).is_none());
+                        prop_assert!(finished.insert(v), "finished twice");
+                    }
+                    if let Some(next) = table.poll_timeout() {
+                        prop_assert!(next > now);
+                    }
+                }
+            }
+        }
+        for (_, v) in table.drain() {
+            prop_assert!(finished.insert(v), "finished twice");
+        }
+        prop_assert_eq!(finished.len(), ids.len());
+    }
+
+    #[test]
+    fn credits_never_exceed_window(window in 0u64..10_000, ops in prop::collection::vec((any::<bool>(), 0u64..4_000), 0..200)) {
+        let mut c = CreditWindow::new(window);
+        let mut held: Vec<u64> = Vec::new();
+        for (acquire, n) in ops {
+            if acquire {
+                if c.try_acquire(n).is_ok() {
+                    held.push(n);
+                }
+            } else if let Some(n) = held.pop() {
+                prop_assert!(c.release(n).is_ok());
+            }
+            prop_assert!(c.in_flight() <= window);
+            prop_assert_eq!(c.in_flight(), held.iter().sum::<u64>());
+        }
+    }
+
+    #[test]
+    fn pool_blocks_never_overlap(ops in prop::collection::vec((any::<bool>(), 1u64..20_000, any::<usize>()), 0..300)) {
+        let mut pool = SizeClassPool::new(PoolConfig { arena_len: 100_000, min_class: 64, max_class: 16_384 }).unwrap();
+        let initial_free = pool.stats().bytes_free;
+        let mut live = Vec::new();
+        for (alloc, len, pick) in ops {
+            if alloc {
+                if let Some(b) = pool.alloc(len) {
+                    prop_assert!(b.len >= len.max(64));
+                    prop_assert_eq!(b.offset % b.len, 0);
+                    prop_assert!(b.offset + b.len <= 100_000);
+                    for other in &live {
+                        let o: &shardcx_proto::Block = other;
+                        prop_assert!(b.offset + b.len <= o.offset || o.offset + o.len <= b.offset);
+                    }
+                    live.push(b);
+                }
+            } else if !live.is_empty() {
+                let b = live.swap_remove(pick % live.len());
+                prop_assert!(pool.free(b).is_ok());
+                prop_assert!(pool.free(b).is_err());
+            }
+            let s = pool.stats();
+            prop_assert_eq!(s.bytes_in_use + s.bytes_free, initial_free);
+        }
+        for b in live {
+            pool.free(b).unwrap();
+        }
+        prop_assert_eq!(pool.stats().bytes_free, initial_free);
+        prop_assert_eq!(pool.stats().bytes_in_use, 0);
+    }
+}

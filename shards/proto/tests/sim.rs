@@ -1,0 +1,430 @@
+//! Deterministic simulation scenarios (issue #3, item 8).
+
+// Tests may unwrap: a panic is a test failure with a message.
+#![allow(clippy::unwrap_used)]
+
+use shardcx_proto::conn::{FailReason, State};
+use shardcx_proto::handshake::{HandshakeError, RejectReason};
+use shardcx_proto::sim::{NetConfig, RpcConfig, RpcOutcome, RpcResult, Sim};
+use shardcx_proto::{
+    ConnConfig, Event, HandshakeConfig, Incarnation, NodeId, PreSharedKey, Timestamp,
+};
+use std::collections::HashMap;
+use std::time::Duration;
+
+const KEY: &[u8] = b"the cluster key, 32 bytes long!!";
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn cfg(node: u64, key: &[u8]) -> ConnConfig {
+    let psk = PreSharedKey::new(key).unwrap();
+    let mut hs = HandshakeConfig::new(NodeId::new(node), Incarnation::new(1), 4, psk);
+    hs.timeout = ms(200);
+    let mut c = ConnConfig::new(hs);
+    c.heartbeat_interval = ms(10);
+    c.suspect_after = 3;
+    c.dead_after = 5;
+    c.backoff_initial = ms(20);
+    c.backoff_max = ms(200);
+    c
+}
+
+fn pair(seed: u64, net: NetConfig, rpc: RpcConfig) -> Sim {
+    let mut sim = Sim::new(seed, net, rpc);
+    let a = sim.add_node(cfg(101, KEY));
+    let b = sim.add_node(cfg(202, KEY));
+    sim.connect(a, b).unwrap();
+    sim
+}
+
+fn events_of(sim: &Sim, node: usize) -> Vec<(Timestamp, Event)> {
+    sim.events()
+        .iter()
+        .filter(|e| e.node == node)
+        .map(|e| (e.at, e.event.clone()))
+        .collect()
+}
+
+fn connected_count(sim: &Sim, node: usize) -> usize {
+    events_of(sim, node)
+        .iter()
+        .filter(|(_, e)| matches!(e, Event::Connected(_)))
+        .count()
+}
+
+/// Every call issued has exactly one outcome, and outcomes respect deadlines.
+fn check_outcomes(
+    sim: &Sim,
+    issued: &[(usize, shardcx_proto::ReqId, u64)],
+) -> HashMap<u64, RpcOutcome> {
+    let mut by_arg = HashMap::new();
+    for o in sim.outcomes() {
+        assert!(
+            by_arg.insert(o.arg, *o).is_none(),
+            "two outcomes for call {}",
+            o.arg
+        );
+    }
+    assert_eq!(by_arg.len(), issued.len(), "a call has no outcome");
+    for (node, id, arg) in issued {
+        let o = &by_arg[arg];
+        assert_eq!((o.node, o.req_id), (*node, *id));
+        match o.result {
+            RpcResult::Reply(r) => {
+                assert_eq!(r, arg * 2 + 1);
+                assert!(o.at <= o.deadline, "reply after deadline: {o:?}");
+            }
+            RpcResult::Expired => assert_eq!(o.at, o.deadline, "expired late: {o:?}"),
+            RpcResult::Refused | RpcResult::ConnectionLost => assert!(o.at <= o.deadline),
+        }
+    }
+    by_arg
+}
+
+#[test]
+fn handshake_connects_both_sides() {
+    let mut sim = pair(1, NetConfig::default(), RpcConfig::default());
+    sim.run_for(ms(5)).unwrap();
+    for (node, peer) in [(0, 1), (1, 0)] {
+        let conn = sim.node(node).conn(peer).unwrap();
+        assert_eq!(conn.state(), State::Ready, "node {node}");
+        let info = conn.peer().unwrap();
+        assert_eq!(info.node_id, sim.node(peer).id());
+        assert_eq!(info.incarnation, Incarnation::new(1));
+        assert_eq!(info.shard_count, 4);
+        assert_eq!(connected_count(&sim, node), 1);
+    }
+    // Heartbeats keep it up, with no suspicion on a clean network.
+    sim.run_for(Duration::from_secs(1)).unwrap();
+    assert_eq!(sim.node(0).conn(1).unwrap().state(), State::Ready);
+    assert!(sim.node(0).conn(1).unwrap().stats().heartbeat_acks >= 90);
+    assert!(!sim
+        .events()
+        .iter()
+        .any(|e| matches!(e.event, Event::PeerSuspect)));
+}
+
+#[test]
+fn wrong_key_is_rejected_with_reason() {
+    let mut sim = Sim::new(2, NetConfig::default(), RpcConfig::default());
+    let mut client_cfg = cfg(101, KEY);
+    client_cfg.max_reconnect_attempts = Some(2);
+    let a = sim.add_node(client_cfg);
+    let b = sim.add_node(cfg(202, b"another key entirely, 32 bytes!!"));
+    sim.connect(a, b).unwrap();
+    sim.run_for(Duration::from_secs(2)).unwrap();
+    assert_eq!(connected_count(&sim, a) + connected_count(&sim, b), 0);
+    let client_failures: Vec<_> = events_of(&sim, a)
+        .into_iter()
+        .filter(|(_, e)| matches!(e, Event::Failed { .. }))
+        .collect();
+    assert_eq!(client_failures.len(), 3, "first attempt plus two retries");
+    for (_, e) in &client_failures {
+        assert_eq!(
+            *e,
+            Event::Failed {
+                reason: FailReason::Handshake(HandshakeError::BadProof)
+            }
+        );
+    }
+    assert!(events_of(&sim, b).iter().any(|(_, e)| *e
+        == Event::Failed {
+            reason: FailReason::Handshake(HandshakeError::Rejected {
+                reason: RejectReason::BadProof
+            })
+        }));
+    assert_eq!(sim.node(a).conn(b).unwrap().state(), State::Failed);
+}
+
+#[test]
+fn version_mismatch_is_rejected() {
+    let mut sim = Sim::new(3, NetConfig::default(), RpcConfig::default());
+    let mut client_cfg = cfg(101, KEY);
+    client_cfg.handshake.min_version = 2;
+    client_cfg.handshake.max_version = 3;
+    client_cfg.max_reconnect_attempts = Some(0);
+    let a = sim.add_node(client_cfg);
+    let b = sim.add_node(cfg(202, KEY));
+    sim.connect(a, b).unwrap();
+    sim.run_for(ms(100)).unwrap();
+    assert_eq!(
+        events_of(&sim, a),
+        vec![(
+            events_of(&sim, a)[0].0,
+            Event::Failed {
+                reason: FailReason::Handshake(HandshakeError::Rejected {
+                    reason: RejectReason::VersionMismatch
+                })
+            }
+        )]
+    );
+    assert_eq!(sim.node(a).conn(b).unwrap().state(), State::Failed);
+}
+
+#[test]
+fn partition_is_detected_within_bound_and_heals() {
+    let net = NetConfig::default();
+    let mut sim = pair(4, net, RpcConfig::default());
+    sim.run_for(ms(100)).unwrap();
+    let t0 = sim.now();
+    sim.partition(0, 1);
+    sim.run_for(ms(500)).unwrap();
+    let c = cfg(0, KEY);
+    let bound = c.failure_detection_bound();
+    for node in [0, 1] {
+        let ev = events_of(&sim, node);
+        let suspect = ev
+            .iter()
+            .find(|(_, e)| *e == Event::PeerSuspect)
+            .map(|(t, _)| *t);
+        let dead = ev
+            .iter()
+            .find(|(_, e)| *e == Event::PeerDead)
+            .map(|(t, _)| *t);
+        let (suspect, dead) = (suspect.expect("suspect"), dead.expect("dead"));
+        assert!(suspect < dead);
+        // Never later than the bound after the partition...
+        assert!(
+            dead <= t0 + bound,
+            "node {node}: dead at {dead:?}, bound {:?}",
+            t0 + bound
+        );
+        // ...and not much earlier: the last frame heard was at most one interval plus one latency
+        // before the cut.
+        let earliest = t0 + bound - c.heartbeat_interval - net.latency_max;
+        assert!(dead >= earliest, "node {node}: dead too early at {dead:?}");
+        assert!(ev.iter().any(|(_, e)| *e
+            == Event::Failed {
+                reason: FailReason::PeerDead
+            }));
+    }
+    // The client keeps retrying with backoff during the partition, then reconnects after it heals.
+    assert!(events_of(&sim, 0)
+        .iter()
+        .any(|(_, e)| matches!(e, Event::Reconnecting { .. })));
+    sim.heal(0, 1);
+    sim.run_for(Duration::from_secs(1)).unwrap();
+    assert_eq!(sim.node(0).conn(1).unwrap().state(), State::Ready);
+    assert_eq!(sim.node(1).conn(0).unwrap().state(), State::Ready);
+    assert_eq!(connected_count(&sim, 0), 2);
+    assert_eq!(connected_count(&sim, 1), 2);
+}
+
+#[test]
+fn restart_reconnects_with_new_incarnation_and_drops_old_frames() {
+    let mut sim = pair(5, NetConfig::default(), RpcConfig::default());
+    sim.run_for(ms(20)).unwrap();
+    // Make frames slow and reordered, issue calls, then restart the client node while they are
+    // still in flight.
+    sim.set_net(NetConfig {
+        reorder: 1.0,
+        reorder_delay: ms(60),
+        latency_min: ms(20),
+        latency_max: ms(20),
+        ..NetConfig::default()
+    });
+    for arg in 0..20 {
+        sim.call(0, 1, arg, ms(500)).unwrap();
+    }
+    sim.run_for(ms(1)).unwrap();
+    sim.set_net(NetConfig::default());
+    sim.restart(0).unwrap();
+    assert_eq!(sim.node(0).incarnation(), Incarnation::new(2));
+    sim.run_for(ms(300)).unwrap();
+
+    // The server saw the new hello, replaced the session and learned the new incarnation.
+    let server = events_of(&sim, 1);
+    assert!(server.iter().any(|(_, e)| *e
+        == Event::Failed {
+            reason: FailReason::SessionReplaced
+        }));
+    assert!(server.iter().any(|(_, e)| *e
+        == Event::PeerRestarted {
+            old: Incarnation::new(1),
+            new: Incarnation::new(2)
+        }));
+    let conn = sim.node(1).conn(0).unwrap();
+    assert_eq!(conn.state(), State::Ready);
+    assert_eq!(conn.peer().unwrap().incarnation, Incarnation::new(2));
+    assert!(
+        conn.stats().dropped_stale > 0,
+        "old-incarnation frames dropped: {:?}",
+        conn.stats()
+    );
+    // None of the old incarnation's requests executed after the new session began.
+    let executed_old: u32 = sim
+        .node(1)
+        .executions()
+        .iter()
+        .filter(|(k, _)| k.incarnation == Incarnation::new(1))
+        .map(|(_, n)| *n)
+        .sum();
+    assert_eq!(
+        executed_old, 0,
+        "old requests were all still in flight at the restart"
+    );
+    // New calls work.
+    let id = sim.call(0, 1, 1_000, ms(100)).unwrap();
+    sim.run_for(ms(50)).unwrap();
+    let o = sim
+        .outcomes()
+        .iter()
+        .find(|o| o.req_id == id && o.incarnation == Incarnation::new(2));
+    assert_eq!(o.map(|o| o.result), Some(RpcResult::Reply(2_001)));
+
+    // Now restart the server: the client notices (dead peer), backs off, reconnects, and sees
+    // the server's new incarnation.
+    sim.restart(1).unwrap();
+    sim.run_for(Duration::from_secs(1)).unwrap();
+    let client = events_of(&sim, 0);
+    assert!(client.iter().any(|(_, e)| *e
+        == Event::PeerRestarted {
+            old: Incarnation::new(1),
+            new: Incarnation::new(2)
+        }));
+    assert_eq!(sim.node(0).conn(1).unwrap().state(), State::Ready);
+}
+
+#[test]
+fn requests_under_loss_meet_their_deadlines() {
+    let net = NetConfig {
+        loss: 0.2,
+        duplicate: 0.05,
+        reorder: 0.1,
+        reorder_delay: ms(2),
+        ..NetConfig::default()
+    };
+    let rpc = RpcConfig {
+        retry_interval: ms(5),
+        ..RpcConfig::default()
+    };
+    let mut sim = pair(6, net, rpc);
+    while sim.node(0).conn(1).unwrap().state() != State::Ready
+        || sim.node(1).conn(0).unwrap().state() != State::Ready
+    {
+        sim.run_for(ms(10)).unwrap();
+        assert!(
+            sim.now() < Timestamp::ZERO + Duration::from_secs(10),
+            "never connected"
+        );
+    }
+    let mut issued = Vec::new();
+    for arg in 0..300 {
+        // Mix short deadlines (some will expire) and generous ones.
+        let timeout = if arg % 10 == 0 { ms(3) } else { ms(100) };
+        if let Some(id) = sim.call(0, 1, arg, timeout) {
+            issued.push((0, id, arg));
+        }
+        sim.run_for(ms(1)).unwrap();
+    }
+    assert!(
+        issued.len() >= 290,
+        "connection stayed up: {}",
+        issued.len()
+    );
+    sim.run_for(Duration::from_secs(1)).unwrap();
+    assert_eq!(sim.node(0).pending_calls(), 0);
+    let outcomes = check_outcomes(&sim, &issued);
+    let replies = outcomes
+        .values()
+        .filter(|o| matches!(o.result, RpcResult::Reply(_)))
+        .count();
+    let expired = outcomes
+        .values()
+        .filter(|o| o.result == RpcResult::Expired)
+        .count();
+    let generous_ok = outcomes
+        .values()
+        .filter(|o| o.arg % 10 != 0 && matches!(o.result, RpcResult::Reply(_)))
+        .count();
+    let generous = issued.iter().filter(|(_, _, a)| a % 10 != 0).count();
+    println!(
+        "loss 20%: {replies} replies, {expired} expired of {} calls; {:?}",
+        issued.len(),
+        sim.net_stats()
+    );
+    assert!(sim.net_stats().lost > 100, "loss happened");
+    assert!(
+        generous_ok * 100 >= generous * 99,
+        "{generous_ok}/{generous} generous calls answered"
+    );
+    assert!(expired > 0, "some 3 ms calls expired");
+}
+
+#[test]
+fn no_duplicate_execution_through_dedup_window() {
+    let net = NetConfig {
+        loss: 0.1,
+        duplicate: 0.5,
+        reorder: 0.3,
+        reorder_delay: ms(3),
+        ..NetConfig::default()
+    };
+    let rpc = RpcConfig {
+        // Retransmit faster than the round trip so most calls are sent several times.
+        retry_interval: Duration::from_micros(150),
+        ..RpcConfig::default()
+    };
+    let mut sim = pair(7, net, rpc);
+    while sim.node(0).conn(1).unwrap().state() != State::Ready
+        || sim.node(1).conn(0).unwrap().state() != State::Ready
+    {
+        sim.run_for(ms(10)).unwrap();
+    }
+    let mut issued = Vec::new();
+    for arg in 0..300 {
+        if let Some(id) = sim.call(0, 1, arg, ms(200)) {
+            issued.push((0, id, arg));
+        }
+        sim.run_for(Duration::from_micros(200)).unwrap();
+    }
+    sim.run_for(Duration::from_secs(1)).unwrap();
+    check_outcomes(&sim, &issued);
+    let executions = sim.node(1).executions();
+    let total: u32 = executions.values().sum();
+    assert!(
+        executions.values().all(|&n| n == 1),
+        "a request executed twice"
+    );
+    let delivered = sim.node(1).conn(0).unwrap().stats().delivered;
+    println!(
+        "{} executions from {delivered} request frames delivered",
+        total
+    );
+    assert!(
+        delivered > 2 * u64::from(total),
+        "duplicates really arrived"
+    );
+    assert!(total as usize >= issued.len() * 95 / 100);
+}
+
+#[test]
+fn same_seed_same_run() {
+    let run = |seed| {
+        let net = NetConfig {
+            loss: 0.1,
+            duplicate: 0.1,
+            reorder: 0.2,
+            ..NetConfig::default()
+        };
+        let mut sim = pair(seed, net, RpcConfig::default());
+        sim.run_for(ms(50)).unwrap();
+        for arg in 0..50 {
+            sim.call(0, 1, arg, ms(30));
+            sim.run_for(ms(1)).unwrap();
+        }
+        sim.partition(0, 1);
+        sim.run_for(ms(200)).unwrap();
+        sim.heal(0, 1);
+        sim.run_for(ms(500)).unwrap();
+        (
+            sim.events().to_vec(),
+            sim.outcomes().to_vec(),
+            sim.net_stats(),
+        )
+    };
+    assert_eq!(run(11), run(11));
+    assert_ne!(run(11).2, run(12).2);
+}
