@@ -1,1 +1,3 @@
-//! placeholder
+#![doc = include_str!("../README.md")]
+
+pub use shardcx_shards::{proto, ucx};

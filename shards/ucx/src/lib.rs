@@ -67,7 +67,7 @@ mod worker;
 pub use am::{AmData, AmIdRaw, AmPayload, AmPayloadBufs, AmProto, AmRecvData, AmRndv, AmSend};
 pub use buf::{AlignedBuf, IoBuf, IoBufMut, MemoryType};
 pub use context::{Config, Context, Features};
-pub use driver::block_on;
+pub use driver::{block_on, block_on_with, DEFAULT_SPIN};
 pub use endpoint::{Close, CloseMode, Endpoint, EpFailed, EpOptions, ErrorMode};
 pub use listener::{Accept, ConnRequest, Listener};
 pub use request::callback_panics;
