@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use common::{context, pair, pattern};
+use common::{bounded, context, pair, pattern};
 use shardcx_ucx::{
-    block_on, AmPayload, AmProto, CloseMode, Endpoint, EpOptions, Error, Features, Listener,
-    MemHandle, RemoteKey, Worker,
+    AmPayload, AmProto, CloseMode, Endpoint, EpOptions, Error, Features, Listener, MemHandle,
+    RemoteKey, Worker,
 };
 
 #[test]
@@ -51,12 +51,12 @@ fn listener_accepts_and_rejects_connections() {
         .expect("handler");
 
     let ep = Endpoint::connect(&client, addr, EpOptions::default()).expect("connect");
-    let server_ep = block_on(&[&server, &client], async {
+    let server_ep = bounded(&[&server, &client], async {
         let req = listener.accept().await;
         assert!(req.client_addr().is_some());
         Endpoint::accept(&server, req, EpOptions::default()).expect("accept")
     });
-    block_on(&[&server, &client], async {
+    bounded(&[&server, &client], async {
         let (res, _) = ep.am_send(1, b"hi", pattern(100, 1), AmProto::Auto).await;
         res.expect("send");
         ep.flush().await.expect("flush");
@@ -70,13 +70,13 @@ fn listener_accepts_and_rejects_connections() {
 
     // A second client is rejected: its endpoint reports an error.
     let ep2 = Endpoint::connect(&client, addr, EpOptions::default()).expect("connect 2");
-    let err = block_on(&[&server, &client], async {
+    let err = bounded(&[&server, &client], async {
         listener.accept().await.reject().expect("reject");
         ep2.failed().await
     });
     assert!(err.is_connection_failure(), "{err:?}");
 
-    block_on(&[&server, &client], async {
+    bounded(&[&server, &client], async {
         ep.close(CloseMode::Flush).await.expect("close client");
         server_ep
             .close(CloseMode::Force)
@@ -99,10 +99,10 @@ fn connecting_to_nothing_fails_with_a_typed_error() {
         EpOptions::default(),
     )
     .expect("create");
-    let err = block_on(&[&client], ep.failed());
+    let err = bounded(&[&client], ep.failed());
     assert!(err.is_connection_failure(), "{err:?}");
     // Operations on a failed endpoint fail at once and hand the buffer back.
-    let (res, buf) = block_on(&[&client], ep.tag_send(1, vec![1, 2, 3]));
+    let (res, buf) = bounded(&[&client], ep.tag_send(1, vec![1, 2, 3]));
     assert!(res.is_err());
     assert_eq!(buf, vec![1, 2, 3]);
 }
@@ -119,7 +119,7 @@ fn endpoint_error_is_delivered_when_the_peer_worker_goes_away() {
         ba,
     } = p;
     // Make sure the connection is up both ways.
-    block_on(&[&a, &b], async {
+    bounded(&[&a, &b], async {
         ab.tag_send(1, vec![1]).await.0.expect("a->b");
         b.tag_recv(1, u64::MAX, vec![0u8; 1]).await.0.expect("recv");
         ba.flush().await.expect("flush");
@@ -128,12 +128,12 @@ fn endpoint_error_is_delivered_when_the_peer_worker_goes_away() {
     drop(b);
     drop(b_context);
     let started = Instant::now();
-    let err = block_on(&[&a], ab.failed());
+    let err = bounded(&[&a], ab.failed());
     assert!(err.is_connection_failure(), "{err:?}");
     assert!(started.elapsed() < Duration::from_secs(30));
     assert_eq!(ab.error(), Some(err));
     // In-flight and new operations fail rather than hang.
-    let (res, _) = block_on(&[&a], ab.am_send(1, b"", vec![0u8; 10], AmProto::Auto));
+    let (res, _) = bounded(&[&a], ab.am_send(1, b"", vec![0u8; 10], AmProto::Auto));
     assert!(res.is_err());
     drop(ab);
     drop(a);

@@ -69,7 +69,7 @@ pub(crate) fn pair(tls: &str) -> Pair {
 
 impl Pair {
     pub(crate) fn run<F: std::future::Future>(&self, fut: F) -> F::Output {
-        block_on(&[&self.a, &self.b], fut)
+        bounded(&[&self.a, &self.b], fut)
     }
 
     /// Progress both workers for a while (lets background completions happen).
@@ -79,6 +79,29 @@ impl Pair {
             self.b.progress();
         }
     }
+}
+
+/// Longest any single test step may take before the test fails instead of hanging.
+pub(crate) const STEP_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// `block_on`, failing the test if `fut` is not done within [`STEP_DEADLINE`] (the driver
+/// re-polls at least every few milliseconds, so the check runs even when nothing happens).
+pub(crate) fn bounded<F: std::future::Future>(workers: &[&Worker], fut: F) -> F::Output {
+    let started = std::time::Instant::now();
+    let mut fut = std::pin::pin!(fut);
+    block_on(
+        workers,
+        std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
+            std::task::Poll::Ready(v) => std::task::Poll::Ready(v),
+            std::task::Poll::Pending => {
+                assert!(
+                    started.elapsed() < STEP_DEADLINE,
+                    "test step exceeded {STEP_DEADLINE:?}"
+                );
+                std::task::Poll::Pending
+            }
+        }),
+    )
 }
 
 /// A deterministic byte pattern for content checks.
