@@ -3,7 +3,7 @@
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_void};
 use std::future::Future;
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::ptr;
 use std::rc::Rc;
@@ -58,6 +58,33 @@ pub struct Worker {
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct WorkerAddress {
     bytes: Vec<u8>,
+}
+
+/// A duplicate of a worker's event file descriptor ([`Worker::wakeup_fd`]). Unlike the worker
+/// it is `Send`: a helper thread can block on it and tell the worker's thread that events
+/// arrived. It refers to the same kernel object as the worker's fd, so it becomes readable
+/// exactly when the armed worker has events; it stays valid (but never readable again) after
+/// the worker is gone.
+#[derive(Debug)]
+pub struct WakeupFd {
+    fd: OwnedFd,
+}
+
+impl WakeupFd {
+    /// Block until the fd is readable or `timeout` passes (`None`: no limit). Returns whether
+    /// it became readable.
+    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        poll_fds(
+            &[self.fd.as_raw_fd()],
+            timeout.unwrap_or(Duration::from_millis(i32::MAX as u64)),
+        )
+    }
+}
+
+impl AsFd for WakeupFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 /// Result of [`Worker::arm`].
@@ -129,6 +156,19 @@ impl Worker {
         // pointer. The fd is owned by the worker.
         check(unsafe { ffi::ucp_worker_get_efd(self.inner.handle, &mut fd) })?;
         Ok(fd)
+    }
+
+    /// A duplicate of this worker's event fd that another thread may wait on (a waker thread
+    /// that tells an executor the worker has events). Arm the worker before waiting.
+    pub fn wakeup_fd(&self) -> Result<WakeupFd> {
+        let fd = self.event_fd()?;
+        // SAFETY: `fd` is the worker's open event fd (owned by UCX, alive while the worker
+        // lives); `BorrowedFd` only lives for this statement, during which the worker is alive.
+        let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+        let owned = borrowed
+            .try_clone_to_owned()
+            .map_err(|_| Error::InvalidArgument("cannot duplicate the worker's event fd"))?;
+        Ok(WakeupFd { fd: owned })
     }
 
     /// Wake a thread sleeping on this worker's event fd (`ucp_worker_signal`).

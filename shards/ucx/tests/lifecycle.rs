@@ -184,6 +184,19 @@ fn worker_sleeps_on_its_event_fd_when_idle() {
     assert!(!woke || started.elapsed() >= Duration::from_millis(1));
     w.signal().expect("signal");
     assert!(w.wait(Duration::from_secs(5)).expect("wait"));
+
+    // Another thread can sleep on a duplicate of the fd and is woken by the worker's events.
+    let fd = w.wakeup_fd().expect("wakeup fd");
+    while w.arm().expect("arm") == shardcx_ucx::Armed::Busy {
+        w.progress();
+    }
+    let waiter = std::thread::spawn(move || fd.wait(Some(Duration::from_secs(10))));
+    std::thread::sleep(Duration::from_millis(20));
+    w.signal().expect("signal");
+    assert!(
+        waiter.join().expect("waiter"),
+        "the waiter thread was woken"
+    );
 }
 
 /// Compile-time checks that the UCX handles cannot leave their thread.
@@ -213,4 +226,5 @@ fn auto_traits() {
     send_sync::<shardcx_ucx::WorkerAddress>();
     send_sync::<shardcx_ucx::PackedRkey>();
     send_sync::<Error>();
+    send_sync::<shardcx_ucx::WakeupFd>();
 }
