@@ -14,7 +14,7 @@ use ucx1_sys as sys;
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::{Endpoint, EpInner};
 use crate::ffi;
-use crate::request::{self, guard, CbKind, InFlight, Keep, ParamExtra, Posted};
+use crate::request::{self, guard, CbKind, InFlight, ParamExtra, Posted};
 use crate::status::{self, check, Error, RawStatus, Result};
 use crate::worker::{Worker, WorkerInner};
 
@@ -380,7 +380,8 @@ impl<B: IoBufMut> Future for AmRecvData<B> {
                 &this.worker,
                 CbKind::AmRecvData,
                 extra,
-                Keep::default(),
+                &[],
+                &[],
                 |param, _| {
                     // SAFETY: ucp.h (`ucp_am_recv_data_nbx`): `desc` is a rendezvous descriptor
                     // kept from a handler (UCX takes ownership of it here, even on failure);
@@ -448,7 +449,7 @@ impl Endpoint {
         AmSend {
             ep: self.inner.clone(),
             id,
-            header: header.to_vec(),
+            header: HeaderBuf::new(header),
             proto,
             bufs: Some(payload),
             flight: None,
@@ -466,7 +467,7 @@ impl Endpoint {
         AmSend {
             ep: self.inner.clone(),
             id,
-            header: header.to_vec(),
+            header: HeaderBuf::new(header),
             proto,
             bufs: Some(payload),
             flight: None,
@@ -525,11 +526,44 @@ impl<B: IoBuf> AmPayloadBufs for Vec<B> {
     }
 }
 
+/// An active-message header held by a send future until it is posted: inline when small, so
+/// that sending allocates nothing.
+enum HeaderBuf {
+    Inline([u8; INLINE_HEADER], u8),
+    Heap(Vec<u8>),
+}
+
+/// Headers up to this size are kept inline.
+const INLINE_HEADER: usize = 64;
+
+impl HeaderBuf {
+    fn new(bytes: &[u8]) -> Self {
+        if bytes.len() <= INLINE_HEADER {
+            let mut a = [0u8; INLINE_HEADER];
+            a[..bytes.len()].copy_from_slice(bytes);
+            HeaderBuf::Inline(a, bytes.len() as u8)
+        } else {
+            HeaderBuf::Heap(bytes.to_vec())
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            HeaderBuf::Inline(a, n) => &a[..*n as usize],
+            HeaderBuf::Heap(v) => v,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+}
+
 /// Future of [`Endpoint::am_send`] and [`Endpoint::am_send_iov`].
 pub struct AmSend<B: AmPayloadBufs> {
     ep: Rc<EpInner>,
     id: AmIdRaw,
-    header: Vec<u8>,
+    header: HeaderBuf,
     proto: AmProto,
     bufs: Option<B>,
     flight: Option<InFlight>,
@@ -566,16 +600,18 @@ impl<B: AmPayloadBufs> Future for AmSend<B> {
                 datatype: Some(datatype),
                 memory_type: Some(mt),
             };
-            // The header and the iovec array live in the request state until completion.
+            // The header and the iovec array are copied into the request state, which lives
+            // until completion.
             let hdr_len = this.header.len();
-            let keep = Keep {
-                header: std::mem::take(&mut this.header),
-                iov,
-            };
             let ep = this.ep.handle.get();
             let id = this.id as std::ffi::c_uint;
-            let posted =
-                request::post(&this.ep.worker, CbKind::Send, extra, keep, |param, keep| {
+            let posted = request::post(
+                &this.ep.worker,
+                CbKind::Send,
+                extra,
+                this.header.as_slice(),
+                &iov,
+                |param, keep| {
                     let hdr = if hdr_len == 0 {
                         ptr::null()
                     } else {
@@ -600,7 +636,8 @@ impl<B: AmPayloadBufs> Future for AmSend<B> {
                             param,
                         )
                     }
-                });
+                },
+            );
             match posted {
                 Posted::Now(c) => {
                     let b = this

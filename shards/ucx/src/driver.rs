@@ -24,6 +24,9 @@ use crate::worker::{poll_fds, Armed, Worker};
 /// gave 540 µs). With 1 ms, an active exchange never sleeps and matches `ucx_perftest`, while
 /// an idle thread still sleeps after 1 ms.
 pub const DEFAULT_SPIN: Duration = Duration::from_millis(1);
+/// Idle progress rounds between two looks at the clock.
+const CLOCK_EVERY: u32 = 64;
+
 /// Longest single sleep; a bound, in case an event is signalled some other way.
 const MAX_SLEEP: Duration = Duration::from_millis(5);
 
@@ -52,6 +55,7 @@ pub fn block_on_with<F: Future>(workers: &[&Worker], spin: Duration, fut: F) -> 
     let mut cx = Context::from_waker(&waker);
     let mut fut = pin!(fut);
     let mut idle_since: Option<Instant> = None;
+    let mut idle_rounds = 0u32;
     loop {
         if flag.0.swap(false, Ordering::AcqRel) {
             if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
@@ -64,11 +68,17 @@ pub fn block_on_with<F: Future>(workers: &[&Worker], spin: Duration, fut: F) -> 
         }
         if events > 0 || flag.0.load(Ordering::Acquire) {
             idle_since = None;
+            idle_rounds = 0;
+            continue;
+        }
+        // Reading the clock costs as much as an idle progress round, so look only every
+        // CLOCK_EVERY rounds.
+        idle_rounds = idle_rounds.wrapping_add(1);
+        if idle_rounds % CLOCK_EVERY != 0 {
             continue;
         }
         let since = *idle_since.get_or_insert_with(Instant::now);
         if since.elapsed() < spin {
-            std::hint::spin_loop();
             continue;
         }
         idle_since = None;

@@ -14,7 +14,7 @@ use ucx1_sys as sys;
 
 use crate::ffi;
 use crate::listener::ConnRequest;
-use crate::request::{self, CbKind, InFlight, Keep, ParamExtra, Posted};
+use crate::request::{self, CbKind, InFlight, ParamExtra, Posted};
 use crate::status::{check, Error, RawStatus, Result};
 use crate::worker::{Flush, Worker, WorkerAddress, WorkerInner};
 
@@ -330,17 +330,11 @@ impl EpInner {
             flags: Some(flags),
             ..ParamExtra::default()
         };
-        let posted = request::post(
-            &self.worker,
-            CbKind::Send,
-            extra,
-            Keep::default(),
-            |param, _| {
-                // SAFETY: ucp.h (`ucp_ep_close_nbx`): the endpoint is live and closed once (the
-                // handle is swapped out above); force mode only with error mode PEER, as required.
-                unsafe { sys::ucp_ep_close_nbx(ep, param) }
-            },
-        );
+        let posted = request::post(&self.worker, CbKind::Send, extra, &[], &[], |param, _| {
+            // SAFETY: ucp.h (`ucp_ep_close_nbx`): the endpoint is live and closed once (the
+            // handle is swapped out above); force mode only with error mode PEER, as required.
+            unsafe { sys::ucp_ep_close_nbx(ep, param) }
+        });
         Some(match posted {
             Posted::Now(c) => c.result().map(|_| None),
             Posted::Later(f) => Ok(Some(f)),

@@ -233,17 +233,25 @@ pub(crate) fn post(
     worker: &Rc<WorkerInner>,
     kind: CbKind,
     extra: ParamExtra,
-    keep: Keep,
+    header: &[u8],
+    iov: &[sys::ucp_dt_iov_t],
     call: impl FnOnce(&sys::ucp_request_param_t, &Keep) -> *mut c_void,
 ) -> Posted {
-    let state = Box::new(OpState {
-        done: Cell::new(None),
-        waker: RefCell::new(None),
-        orphaned: Cell::new(false),
-        parked: Cell::new(None),
-        keep,
-        orphans: worker.orphans.clone(),
+    // States are recycled through the worker's free list: no allocation per operation in the
+    // steady state.
+    let spare = worker.spare_ops.borrow_mut().pop();
+    let mut state = spare.unwrap_or_else(|| {
+        Box::new(OpState {
+            done: Cell::new(None),
+            waker: RefCell::new(None),
+            orphaned: Cell::new(false),
+            parked: Cell::new(None),
+            keep: Keep::default(),
+            orphans: worker.orphans.clone(),
+        })
     });
+    state.keep.header.extend_from_slice(header);
+    state.keep.iov.extend_from_slice(iov);
     let state_ptr = Box::into_raw(state);
     let mut recv_len: sys::size_t = 0;
     // SAFETY: `ucp_tag_recv_info_t` is two integers; all-zero is a valid value.
@@ -325,7 +333,7 @@ pub(crate) fn post(
             // SAFETY: completed immediately (or failed to start): UCX does not call the
             // callback (ucp.h: "the callback is not invoked if the operation completes
             // immediately") and keeps no reference to the state.
-            drop(unsafe { Box::from_raw(state_ptr) });
+            recycle(worker, unsafe { Box::from_raw(state_ptr) });
             let (status, length, sender_tag) = match other {
                 StatusPtr::Done => match kind {
                     CbKind::TagRecv => (
@@ -344,6 +352,28 @@ pub(crate) fn post(
                 sender_tag,
             })
         }
+    }
+}
+
+/// Most states a worker keeps for reuse.
+const SPARE_OPS: usize = 256;
+/// Largest header buffer a recycled state keeps.
+const SPARE_HEADER_CAPACITY: usize = 4096;
+
+/// Return a finished state to the worker's free list (or free it).
+fn recycle(worker: &WorkerInner, mut state: Box<OpState>) {
+    state.done.set(None);
+    state.waker.get_mut().take();
+    state.parked.get_mut().take();
+    state.orphaned.set(false);
+    state.keep.header.clear();
+    state.keep.iov.clear();
+    if state.keep.header.capacity() > SPARE_HEADER_CAPACITY {
+        state.keep.header = Vec::new();
+    }
+    let mut spare = worker.spare_ops.borrow_mut();
+    if spare.len() < SPARE_OPS {
+        spare.push(state);
     }
 }
 
@@ -392,7 +422,7 @@ impl InFlight {
         // returns to the worker's pool at once; we never use it again.
         unsafe { sys::ucp_request_free(self.request) };
         // SAFETY: the callback ran, so UCX holds no reference to the state; we are its owner.
-        drop(unsafe { Box::from_raw(self.state.as_ptr()) });
+        recycle(&self.worker, unsafe { Box::from_raw(self.state.as_ptr()) });
     }
 }
 

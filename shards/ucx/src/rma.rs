@@ -19,7 +19,7 @@ use crate::buf::{IoBuf, IoBufMut};
 use crate::context::{Context, ContextInner};
 use crate::endpoint::{Endpoint, EpInner};
 use crate::ffi;
-use crate::request::{self, CbKind, InFlight, Keep, ParamExtra, Posted};
+use crate::request::{self, CbKind, InFlight, ParamExtra, Posted};
 use crate::status::{check, Error, Result};
 use crate::tag::{finish, park};
 
@@ -371,7 +371,8 @@ impl<B: IoBuf> Future for Put<B> {
                 &this.ep.worker,
                 CbKind::Send,
                 extra,
-                Keep::default(),
+                &[],
+                &[],
                 |param, _| {
                     // SAFETY: ucp.h (`ucp_put_nbx`): live endpoint and remote key (both held by this
                     // future); `ptr` is `len` readable bytes owned by this future until completion
@@ -430,7 +431,8 @@ impl<B: IoBufMut> Future for Get<B> {
                 &this.ep.worker,
                 CbKind::Send,
                 extra,
-                Keep::default(),
+                &[],
+                &[],
                 |param, _| {
                     // SAFETY: ucp.h (`ucp_get_nbx`): live endpoint and remote key; `ptr` is `len`
                     // writable bytes owned by this future until completion, or parked with the

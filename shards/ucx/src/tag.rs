@@ -9,7 +9,7 @@ use ucx1_sys as sys;
 
 use crate::buf::{IoBuf, IoBufMut};
 use crate::endpoint::{Endpoint, EpInner};
-use crate::request::{self, CbKind, InFlight, Keep, ParamExtra, Posted};
+use crate::request::{self, CbKind, InFlight, ParamExtra, Posted};
 use crate::status::Result;
 use crate::worker::{Worker, WorkerInner};
 
@@ -83,7 +83,8 @@ impl<B: IoBuf> Future for TagSend<B> {
                 &this.ep.worker,
                 CbKind::Send,
                 extra,
-                Keep::default(),
+                &[],
+                &[],
                 |param, _| {
                     // SAFETY: ucp.h (`ucp_tag_send_nbx`): live endpoint; `ptr` is `len` readable
                     // bytes owned by this future until completion (or parked if it is dropped).
@@ -139,7 +140,8 @@ impl<B: IoBufMut> Future for TagRecv<B> {
                 &this.worker,
                 CbKind::TagRecv,
                 extra,
-                Keep::default(),
+                &[],
+                &[],
                 |param, _| {
                     // SAFETY: ucp.h (`ucp_tag_recv_nbx`): live worker; `ptr` is `len` writable
                     // bytes owned by this future until completion, or parked with the worker if

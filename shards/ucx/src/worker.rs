@@ -15,7 +15,7 @@ use ucx1_sys as sys;
 use crate::am::AmSlot;
 use crate::context::{Context, ContextInner};
 use crate::ffi;
-use crate::request::{self, CbKind, InFlight, Keep, Orphans, ParamExtra, Posted};
+use crate::request::{self, CbKind, InFlight, Orphans, ParamExtra, Posted};
 use crate::status::{self, check, Error, Result};
 
 /// How long a dropped worker keeps progressing to let cancelled or in-flight orphaned requests
@@ -25,6 +25,9 @@ const TEARDOWN_BUDGET: Duration = Duration::from_secs(2);
 pub(crate) struct WorkerInner {
     pub(crate) handle: sys::ucp_worker_h,
     pub(crate) orphans: Rc<Orphans>,
+    /// Finished operation states kept for reuse (see `request::post`).
+    #[allow(clippy::vec_box)] // states are handed to UCX by address: they must stay boxed
+    pub(crate) spare_ops: RefCell<Vec<Box<request::OpState>>>,
     /// Active-message handler slots; boxed so their addresses (UCX's `arg`) never move when
     /// the vector grows.
     #[allow(clippy::vec_box)] // the box is the point: a stable address per slot
@@ -119,6 +122,7 @@ impl Worker {
             inner: Rc::new(WorkerInner {
                 handle,
                 orphans: Rc::new(Orphans::default()),
+                spare_ops: RefCell::new(Vec::new()),
                 am_slots: RefCell::new(Vec::new()),
                 am_cb_desc: Cell::new(ptr::null_mut()),
                 am_cb_released: Cell::new(false),
@@ -340,7 +344,8 @@ impl Future for Flush {
                 &this.worker,
                 CbKind::Send,
                 ParamExtra::default(),
-                Keep::default(),
+                &[],
+                &[],
                 |param, _| {
                     match &ep {
                         // SAFETY: ucp.h (`ucp_ep_flush_nbx`): live endpoint (held by `ep`),
