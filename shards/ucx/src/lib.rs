@@ -22,7 +22,11 @@
 //!   value and resolve to `(Result<T>, buffer)`. A future posts its operation on first poll.
 //!   **Dropping it cancels the request** (`ucp_request_cancel`) and parks its buffers with the
 //!   worker until UCX reports completion; only then are they freed. See [`IoBuf`] for what a
-//!   buffer must guarantee.
+//!   buffer must guarantee. Buffers include `Vec<u8>`, `Box<[u8]>`, [`AlignedBuf`] and
+//!   [`MemSlice`], an exclusive lease on part of a registered region (for memory pools).
+//! - UCX 1.12 cannot be given a buffer's registration per operation (`UCP_OP_ATTR_FIELD_MEMH`
+//!   arrived in later releases): registered buffers still go through UCX's registration cache,
+//!   which finds the region's existing registration.
 //! - Active messages arrive through a handler ([`Worker::set_am_handler`]) that sees the header
 //!   and either keeps the eager data ([`AmData`], a UCX descriptor kept past the callback) or
 //!   pulls rendezvous data into a buffer it chooses ([`AmRndv`] + [`Worker::am_recv_data`]).
@@ -71,7 +75,7 @@ pub use driver::{block_on, block_on_with, DEFAULT_SPIN};
 pub use endpoint::{Close, CloseMode, Endpoint, EpFailed, EpOptions, ErrorMode};
 pub use listener::{Accept, ConnRequest, Listener};
 pub use request::callback_panics;
-pub use rma::{Get, MemHandle, PackedRkey, Put, RemoteKey};
+pub use rma::{Get, MemHandle, MemSlice, PackedRkey, Put, RemoteKey};
 pub use status::{status_string, Error, RawStatus, Result};
 pub use tag::{TagRecv, TagRecvInfo, TagSend};
 pub use version::{version, VersionInfo};

@@ -6,6 +6,8 @@
 //! native RMA only in an explicit "trusted cluster" mode; this module is the native layer.
 
 use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::future::Future;
 use std::pin::Pin;
@@ -34,7 +36,21 @@ pub struct MemHandle {
     len: usize,
     /// The mapped buffer when the memory is ours; dropped after unmapping.
     owned: Option<Box<dyn Any>>,
+    /// Ranges handed out as [`MemSlice`]s: start → end. Slices never overlap.
+    leases: RefCell<BTreeMap<usize, usize>>,
+    /// Set once a remote key was packed: peers may then write the memory at any time, so no
+    /// Rust reference to it is handed out any more.
+    exported: Cell<bool>,
     context: Rc<ContextInner>,
+}
+
+/// An exclusive lease on `[offset, offset + len)` (non-empty) of a registered region: a buffer operations
+/// can own (it implements [`IoBufMut`] and carries the region's registration). Leases of one
+/// region never overlap; dropping the slice ends the lease.
+pub struct MemSlice {
+    region: Rc<MemHandle>,
+    offset: usize,
+    len: usize,
 }
 
 /// A packed remote key: bytes to send to a peer, who unpacks them on an endpoint to this
@@ -69,6 +85,8 @@ impl MemHandle {
             addr,
             len,
             owned: Some(Box::new(buf)),
+            leases: RefCell::new(BTreeMap::new()),
+            exported: Cell::new(false),
             context: context.inner.clone(),
         })
     }
@@ -99,6 +117,8 @@ impl MemHandle {
             addr: attr.address.cast(),
             len: (attr.length as usize).min(len),
             owned: None,
+            leases: RefCell::new(BTreeMap::new()),
+            exported: Cell::new(false),
             context: context.inner.clone(),
         })
     }
@@ -118,6 +138,53 @@ impl MemHandle {
         self.len == 0
     }
 
+    /// Lease `[offset, offset + len)` of the region as an owned buffer. Fails if the range
+    /// is empty, outside the region or overlaps a live lease. While leased, the range is
+    /// reached only through the slice: the region's `read_at`/`write_at` refuse it.
+    pub fn slice(self: &Rc<Self>, offset: usize, len: usize) -> Result<MemSlice> {
+        let end = offset
+            .checked_add(len)
+            .ok_or(Error::InvalidArgument("offset overflows"))?;
+        if end > self.len {
+            return Err(Error::InvalidArgument("slice past the end of the region"));
+        }
+        if len == 0 {
+            return Err(Error::InvalidArgument("empty slice"));
+        }
+        if self.overlaps_lease(offset, end) {
+            return Err(Error::InvalidArgument("slice overlaps a live slice"));
+        }
+        let mut leases = self.leases.borrow_mut();
+        leases.insert(offset, end);
+        drop(leases);
+        Ok(MemSlice {
+            region: self.clone(),
+            offset,
+            len,
+        })
+    }
+
+    /// Whether `[start, end)` (non-empty) overlaps a live lease.
+    fn overlaps_lease(&self, start: usize, end: usize) -> bool {
+        let leases = self.leases.borrow();
+        let before = leases
+            .range(..=start)
+            .next_back()
+            .is_some_and(|(_, &e)| e > start);
+        let after = leases.range(start..).next().is_some_and(|(&s, _)| s < end);
+        before || after
+    }
+
+    /// Number of live [`MemSlice`] leases.
+    pub fn leased(&self) -> usize {
+        self.leases.borrow().len()
+    }
+
+    /// Whether a remote key was packed for this region (see [`MemSlice::as_slice`]).
+    pub fn is_exported(&self) -> bool {
+        self.exported.get()
+    }
+
     /// Copy `data` into the region at `offset`.
     pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
         let end = offset
@@ -125,6 +192,9 @@ impl MemHandle {
             .ok_or(Error::InvalidArgument("offset overflows"))?;
         if end > self.len {
             return Err(Error::InvalidArgument("write past the end of the region"));
+        }
+        if !data.is_empty() && self.overlaps_lease(offset, end) {
+            return Err(Error::InvalidArgument("range is leased to a slice"));
         }
         // SAFETY: `[offset, end)` lies inside the registered region, which stays mapped and
         // allocated while `self` lives; raw copies are used because remote peers may write the
@@ -141,6 +211,9 @@ impl MemHandle {
         if end > self.len {
             return Err(Error::InvalidArgument("read past the end of the region"));
         }
+        if !out.is_empty() && self.overlaps_lease(offset, end) {
+            return Err(Error::InvalidArgument("range is leased to a slice"));
+        }
         // SAFETY: as in `write_at`.
         unsafe { ptr::copy(self.addr.add(offset), out.as_mut_ptr(), out.len()) };
         Ok(())
@@ -148,6 +221,7 @@ impl MemHandle {
 
     /// Pack a remote key for this region, to send to a peer.
     pub fn pack_rkey(&self) -> Result<PackedRkey> {
+        self.exported.set(true);
         let mut buf: *mut c_void = ptr::null_mut();
         let mut size: sys::size_t = 0;
         // SAFETY: ucp.h (`ucp_rkey_pack`): live context and memory handle; on success `buf`
@@ -193,6 +267,124 @@ fn mem_map(
         return Err(Error::NoMemory);
     }
     Ok(memh)
+}
+
+impl MemSlice {
+    /// Offset of the slice in its region.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slice is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The region this slice leases from.
+    pub fn region(&self) -> &Rc<MemHandle> {
+        &self.region
+    }
+
+    /// The bytes, when no remote key was ever packed for the region (otherwise a peer could
+    /// write them while the reference lives; use [`MemSlice::read_at`]).
+    pub fn as_slice(&self) -> Option<&[u8]> {
+        if self.region.exported.get() {
+            return None;
+        }
+        // SAFETY: the lease makes `[offset, offset + len)` exclusively ours (no other slice
+        // overlaps, the region's own `write_at`/`read_at` are raw copies that form no
+        // reference); the region stays mapped while `self.region` lives; no remote key exists,
+        // so no peer can write it; `&self` prevents a concurrent `&mut` through this slice.
+        Some(unsafe { std::slice::from_raw_parts(self.region.addr.add(self.offset), self.len) })
+    }
+
+    /// The bytes, writable, under the same condition as [`MemSlice::as_slice`].
+    pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
+        if self.region.exported.get() {
+            return None;
+        }
+        // SAFETY: as in `as_slice`, and `&mut self` makes the access exclusive.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.region.addr.add(self.offset), self.len) })
+    }
+
+    /// Copy bytes of the slice at `offset` into `out`.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let end = offset
+            .checked_add(out.len())
+            .ok_or(Error::InvalidArgument("offset overflows"))?;
+        if end > self.len {
+            return Err(Error::InvalidArgument("read past the end of the slice"));
+        }
+        // SAFETY: `[offset, end)` lies in this slice, which lies in the mapped region; the
+        // lease makes the range ours and no reference to it exists while `&self` is borrowed
+        // here (a `&mut` from `as_mut_slice` would need `&mut self`).
+        unsafe {
+            std::ptr::copy(self.stable_ptr().add(offset), out.as_mut_ptr(), out.len());
+        }
+        Ok(())
+    }
+
+    /// Copy `data` into the slice at `offset`.
+    pub fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        let end = offset
+            .checked_add(data.len())
+            .ok_or(Error::InvalidArgument("offset overflows"))?;
+        if end > self.len {
+            return Err(Error::InvalidArgument("write past the end of the slice"));
+        }
+        let dst = self.stable_mut_ptr();
+        // SAFETY: as in `read_at`, with `&mut self` making the access exclusive.
+        unsafe { std::ptr::copy(data.as_ptr(), dst.add(offset), data.len()) };
+        Ok(())
+    }
+}
+
+impl Drop for MemSlice {
+    fn drop(&mut self) {
+        self.region.leases.borrow_mut().remove(&self.offset);
+    }
+}
+
+impl std::fmt::Debug for MemSlice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemSlice")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+// SAFETY: the bytes live in the registered region, which the slice keeps mapped (it holds an
+// `Rc` to it) and which never moves; the lease guarantees no other slice covers them.
+unsafe impl IoBuf for MemSlice {
+    fn stable_ptr(&self) -> *const u8 {
+        // SAFETY: `offset + len <= region.len` (checked when leased), so the pointer stays in
+        // the region's allocation.
+        unsafe { self.region.addr.add(self.offset) }
+    }
+    fn bytes_init(&self) -> usize {
+        self.len
+    }
+    fn mem_handle(&self) -> Option<&MemHandle> {
+        Some(&self.region)
+    }
+}
+
+// SAFETY: as for `IoBuf`; while an operation owns the slice no reference to its bytes exists
+// (`as_slice`/`as_mut_slice` need the slice itself).
+unsafe impl IoBufMut for MemSlice {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        // SAFETY: as in `stable_ptr`.
+        unsafe { self.region.addr.add(self.offset) }
+    }
+    fn bytes_total(&self) -> usize {
+        self.len
+    }
 }
 
 impl Drop for MemHandle {

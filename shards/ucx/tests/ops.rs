@@ -306,3 +306,46 @@ async fn join<A: std::future::Future, B: std::future::Future>(
     })
     .await
 }
+
+#[test]
+fn registered_slices_are_exclusive_buffers() {
+    let p = pair("tcp");
+    let region = Rc::new(MemHandle::allocate(&p.b_context, 1 << 20).expect("alloc"));
+    let a = region.slice(0, 4096).expect("lease a");
+    assert!(region.slice(4095, 10).is_err(), "overlap with the start");
+    assert!(region.slice(0, 1).is_err(), "same start");
+    assert!(region.slice(100, 10).is_err(), "inside");
+    assert!(region.slice(1 << 20, 1).is_err(), "past the end");
+    assert!(region.slice(usize::MAX, 2).is_err(), "overflow");
+    assert!(region.slice(10, 0).is_err(), "empty");
+    let mut b = region.slice(4096, 1 << 16).expect("lease b, adjacent");
+    assert_eq!(region.leased(), 2);
+    // The region refuses leased ranges; free ranges stay usable.
+    assert!(region.write_at(4000, &[1; 200]).is_err());
+    region
+        .write_at((1 << 16) + 4096, &[9; 16])
+        .expect("free range");
+    // A slice is a buffer: receive into it, read it in place.
+    b.as_mut_slice().expect("not exported").fill(0);
+    let (res, b) = p.run(async {
+        let recv = p.b.tag_recv(5, u64::MAX, b);
+        let send = p.ab.tag_send(5, pattern(50_000, 8));
+        let ((r, b), (s, _)) = join(recv, send).await;
+        s.expect("send");
+        (r, b)
+    });
+    assert_eq!(res.expect("recv").len, 50_000);
+    assert!(b.as_slice().expect("readable")[..50_000] == pattern(50_000, 8)[..]);
+    let mut head = [0u8; 4];
+    b.read_at(0, &mut head).expect("read_at");
+    assert_eq!(&head, &pattern(4, 8)[..]);
+    drop(a);
+    assert_eq!(region.leased(), 1);
+    let again = region.slice(0, 4096).expect("lease again after release");
+    // Once a remote key exists, peers may write the memory: no more references.
+    let _key = region.pack_rkey().expect("pack");
+    assert!(region.is_exported());
+    assert!(again.as_slice().is_none());
+    assert!(b.as_slice().is_none());
+    b.read_at(0, &mut head).expect("copies still work");
+}
