@@ -349,3 +349,39 @@ fn registered_slices_are_exclusive_buffers() {
     assert!(b.as_slice().is_none());
     b.read_at(0, &mut head).expect("copies still work");
 }
+
+#[test]
+fn mapped_owned_memory_is_reachable_by_put_and_get() {
+    for tls in transports() {
+        let p = pair(tls);
+        let region = MemHandle::map(
+            &p.b_context,
+            AlignedBuf::zeroed(64 << 10, 4096).expect("buf"),
+        )
+        .expect("map owned memory");
+        assert_eq!(region.len(), 64 << 10);
+        assert_eq!(
+            region.address() % 4096,
+            0,
+            "the mapped buffer's own address"
+        );
+        let rkey = RemoteKey::unpack(&p.ab, &region.pack_rkey().expect("pack")).expect("unpack");
+        p.run(async {
+            let (res, _) =
+                p.ab.put(pattern(10_000, 3), region.address() + 5, &rkey)
+                    .await;
+            res.expect("put");
+            p.ab.flush().await.expect("flush");
+        });
+        let mut back = vec![0u8; 10_000];
+        region.read_at(5, &mut back).expect("read");
+        assert!(back == pattern(10_000, 3));
+        let (res, got) = p.run(p.ab.get(vec![0u8; 10_000], region.address() + 5, &rkey));
+        res.expect("get");
+        assert!(got == pattern(10_000, 3));
+        assert!(
+            MemHandle::map(&p.b_context, Vec::new()).is_err(),
+            "empty buffers are refused"
+        );
+    }
+}
