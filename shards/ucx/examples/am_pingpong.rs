@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use shardcx_ucx::{
-    block_on, AmPayload, AmProto, Config, Context, Endpoint, EpOptions, ErrorMode, Features,
+    block_on_with, AmPayload, AmProto, Config, Context, Endpoint, EpOptions, ErrorMode, Features,
     Worker, WorkerAddress,
 };
 
@@ -75,6 +75,15 @@ async fn take(worker: &Worker, payload: AmPayload, mut buf: Vec<u8>) -> Vec<u8> 
     }
 }
 
+/// The driver's spin window: `SHARDCX_SPIN_US` microseconds, or the driver's default.
+fn spin() -> Duration {
+    std::env::var("SHARDCX_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_micros)
+        .unwrap_or(shardcx_ucx::DEFAULT_SPIN)
+}
+
 fn setup(tls: &str) -> (Context, Worker) {
     let mut cfg = Config::from_env().expect("UCX config");
     cfg.set("TLS", tls).expect("UCX_TLS");
@@ -118,7 +127,7 @@ fn server(
     let inbox = Rc::new(Inbox::default());
     inbox.install(&worker, PING);
     inbox.install(&worker, STOP);
-    block_on(&[&worker], async {
+    block_on_with(&[&worker], spin(), async {
         let mut buf = Vec::new();
         loop {
             let (id, payload) = inbox.next().await;
@@ -155,7 +164,7 @@ fn client(tls: &str, sizes: &[usize], iters: usize) -> Vec<Row> {
     let ep = Endpoint::connect_to_worker(&worker, &peer, opts(tls)).expect("connect");
     let inbox = Rc::new(Inbox::default());
     inbox.install(&worker, PING);
-    let rows = block_on(&[&worker], async {
+    let rows = block_on_with(&[&worker], spin(), async {
         let mut rows = Vec::new();
         for &size in sizes {
             let n = if size >= 1 << 20 {
