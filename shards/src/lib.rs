@@ -1,14 +1,62 @@
 //! # shardcx-shards: the runtime inside a core
 //!
 //! This crate is where glommio, the sans-IO protocol core ([`proto`]) and the safe UCX layer
-//! ([`ucx`]) meet: every core runs one pinned glommio executor that alone owns a UCX worker, a
-//! connection table and a registered-memory pool, with peers hashed to shards by
-//! [`proto::shard_map::ShardMap`] and requests for another shard's peers forwarded to it.
+//! ([`ucx`]) meet: every shard is one glommio executor (one thread, pinned to a core by
+//! default) that alone owns a UCX context and worker, a registered-memory pool and a progress
+//! driver. The facade crate reaches UCX only through the re-exports below.
 //!
-//! Today it carries the two layers it is built on, re-exported so that the facade crate
-//! reaches UCX only through them (the facade never calls ucx1-sys). The shard runtime itself
-//! (boot, progress driver, connections, cross-shard lanes) is the next piece of work; see
-//! `DESIGN.md`.
+//! ## The model
+//!
+//! [`ShardsBuilder`] is a `Send` recipe (shard count, [`Placement`], UCX transports and
+//! features, pool size, [`DriverConfig`]). [`ShardsBuilder::run`] starts one executor thread per
+//! shard; inside it, the shard builds its [`ShardCtx`] — its own UCX [`ucx::Context`] (one per
+//! shard, never shared: a shared context serialises registration-cache locks across cores), its
+//! own [`ucx::Worker`] (`UCS_THREAD_MODE_SINGLE`), a [`ShardPool`] (one arena registered with
+//! UCX once and carved by proto's size-class allocator) and its progress driver — then runs the
+//! caller's future with an `Rc<ShardCtx>`. When that future ends, the driver and its waker
+//! thread stop and the shard's state is destroyed on its own thread.
+//!
+//! ## Progress
+//!
+//! UCX advances only when the worker is progressed on its thread. The [`driver`] is one task per
+//! shard in a latency-sensitive task queue: it progresses in a loop, yielding between rounds,
+//! while events come and for a spin window after the last one, then arms the worker and sleeps
+//! until the worker's event fd is readable (through a small waker thread; see the module docs
+//! for why). An idle shard therefore costs no CPU, and a busy one never sleeps.
+//!
+//! ## Invariants
+//!
+//! - A [`ShardCtx`] is built inside its thread and never leaves it; UCX handles are never shared
+//!   between shards.
+//! - The driver is the only caller of `progress`, `arm` and of the sleep; it never blocks the
+//!   executor (it awaits a socket).
+//! - Shutdown leaves no thread blocked forever: the waker thread waits on the event fd with a
+//!   timeout and exits when the driver's socket closes.
+//!
+//! ## What is `Send`, and why
+//!
+//! [`ShardsBuilder`], [`Placement`], [`DriverConfig`] and [`BootError`] are `Send`: they are
+//! settings and results that cross threads. [`ShardCtx`] and [`ShardPool`] are `!Send`: they
+//! hold UCX handles made for one thread, and `Rc`/`RefCell` state.
+//!
+//! ## What the machine needs
+//!
+//! - io_uring (Linux 5.8 or later, not disabled by seccomp or `io_uring_disabled`): glommio
+//!   needs it; without it [`ShardsBuilder::run`] returns [`BootError::Executor`].
+//! - Locked memory: each executor locks its io memory. The builder reads `RLIMIT_MEMLOCK` from
+//!   `/proc/self/limits` and gives each executor `(limit - 1 MiB) / shards` (at most 2 MiB, at
+//!   least 64 KiB), or fails with [`BootError::MemlockTooSmall`] naming the limit and the need.
+//! - UCX with `UCP_FEATURE_WAKEUP` (always requested) and the transports asked for.
+
+pub mod boot;
+pub mod driver;
+mod error;
+pub mod pool;
+
+pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};
+pub use driver::DriverConfig;
+pub use error::BootError;
+pub use pool::ShardPool;
 
 pub use shardcx_proto as proto;
 pub use shardcx_ucx as ucx;

@@ -1,0 +1,330 @@
+//! Booting shards: one glommio executor per shard, each building its own [`ShardCtx`].
+
+use std::future::Future;
+use std::rc::Rc;
+use std::time::Duration;
+
+use glommio::{Latency, LocalExecutorBuilder, Placement as GPlacement, Shares};
+
+use crate::driver::{self, Driver, DriverConfig, DriverStats};
+use crate::error::BootError;
+use crate::pool::{PoolNewError, ShardPool};
+use crate::proto::ids::ShardId;
+use crate::ucx::{Config, Context, Features, Worker};
+
+/// Locked memory left for everything but the executors' io memory (UCX, the rings).
+pub const MEMLOCK_RESERVE: u64 = 1 << 20;
+/// Least io memory an executor is given (glommio rounds anything smaller up to 64 KiB).
+pub const MIN_IO_MEMORY: u64 = 64 << 10;
+/// Most io memory an executor is given.
+pub const MAX_IO_MEMORY: u64 = 2 << 20;
+
+/// Where shard threads run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// Shard `i` is pinned to CPU `i` (modulo the CPUs available).
+    #[default]
+    Pinned,
+    /// Threads float: for oversubscribed machines and tests.
+    Unpinned,
+}
+
+/// Builds and runs a set of shards. `Send`: it is a recipe, the shards are built inside their
+/// threads.
+#[derive(Debug, Clone)]
+pub struct ShardsBuilder {
+    shard_count: usize,
+    placement: Placement,
+    transports: Option<String>,
+    features: Features,
+    arena_len: usize,
+    driver: DriverConfig,
+}
+
+/// One shard's state, built inside its thread and never moved out of it (`!Send`, reached as
+/// `Rc<ShardCtx>`).
+pub struct ShardCtx {
+    id: ShardId,
+    shard_count: usize,
+    worker: Worker,
+    pool: ShardPool,
+    driver: Driver,
+    stats: Rc<DriverStats>,
+    // Dropped last: the worker and the pool's memory hold the context alive themselves, this
+    // keeps it for `context()`.
+    context: Context,
+}
+
+impl ShardsBuilder {
+    /// One shard per available CPU, pinned, UCX settings from the environment, messaging
+    /// features, a 1 MiB pool per shard, the default driver.
+    pub fn new() -> Self {
+        Self {
+            shard_count: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            placement: Placement::Pinned,
+            transports: None,
+            features: Features::messaging(),
+            arena_len: 1 << 20,
+            driver: DriverConfig::default(),
+        }
+    }
+
+    /// Number of shards.
+    pub fn shard_count(mut self, n: usize) -> Self {
+        self.shard_count = n;
+        self
+    }
+
+    /// Where shard threads run.
+    pub fn placement(mut self, p: Placement) -> Self {
+        self.placement = p;
+        self
+    }
+
+    /// UCX transport list (`UCX_TLS`), e.g. `"sm,self"` or `"tcp"`.
+    pub fn transports(mut self, tls: &str) -> Self {
+        self.transports = Some(tls.to_owned());
+        self
+    }
+
+    /// UCX features of every shard's context (wake-up is always added).
+    pub fn features(mut self, f: Features) -> Self {
+        self.features = f;
+        self
+    }
+
+    /// Bytes of each shard's registered pool arena.
+    pub fn arena_len(mut self, len: usize) -> Self {
+        self.arena_len = len;
+        self
+    }
+
+    /// The progress driver's settings.
+    pub fn driver(mut self, cfg: DriverConfig) -> Self {
+        self.driver = cfg;
+        self
+    }
+
+    /// io memory per executor so that all shards fit `limit` bytes of locked memory.
+    pub fn io_memory_for(&self, limit: u64) -> Result<u64, BootError> {
+        let n = self.shard_count.max(1) as u64;
+        let need = MIN_IO_MEMORY * n + MEMLOCK_RESERVE;
+        if limit < need {
+            return Err(BootError::MemlockTooSmall {
+                limit,
+                need,
+                shard_count: self.shard_count,
+            });
+        }
+        let per = ((limit - MEMLOCK_RESERVE) / n).min(MAX_IO_MEMORY);
+        Ok(per & !4095)
+    }
+
+    /// Start the shards; each runs `f(ctx)` to completion, then stops its driver. Returns each
+    /// shard's result, in shard order.
+    pub fn run<F, Fut, T>(self, f: F) -> Result<Vec<T>, BootError>
+    where
+        F: Fn(Rc<ShardCtx>) -> Fut + Send + Clone + 'static,
+        Fut: Future<Output = T> + 'static,
+        T: Send + 'static,
+    {
+        if self.shard_count == 0 {
+            return Err(BootError::Config("shard count must be at least 1"));
+        }
+        let io_memory = self.io_memory_for(memlock_limit())?;
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut handles = Vec::with_capacity(self.shard_count);
+        for shard in 0..self.shard_count {
+            let placement = match self.placement {
+                Placement::Pinned => GPlacement::Fixed(shard % cpus),
+                Placement::Unpinned => GPlacement::Unbound,
+            };
+            let me = self.clone();
+            let f = f.clone();
+            let h = LocalExecutorBuilder::new(placement)
+                .name(&format!("shardcx-{shard}"))
+                .io_memory(io_memory as usize)
+                .spawn(move || async move { me.shard_main(shard, f).await })
+                .map_err(|e| BootError::Executor {
+                    shard,
+                    reason: e.to_string(),
+                })?;
+            handles.push(h);
+        }
+        let mut out = Vec::with_capacity(handles.len());
+        let mut first_err = None;
+        for (shard, h) in handles.into_iter().enumerate() {
+            match h.join() {
+                Ok(Ok(v)) => out.push(v),
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(e) => {
+                    let err = match e {
+                        glommio::GlommioError::BuilderError(
+                            glommio::BuilderErrorKind::ThreadPanic(_),
+                        ) => BootError::Panicked { shard },
+                        other => BootError::Executor {
+                            shard,
+                            reason: other.to_string(),
+                        },
+                    };
+                    first_err.get_or_insert(err);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    async fn shard_main<F, Fut, T>(self, shard: usize, f: F) -> Result<T, BootError>
+    where
+        F: Fn(Rc<ShardCtx>) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let ucx = |source| BootError::Ucx { shard, source };
+        let mut config = Config::from_env().map_err(ucx)?;
+        if let Some(tls) = &self.transports {
+            config.set("TLS", tls).map_err(ucx)?;
+        }
+        let mut features = self.features;
+        features.wakeup = true;
+        let context = Context::new(&config, features).map_err(ucx)?;
+        let worker = Worker::new(&context).map_err(ucx)?;
+        let pool = ShardPool::new(&context, self.arena_len).map_err(|e| match e {
+            PoolNewError::Ucx(source) => BootError::Ucx { shard, source },
+            PoolNewError::Pool(source) => BootError::Pool { shard, source },
+        })?;
+        let stats = Rc::new(DriverStats::default());
+        let (driver, task) = Driver::start(&worker, shard, self.driver, stats.clone())
+            .await
+            .map_err(|source| BootError::Driver { shard, source })?;
+        let tq = glommio::executor().create_task_queue(
+            Shares::default(),
+            Latency::Matters(Duration::from_micros(100)),
+            "shardcx-progress",
+        );
+        let progress =
+            glommio::spawn_local_into(driver::run(task), tq).map_err(|e| BootError::Executor {
+                shard,
+                reason: e.to_string(),
+            })?;
+        let id =
+            ShardId::new(u16::try_from(shard).map_err(|_| BootError::Config("too many shards"))?);
+        let ctx = Rc::new(ShardCtx {
+            id,
+            shard_count: self.shard_count,
+            worker,
+            pool,
+            driver,
+            stats,
+            context,
+        });
+        let out = f(ctx.clone()).await;
+        ctx.driver.stop();
+        progress.await;
+        match Rc::try_unwrap(ctx) {
+            Ok(ctx) => ctx.driver.join(),
+            // The user kept the context alive: the waker thread exits on its own once the
+            // driver's socket is closed, which already happened.
+            Err(_still_shared) => {}
+        }
+        Ok(out)
+    }
+}
+
+impl Default for ShardsBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ShardCtx {
+    /// This shard's id.
+    pub fn id(&self) -> ShardId {
+        self.id
+    }
+
+    /// Number of shards in the set.
+    pub fn shard_count(&self) -> usize {
+        self.shard_count
+    }
+
+    /// This shard's UCX worker.
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// This shard's UCX context.
+    pub fn context(&self) -> &Context {
+        &self.context
+    }
+
+    /// This shard's registered memory pool.
+    pub fn pool(&self) -> &ShardPool {
+        &self.pool
+    }
+
+    /// Wake the progress driver if it sleeps (call after starting an operation that needs
+    /// progress before any network event can arrive).
+    pub fn wake_driver(&self) {
+        self.driver.wake();
+    }
+
+    /// Progress rounds the driver has run.
+    pub fn progress_rounds(&self) -> u64 {
+        self.stats.rounds.get()
+    }
+
+    /// Times the driver went to sleep.
+    pub fn driver_sleeps(&self) -> u64 {
+        self.stats.sleeps.get()
+    }
+}
+
+/// `RLIMIT_MEMLOCK` in bytes, read from `/proc/self/limits` (std has no `getrlimit` and this
+/// crate has no unsafe). `u64::MAX` when unlimited or unreadable.
+pub fn memlock_limit() -> u64 {
+    std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|s| parse_memlock(&s))
+        .unwrap_or(u64::MAX)
+}
+
+fn parse_memlock(limits: &str) -> Option<u64> {
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max locked memory"))?;
+    let soft = line
+        .trim_start_matches("Max locked memory")
+        .split_whitespace()
+        .next()?;
+    if soft == "unlimited" {
+        return Some(u64::MAX);
+    }
+    soft.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memlock_parse() {
+        let s = "Limit Soft Hard Units\nMax locked memory         8388608              8388608              bytes\n";
+        assert_eq!(parse_memlock(s), Some(8 << 20));
+        let u = "Max locked memory         unlimited            unlimited            bytes\n";
+        assert_eq!(parse_memlock(u), Some(u64::MAX));
+    }
+
+    #[test]
+    fn io_memory_fits_or_errors() {
+        let b = ShardsBuilder::new().shard_count(2);
+        let per = b.io_memory_for(8 << 20).ok();
+        assert!(per.is_some_and(|p| 2 * p + MEMLOCK_RESERVE <= 8 << 20));
+        let e = ShardsBuilder::new().shard_count(200).io_memory_for(8 << 20);
+        assert!(matches!(e, Err(BootError::MemlockTooSmall { limit, .. }) if limit == 8 << 20));
+    }
+}

@@ -1,0 +1,259 @@
+//! The progress driver: fast when busy, asleep when idle.
+//!
+//! One task per shard, in a latency-sensitive task queue, calls [`Worker::progress`] in a loop,
+//! yielding to the shard's other tasks between rounds, while events keep coming and for a spin
+//! window ([`DriverConfig::spin`]) after the last one. When the window has passed with no event,
+//! it arms the worker and sleeps until the worker's event fd is readable.
+//!
+//! ## How a glommio task sleeps on a UCX fd without unsafe code
+//!
+//! glommio 0.9 has no public "wait until this fd is readable", and wrapping a raw fd in a
+//! glommio stream needs `FromRawFd` (unsafe, forbidden here). So each shard has a small
+//! **waker thread** that blocks on a duplicate of the worker's event fd ([`WakeupFd`], `Send`)
+//! and talks to the shard over a Unix stream socket:
+//!
+//! - the waker thread binds a `std` `UnixListener` on a unique path in the temporary
+//!   directory; the shard connects with `glommio::net::UnixStream::connect` (safe), and the path
+//!   is removed once connected;
+//! - to sleep, the driver writes one byte ("watch") and awaits one byte back; the waker thread,
+//!   which blocks in `read` between watches, then blocks in `poll(2)` on the event fd and
+//!   writes one byte when it is readable.
+//!
+//! A Unix socket was chosen over a second glommio executor in the waker thread (so that a
+//! glommio shared channel could connect the two) because an executor locks io memory, and the
+//! machine's `RLIMIT_MEMLOCK` (8 MiB here) is better left to the shards. A wake-up costs one
+//! socket round trip between two threads, the same as waking a thread blocked on a socket,
+//! which is what DESIGN.md asks of the first message after idle.
+//!
+//! Other wake reasons: glommio timers and other tasks run while the driver sleeps (it is only
+//! an awaiting task); a task that needs the driver to progress right away calls
+//! [`crate::ShardCtx::wake_driver`], which signals the worker (`ucp_worker_signal`) and so makes
+//! the event fd readable.
+//!
+//! ## Shutdown
+//!
+//! Stopping the shard sets the stop flag and signals the worker: a sleeping driver is woken by its
+//! waker thread, sees the flag and returns, dropping its socket; the waker thread, blocked in
+//! `read`, then sees end-of-file and exits. The waker thread never blocks forever on the event
+//! fd: it waits with a timeout ([`WATCH_SLICE`]) and checks the stop flag between waits.
+//!
+//! ## Changing the spin/arm strategy
+//!
+//! The whole strategy is the driver task's loop (`run` in this module): when to arm, how long to spin. On UCX 1.12 over
+//! TCP, a worker armed once does not report a message that arrives while it spins until it is
+//! armed again (see `shardcx_ucx::DEFAULT_SPIN`); shared memory does not have this problem. The
+//! default spin window is therefore the one `shardcx-ucx` measured for TCP.
+
+use std::cell::Cell;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use glommio::net::UnixStream;
+
+use crate::ucx::{Armed, WakeupFd, Worker};
+
+/// Longest single wait of the waker thread on the event fd before it looks at the stop flag.
+pub const WATCH_SLICE: Duration = Duration::from_millis(100);
+
+/// Longest single sleep of the driver. A bound, not the wake-up path: should a wake-up ever be
+/// lost (the event fd, the socket), the driver still progresses within this time.
+pub const MAX_SLEEP: Duration = Duration::from_millis(50);
+
+/// Settings of a shard's progress driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DriverConfig {
+    /// How long to keep calling `progress` after the last event before arming and sleeping.
+    pub spin: Duration,
+}
+
+impl Default for DriverConfig {
+    fn default() -> Self {
+        Self {
+            spin: crate::ucx::DEFAULT_SPIN,
+        }
+    }
+}
+
+/// Counters of one driver, readable from the shard.
+#[derive(Debug, Default)]
+pub struct DriverStats {
+    /// Progress rounds run.
+    pub rounds: Cell<u64>,
+    /// Times the driver went to sleep.
+    pub sleeps: Cell<u64>,
+}
+
+/// A shard's running progress driver: the waker thread and the flags shared with it.
+pub(crate) struct Driver {
+    stop: Arc<AtomicBool>,
+    sleeping: Rc<Cell<bool>>,
+    waker: Option<JoinHandle<()>>,
+    worker: Worker,
+}
+
+/// The pieces the driver task runs with.
+pub(crate) struct DriverTask {
+    worker: Worker,
+    stream: UnixStream,
+    stop: Arc<AtomicBool>,
+    sleeping: Rc<Cell<bool>>,
+    stats: Rc<DriverStats>,
+    config: DriverConfig,
+}
+
+static SOCKET_SEQ: AtomicU64 = AtomicU64::new(0);
+
+impl Driver {
+    /// Start the waker thread of `worker` and connect to it. Must run inside the shard's
+    /// executor.
+    pub(crate) async fn start(
+        worker: &Worker,
+        shard: usize,
+        config: DriverConfig,
+        stats: Rc<DriverStats>,
+    ) -> std::io::Result<(Driver, DriverTask)> {
+        let fd = worker.wakeup_fd().map_err(std::io::Error::other)?;
+        let path = socket_path(shard);
+        let listener = UnixListener::bind(&path)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread_stop = stop.clone();
+        let waker = std::thread::Builder::new()
+            .name(format!("shardcx-waker-{shard}"))
+            .spawn(move || waker_thread(listener, fd, thread_stop))?;
+        let connected = UnixStream::connect(&path).await;
+        // The path is only needed until the one connection is made.
+        let _ = std::fs::remove_file(&path);
+        let stream = connected?;
+        let sleeping = Rc::new(Cell::new(false));
+        Ok((
+            Driver {
+                stop: stop.clone(),
+                sleeping: sleeping.clone(),
+                waker: Some(waker),
+                worker: worker.clone(),
+            },
+            DriverTask {
+                worker: worker.clone(),
+                stream,
+                stop,
+                sleeping,
+                stats,
+                config,
+            },
+        ))
+    }
+
+    /// Wake the driver if it sleeps, so that it progresses the worker now.
+    pub(crate) fn wake(&self) {
+        if self.sleeping.get() {
+            // A failed signal only delays progress until the next event.
+            let _ = self.worker.signal();
+        }
+    }
+
+    /// Ask the driver task and the waker thread to stop (the task returns soon after).
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.worker.signal();
+    }
+
+    /// Wait for the waker thread to exit. Call after the driver task has returned (its socket
+    /// is closed then), so the thread is at end-of-file and exits at once.
+    pub(crate) fn join(mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(h) = self.waker.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The driver task: progress while busy, sleep on the event fd when idle.
+pub(crate) async fn run(mut task: DriverTask) {
+    let mut last_event = Instant::now();
+    let mut byte = [0u8; 1];
+    let mut watching = false;
+    while !task.stop.load(Ordering::Acquire) {
+        let events = task.worker.progress();
+        task.stats.rounds.set(task.stats.rounds.get() + 1);
+        if events > 0 {
+            last_event = Instant::now();
+        } else if last_event.elapsed() >= task.config.spin {
+            match task.worker.arm() {
+                Ok(Armed::Busy) => {
+                    last_event = Instant::now();
+                }
+                Ok(Armed::Armed) => {
+                    task.sleeping.set(true);
+                    task.stats.sleeps.set(task.stats.sleeps.get() + 1);
+                    // One watch request is outstanding at a time: a sleep cut short by
+                    // MAX_SLEEP leaves it in place, and its answer wakes a later sleep early.
+                    if !watching {
+                        watching = task.stream.write_all(b"w").await.is_ok();
+                    }
+                    let stream = &mut task.stream;
+                    let woke = glommio::timer::timeout(MAX_SLEEP, async {
+                        stream.read_exact(&mut byte).await.map_err(Into::into)
+                    })
+                    .await;
+                    task.sleeping.set(false);
+                    match woke {
+                        Ok(()) => {
+                            watching = false;
+                            last_event = Instant::now();
+                        }
+                        // A bounded sleep ran out with no event: progress once and sleep
+                        // again, without a spin window.
+                        Err(glommio::GlommioError::TimedOut(_)) => {}
+                        Err(_) => {
+                            // The waker thread is gone: fall back to polling, slowly.
+                            glommio::timer::sleep(Duration::from_millis(1)).await;
+                        }
+                    }
+                }
+                Err(_) => {
+                    // Without wake-up support the worker cannot be slept on: poll slowly.
+                    glommio::timer::sleep(Duration::from_micros(100)).await;
+                }
+            }
+        }
+        glommio::executor().yield_task_queue_now().await;
+    }
+}
+
+fn socket_path(shard: usize) -> PathBuf {
+    let seq = SOCKET_SEQ.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("shardcx-{}-{shard}-{seq}.sock", std::process::id()))
+}
+
+/// The waker thread: wait for a watch request, wait for the event fd, answer; until stopped.
+fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>) {
+    let Ok((mut stream, _)) = listener.accept() else {
+        return;
+    };
+    drop(listener);
+    let mut byte = [0u8; 1];
+    loop {
+        match stream.read(&mut byte) {
+            Ok(1) => {}
+            _ => return,
+        }
+        loop {
+            if fd.wait(Some(WATCH_SLICE)) {
+                break;
+            }
+            if stop.load(Ordering::Acquire) {
+                break;
+            }
+        }
+        if stream.write_all(b"e").is_err() {
+            return;
+        }
+    }
+}

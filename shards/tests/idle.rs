@@ -1,0 +1,143 @@
+//! Tier 3: shards sleep when idle, and wake for a message.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test/example may panic: a panic is a failure it reports.
+
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use glommio::channels::local_channel;
+use shardcx_shards::ucx::{AmProto, Endpoint, EpOptions, ErrorMode, WorkerAddress};
+use shardcx_shards::{Placement, ShardCtx, ShardsBuilder};
+
+const PING: u16 = 7;
+
+/// utime + stime of this process, in clock ticks (USER_HZ, 100 on Linux).
+fn cpu_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields after the command: state is index 0, utime is field 14 overall (index 11 here).
+    let utime: u64 = f.get(11).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let stime: u64 = f.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    utime + stime
+}
+
+fn builder() -> ShardsBuilder {
+    ShardsBuilder::new()
+        .shard_count(2)
+        .placement(Placement::Unpinned)
+        .transports("sm,self")
+}
+
+/// Publish this shard's worker address and wait for the other shard's.
+async fn exchange(ctx: &ShardCtx, book: &Mutex<Vec<Option<WorkerAddress>>>) -> WorkerAddress {
+    let me = ctx.id().index();
+    book.lock().unwrap()[me] = Some(ctx.worker().address().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(a) = book.lock().unwrap()[1 - me].clone() {
+            return a;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "peer shard never published its address"
+        );
+        glommio::timer::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[test]
+fn idle_pool_sleeps() {
+    let ticks = builder()
+        .run(|ctx: Rc<ShardCtx>| async move {
+            // Let both drivers go to sleep first.
+            glommio::timer::sleep(Duration::from_millis(200)).await;
+            if ctx.id().index() == 0 {
+                let before = cpu_ticks();
+                glommio::timer::sleep(Duration::from_secs(2)).await;
+                let used = cpu_ticks() - before;
+                assert!(ctx.driver_sleeps() > 0, "the driver never slept");
+                Some(used)
+            } else {
+                glommio::timer::sleep(Duration::from_millis(2300)).await;
+                None
+            }
+        })
+        .unwrap();
+    let used = ticks[0].unwrap();
+    // 5% of one core over 2 s is 10 ticks at 100 Hz.
+    assert!(
+        used < 10,
+        "idle 2-shard pool used {used} ticks (10 ms each) in 2 s"
+    );
+}
+
+#[test]
+fn idle_shard_receives() {
+    let book = Arc::new(Mutex::new(vec![None, None]));
+    let out = builder()
+        .run(move |ctx: Rc<ShardCtx>| {
+            let book = book.clone();
+            async move {
+                let peer = exchange(&ctx, &book).await;
+                if ctx.id().index() == 0 {
+                    let opts = EpOptions {
+                        error_mode: ErrorMode::None,
+                    };
+                    let ep = Endpoint::connect_to_worker(ctx.worker(), &peer, opts).unwrap();
+                    // The other shard is idle and asleep by now.
+                    glommio::timer::sleep(Duration::from_millis(200)).await;
+                    let t0 = Instant::now();
+                    let (r, _) = ep.am_send(PING, &[], vec![1u8; 8], AmProto::Eager).await;
+                    r.unwrap();
+                    ctx.wake_driver();
+                    glommio::timer::sleep(Duration::from_millis(300)).await;
+                    Ok(t0)
+                } else {
+                    let (tx, rx) = local_channel::new_unbounded();
+                    ctx.worker()
+                        .set_am_handler(PING, move |_h, _p| {
+                            let _ = tx.try_send(Instant::now());
+                        })
+                        .unwrap();
+                    let got = glommio::timer::timeout(Duration::from_secs(3), async {
+                        Ok(rx.recv().await)
+                    })
+                    .await;
+                    Err(got.ok().flatten())
+                }
+            }
+        })
+        .unwrap();
+    let (Ok(t0), Err(recv)) = (&out[0], &out[1]) else {
+        panic!("unexpected shard results");
+    };
+    let recv = recv.expect("the idle shard never received the message");
+    let latency = recv.duration_since(*t0);
+    assert!(
+        latency < Duration::from_millis(50),
+        "first message after idle took {latency:?}"
+    );
+}
+
+#[test]
+fn settings_and_errors_are_send() {
+    fn send<T: Send + 'static>() {}
+    send::<ShardsBuilder>();
+    send::<shardcx_shards::BootError>();
+    send::<shardcx_shards::DriverConfig>();
+}
+
+#[test]
+fn memlock_error_names_limit_and_need() {
+    let e = ShardsBuilder::new()
+        .shard_count(1000)
+        .io_memory_for(8 << 20)
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("8388608") && msg.contains("1000 shards"),
+        "{msg}"
+    );
+}
