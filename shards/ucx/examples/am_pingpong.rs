@@ -94,8 +94,14 @@ fn setup(tls: &str) -> (Context, Worker) {
     (ctx, worker)
 }
 
+/// The cores this process may use, read once before any thread is pinned:
+/// `core_affinity::get_core_ids` lists only the calling thread's CPUs, so after the main thread
+/// pinned itself for the first transport, a later run would see one core and put both sides on
+/// it (two spinning threads on one core: a round trip of two spin windows, 2 ms).
+static CORES: std::sync::OnceLock<Vec<core_affinity::CoreId>> = std::sync::OnceLock::new();
+
 fn pin(core: usize) {
-    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    let cores = CORES.get_or_init(|| core_affinity::get_core_ids().unwrap_or_default());
     if let Some(id) = cores.get(core % cores.len().max(1)) {
         core_affinity::set_for_current(*id);
     }
@@ -211,6 +217,7 @@ fn client(tls: &str, sizes: &[usize], iters: usize) -> Vec<Row> {
 }
 
 fn main() {
+    CORES.get_or_init(|| core_affinity::get_core_ids().unwrap_or_default());
     let mut tls_list = vec!["sm".to_string(), "tcp".to_string()];
     let mut sizes = vec![8usize, 64, 4096, 65536, 1 << 20, 16 << 20];
     let mut iters = 20_000usize;

@@ -242,6 +242,7 @@ impl Endpoint {
         // connection request is consumed by this call whether it succeeds or not. The error
         // handler's `arg` (the boxed `EpShared`) outlives the endpoint (see `Drop`).
         let st = unsafe { ffi::ucp_ep_create(worker.handle, &params, &mut ep) };
+        crate::affinity::after_ucx_start();
         check(st)?;
         if ep.is_null() {
             return Err(Error::NoMemory);

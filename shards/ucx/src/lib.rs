@@ -54,6 +54,7 @@
 //! loopback. Connecting by socket address needs `tcp` (UCX 1.12's connection manager runs over
 //! it); with shared memory only, connect by [`WorkerAddress`].
 
+mod affinity;
 mod am;
 mod buf;
 mod context;
@@ -68,6 +69,7 @@ mod tag;
 mod version;
 mod worker;
 
+pub use affinity::{release_async_thread, set_async_thread_cpus, thread_cpus, threads_named};
 pub use am::{AmData, AmIdRaw, AmPayload, AmPayloadBufs, AmProto, AmRecvData, AmRndv, AmSend};
 pub use buf::{AlignedBuf, IoBuf, IoBufMut, MemoryType};
 pub use context::{Config, Context, Features};

@@ -85,6 +85,7 @@ impl Listener {
         // SAFETY: ucp.h (`ucp_listener_create`): live worker, parameters with the socket
         // address (copied by UCX) and a connection handler whose `arg` outlives the listener.
         check(unsafe { ffi::ucp_listener_create(worker.inner.handle, &params, &mut handle) })?;
+        crate::affinity::after_ucx_start();
         if handle.is_null() {
             return Err(Error::NoMemory);
         }

@@ -115,6 +115,7 @@ impl Worker {
         // SAFETY: ucp.h (`ucp_worker_create`): a live context, parameters whose mask names only
         // set fields; on success a worker to destroy with `ucp_worker_destroy`.
         check(unsafe { ffi::ucp_worker_create(context.inner.handle, &params, &mut handle) })?;
+        crate::affinity::after_ucx_start();
         if handle.is_null() {
             return Err(Error::NoMemory);
         }
