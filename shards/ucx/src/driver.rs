@@ -17,12 +17,13 @@ use crate::worker::{poll_fds, Armed, Worker};
 /// How long the driver keeps calling `progress` after the last event before it arms the
 /// workers and sleeps.
 ///
-/// Measured on a 2-core VM with UCX 1.12 over TCP: once a worker with `UCP_FEATURE_WAKEUP` has
-/// been armed, a message that arrives while the thread spins is only seen after the spin ends
-/// and the worker is armed again, so a spin window shorter than the gap between messages turns
-/// a 12 µs round trip into two spin windows plus a wake-up (50 µs of spin gave 125 µs, 250 µs
-/// gave 540 µs). With 1 ms, an active exchange never sleeps and matches `ucx_perftest`, while
-/// an idle thread still sleeps after 1 ms.
+/// Measured on a 2-core VM with UCX 1.12, 8-byte AM ping-pong, each side on its own core
+/// (`SHARDCX_SPIN_US=N cargo run --release -p shardcx-ucx --example am_pingpong`): over TCP the
+/// window hardly matters (p50 11.5 µs at 0, 50 and 250 µs), but over shared memory a thread that
+/// sleeps as soon as it is idle pays a wake-up on most messages (spin 0: p50 0.46 µs, p99
+/// 48.6 µs; spin 50 µs: p99 0.60 µs). 1 ms keeps an active exchange awake with a wide margin
+/// while an idle thread still sleeps after 1 ms. (An earlier note here blamed TCP wake-up for
+/// 2 ms round trips; the cause was both threads pinned to one core, see README.md.)
 pub const DEFAULT_SPIN: Duration = Duration::from_millis(1);
 /// Idle progress rounds between two looks at the clock.
 const CLOCK_EVERY: u32 = 64;
