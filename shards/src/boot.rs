@@ -8,6 +8,7 @@ use glommio::{Latency, LocalExecutorBuilder, Placement as GPlacement, Shares};
 
 use crate::driver::{self, Driver, DriverConfig, DriverStats};
 use crate::error::BootError;
+use crate::mesh::{self, MeshConfig, MeshEnds, MeshState};
 use crate::pool::{PoolNewError, ShardPool};
 use crate::proto::ids::ShardId;
 use crate::ucx::{Config, Context, Features, Worker};
@@ -39,6 +40,7 @@ pub struct ShardsBuilder {
     features: Features,
     arena_len: usize,
     driver: DriverConfig,
+    mesh: MeshConfig,
 }
 
 /// One shard's state, built inside its thread and never moved out of it (`!Send`, reached as
@@ -50,6 +52,7 @@ pub struct ShardCtx {
     pool: ShardPool,
     driver: Driver,
     stats: Rc<DriverStats>,
+    mesh: Rc<MeshState>,
     // Dropped last: the worker and the pool's memory hold the context alive themselves, this
     // keeps it for `context()`.
     context: Context,
@@ -66,6 +69,7 @@ impl ShardsBuilder {
             features: Features::messaging(),
             arena_len: 1 << 20,
             driver: DriverConfig::default(),
+            mesh: MeshConfig::default(),
         }
     }
 
@@ -105,6 +109,19 @@ impl ShardsBuilder {
         self
     }
 
+    /// The cross-shard mesh's settings (lane capacity, nesting depth, drain timeout).
+    pub fn mesh(mut self, cfg: MeshConfig) -> Self {
+        self.mesh = cfg;
+        self
+    }
+
+    /// Capacity of every cross-shard lane, and requests in flight per lane and nesting level
+    /// (default [`mesh::DEFAULT_LANE_CAPACITY`]).
+    pub fn lane_capacity(mut self, n: usize) -> Self {
+        self.mesh.lane_capacity = n;
+        self
+    }
+
     /// io memory per executor so that all shards fit `limit` bytes of locked memory.
     pub fn io_memory_for(&self, limit: u64) -> Result<u64, BootError> {
         let n = self.shard_count.max(1) as u64;
@@ -131,10 +148,17 @@ impl ShardsBuilder {
         if self.shard_count == 0 {
             return Err(BootError::Config("shard count must be at least 1"));
         }
+        if self.shard_count > usize::from(u16::MAX) {
+            return Err(BootError::Config("too many shards"));
+        }
+        self.mesh.validate().map_err(BootError::Config)?;
         let io_memory = self.io_memory_for(memlock_limit())?;
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut handles = Vec::with_capacity(self.shard_count);
-        for shard in 0..self.shard_count {
+        // Made before any executor starts; a shard whose ends are dropped unconnected (its
+        // executor failed to start) reads as gone to the others.
+        let mut ends = mesh::lanes(self.shard_count, self.mesh.lane_capacity).into_iter();
+        for (shard, ends) in (0..self.shard_count).zip(&mut ends) {
             let placement = match self.placement {
                 Placement::Pinned => GPlacement::Fixed(shard % cpus),
                 Placement::Unpinned => GPlacement::Unbound,
@@ -144,7 +168,7 @@ impl ShardsBuilder {
             let h = LocalExecutorBuilder::new(placement)
                 .name(&format!("shardcx-{shard}"))
                 .io_memory(io_memory as usize)
-                .spawn(move || async move { me.shard_main(shard, f).await })
+                .spawn(move || async move { me.shard_main(shard, ends, f).await })
                 .map_err(|e| BootError::Executor {
                     shard,
                     reason: e.to_string(),
@@ -179,11 +203,15 @@ impl ShardsBuilder {
         }
     }
 
-    async fn shard_main<F, Fut, T>(self, shard: usize, f: F) -> Result<T, BootError>
+    async fn shard_main<F, Fut, T>(self, shard: usize, ends: MeshEnds, f: F) -> Result<T, BootError>
     where
         F: Fn(Rc<ShardCtx>) -> Fut,
         Fut: Future<Output = T>,
     {
+        // First, so that every shard's lanes are connected before any user future runs, and a
+        // shard that fails below leaves the mesh (its lanes close) instead of hanging the others.
+        let (mesh, receivers) = ends.connect(self.mesh).await;
+        let _leave = mesh.leave_guard();
         let ucx = |source| BootError::Ucx { shard, source };
         let mut config = Config::from_env().map_err(ucx)?;
         if let Some(tls) = &self.transports {
@@ -220,9 +248,16 @@ impl ShardsBuilder {
             pool,
             driver,
             stats,
+            mesh: mesh.clone(),
             context,
         });
+        let mesh_tasks = mesh.start(&ctx, receivers);
         let out = f(ctx.clone()).await;
+        // Keep serving the other shards until the whole set is quiescent (see `mesh`).
+        mesh.user_finished();
+        mesh.drain().await;
+        mesh.close(mesh_tasks);
+        drop(mesh);
         ctx.driver.stop();
         progress.await;
         match Rc::try_unwrap(ctx) {
@@ -281,6 +316,10 @@ impl ShardCtx {
     /// Times the driver went to sleep.
     pub fn driver_sleeps(&self) -> u64 {
         self.stats.sleeps.get()
+    }
+
+    pub(crate) fn mesh(&self) -> &Rc<MeshState> {
+        &self.mesh
     }
 }
 

@@ -1,6 +1,8 @@
-//! Errors of booting and running shards.
+//! Errors of booting and running shards, and of forwarding work between them.
 
 use thiserror::Error;
+
+use crate::proto::ids::ShardId;
 
 /// Why shards could not start or run.
 #[derive(Debug, Error)]
@@ -62,5 +64,57 @@ pub enum BootError {
     Panicked {
         /// The shard's index.
         shard: usize,
+    },
+}
+
+/// Why a forwarded call ([`crate::ShardCtx::forward`]) failed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ForwardError {
+    /// The target is not a shard of this set.
+    #[error("forward from shard {from} to shard {to}: no such shard ({shard_count} shards)")]
+    NoSuchShard {
+        /// The calling shard.
+        from: ShardId,
+        /// The shard asked for.
+        to: ShardId,
+        /// Number of shards in the set.
+        shard_count: usize,
+    },
+    /// The target shard has failed or left the set (its lanes are closed); the job may or may
+    /// not have run.
+    #[error("forward from shard {from} to shard {to}: target shard stopped")]
+    ShardStopped {
+        /// The calling shard.
+        from: ShardId,
+        /// The target shard.
+        to: ShardId,
+    },
+    /// The calling shard's user future has ended: tasks it left behind may not start new
+    /// forwards (forwarded jobs still may).
+    #[error("forward from shard {from} to shard {to}: shard {from} is shutting down")]
+    ShuttingDown {
+        /// The calling shard.
+        from: ShardId,
+        /// The target shard.
+        to: ShardId,
+    },
+    /// The call comes from a job nested as deep as the mesh allows.
+    #[error("forward from shard {from} to shard {to}: nesting depth {depth} is the limit")]
+    TooDeep {
+        /// The calling shard.
+        from: ShardId,
+        /// The target shard.
+        to: ShardId,
+        /// The caller's nesting depth.
+        depth: usize,
+    },
+    /// The job panicked on the target shard (the target keeps running).
+    #[error("forwarded job panicked on shard {shard}: {message}")]
+    JobPanicked {
+        /// The shard the job ran on.
+        shard: ShardId,
+        /// The panic message, when it was a string.
+        message: String,
     },
 }

@@ -51,11 +51,13 @@
 pub mod boot;
 pub mod driver;
 mod error;
+pub mod mesh;
 pub mod pool;
 
 pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};
 pub use driver::DriverConfig;
-pub use error::BootError;
+pub use error::{BootError, ForwardError};
+pub use mesh::MeshConfig;
 pub use pool::ShardPool;
 
 pub use shardcx_proto as proto;
