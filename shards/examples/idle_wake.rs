@@ -3,6 +3,9 @@
 //! `cargo run --release -p shardcx-shards --example idle_wake`
 //!
 //! Two shards in one process, connected over shared memory (`sm,self`) by worker address.
+//! The shards float (`Placement::Unpinned`): on a 2-core machine, pinned shards share their
+//! cores with the waker threads and UCX's async thread, which measures placement, not the
+//! driver. Every wait has a deadline: a stuck run fails with a message instead of hanging.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test/example may panic: a panic is a failure it reports.
 
@@ -19,6 +22,14 @@ const PING: u16 = 1;
 const PONG: u16 = 2;
 const IDLE_SAMPLES: usize = 50;
 const BUSY_SAMPLES: usize = 20_000;
+/// Longest wait for the peer's address, or for one message after idle.
+const DEADLINE: Duration = Duration::from_secs(10);
+/// Longest busy phase: generous, since a core shared with another busy thread turns some
+/// round trips into a 4 ms scheduler tick.
+const BUSY_DEADLINE: Duration = Duration::from_secs(30);
+/// Longest life of the echo shard (its per-message waits are not timed: a timer per message
+/// would be measured as part of the busy round trip).
+const ECHO_DEADLINE: Duration = Duration::from_secs(50);
 
 /// utime + stime of this process, in clock ticks (USER_HZ, 100 on Linux).
 fn cpu_ticks() -> u64 {
@@ -33,12 +44,25 @@ fn cpu_ticks() -> u64 {
 async fn exchange(ctx: &ShardCtx, book: &Mutex<Vec<Option<WorkerAddress>>>) -> WorkerAddress {
     let me = ctx.id().index();
     book.lock().unwrap()[me] = Some(ctx.worker().address().unwrap());
+    let deadline = Instant::now() + DEADLINE;
     loop {
         if let Some(a) = book.lock().unwrap()[1 - me].clone() {
             return a;
         }
+        assert!(
+            Instant::now() < deadline,
+            "shard {me}: the peer never published its address"
+        );
         glommio::timer::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// The next message from the AM handler, or a panic naming `what` after [`DEADLINE`].
+async fn recv<T>(rx: &local_channel::LocalReceiver<T>, what: &str) -> T {
+    glommio::timer::timeout(DEADLINE, async { Ok(rx.recv().await) })
+        .await
+        .unwrap_or_else(|_| panic!("no {what} within {DEADLINE:?}"))
+        .unwrap_or_else(|| panic!("{what}: the handler is gone"))
 }
 
 fn us(h: &Histogram<u64>, q: f64) -> f64 {
@@ -48,7 +72,7 @@ fn us(h: &Histogram<u64>, q: f64) -> f64 {
 fn main() {
     let builder = ShardsBuilder::new()
         .shard_count(2)
-        .placement(Placement::Pinned)
+        .placement(Placement::Unpinned)
         .transports("sm,self");
     let limit = memlock_limit();
     println!(
@@ -114,15 +138,20 @@ async fn shard(ctx: Rc<ShardCtx>, board: &Board) -> Option<Report> {
     if ctx.id().index() == 1 {
         // Echo every ping until the zero-length stop message; publish its arrival time
         // before answering, so that the pinger can read it once the pong is in.
-        loop {
-            let (at, len) = rx.recv().await.unwrap();
-            if len == 0 {
-                return None;
+        let echo = glommio::timer::timeout(ECHO_DEADLINE, async {
+            loop {
+                let (at, len) = rx.recv().await.expect("the handler is gone");
+                if len == 0 {
+                    return Ok(());
+                }
+                *board.last_recv.lock().unwrap() = Some(at);
+                let (r, _) = ep.am_send(PONG, &[], vec![0u8; 8], AmProto::Eager).await;
+                r.unwrap();
             }
-            *board.last_recv.lock().unwrap() = Some(at);
-            let (r, _) = ep.am_send(PONG, &[], vec![0u8; 8], AmProto::Eager).await;
-            r.unwrap();
-        }
+        })
+        .await;
+        assert!(echo.is_ok(), "no stop message within {ECHO_DEADLINE:?}");
+        return None;
     }
     // Shard 0 drives the measurements.
     glommio::timer::sleep(Duration::from_millis(300)).await;
@@ -138,7 +167,7 @@ async fn shard(ctx: Rc<ShardCtx>, board: &Board) -> Option<Report> {
         let t0 = Instant::now();
         let (r, _) = ep.am_send(PING, &[], vec![0u8; 8], AmProto::Eager).await;
         r.unwrap();
-        let _ = rx.recv().await.unwrap();
+        let _ = recv(&rx, "pong after idle").await;
         let at = board.last_recv.lock().unwrap().take().unwrap();
         first
             .record(at.duration_since(t0).as_nanos() as u64)
@@ -146,13 +175,21 @@ async fn shard(ctx: Rc<ShardCtx>, board: &Board) -> Option<Report> {
     }
 
     let mut busy = Histogram::<u64>::new(3).unwrap();
-    for _ in 0..BUSY_SAMPLES {
-        let t0 = Instant::now();
-        let (r, _) = ep.am_send(PING, &[], vec![0u8; 8], AmProto::Eager).await;
-        r.unwrap();
-        let _ = rx.recv().await.unwrap();
-        busy.record(t0.elapsed().as_nanos() as u64).unwrap();
-    }
+    let busy_run = glommio::timer::timeout(BUSY_DEADLINE, async {
+        for _ in 0..BUSY_SAMPLES {
+            let t0 = Instant::now();
+            let (r, _) = ep.am_send(PING, &[], vec![0u8; 8], AmProto::Eager).await;
+            r.unwrap();
+            let _ = rx.recv().await.expect("the handler is gone");
+            busy.record(t0.elapsed().as_nanos() as u64).unwrap();
+        }
+        Ok(())
+    })
+    .await;
+    assert!(
+        busy_run.is_ok(),
+        "busy phase not done within {BUSY_DEADLINE:?}"
+    );
     let (r, _) = ep
         .am_send(PING, &[], Vec::<u8>::new(), AmProto::Eager)
         .await;

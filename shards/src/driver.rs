@@ -37,25 +37,59 @@
 //! `read`, then sees end-of-file and exits. The waker thread never blocks forever on the event
 //! fd: it waits with a timeout ([`WATCH_SLICE`]) and checks the stop flag between waits.
 //!
+//! ## glommio 0.9 can park with the driver runnable: the backstop timer
+//!
+//! glommio's executor loop installs the task queues' preempt timer (here 100 µs, from the
+//! progress queue's `Latency::Matters`), then runs the task queues; if the preempt timer has
+//! already fired by the time it checks (the thread was descheduled for longer than that in
+//! between, which happens on a busy 2-core machine), it runs nothing, and then parks in
+//! `io_uring_enter` as though no task were runnable. It wakes only for I/O or a timer. A driver
+//! that had just yielded ([`glommio::ExecutorProxy::yield_task_queue_now`]) is neither, so the
+//! shard stopped for good: the `idle_wake` example hung in about one run in five, with the
+//! driver parked between two progress rounds and its waker thread idle in `read`.
+//!
+//! So while it spins, the driver keeps a glommio timer registered ([`BACKSTOP`], re-armed
+//! when half of it has passed, which costs one clock comparison per round): a park with the
+//! driver runnable then lasts at most that long. While it sleeps on the socket, the
+//! [`MAX_SLEEP`] timeout bounds a park after the socket's wake-up; a park after the timeout's
+//! own wake-up is bounded by a backstop set to `MAX_SLEEP + BACKSTOP` (one timer per sleep,
+//! which never fires on an idle shard). The race itself is in glommio (`LocalExecutor::run`
+//! parks when `run_task_queues` returns false because `need_preempt()` was already true); the
+//! shorter the progress queue's latency, the more often it happens.
+//!
 //! ## Changing the spin/arm strategy
 //!
-//! The whole strategy is the driver task's loop (`run` in this module): when to arm, how long to spin. On UCX 1.12 over
-//! TCP, a worker armed once does not report a message that arrives while it spins until it is
-//! armed again (see `shardcx_ucx::DEFAULT_SPIN`); shared memory does not have this problem. The
-//! default spin window is therefore the one `shardcx-ucx` measured for TCP.
+//! The whole strategy is the driver task's loop (`run` in this module): when to arm, how long
+//! to spin. Arming does not hide anything from `progress`: a message that arrives while the
+//! driver spins with an armed worker is still found by `progress`, on TCP as on shared memory;
+//! arming only decides whether the event fd will also report it. (Slow round trips over TCP
+//! that were once blamed on arming came from UCX's async thread, which inherits the CPU
+//! affinity of the thread that first creates a UCX context and so shared a core with a pinned,
+//! spinning shard; `shardcx-ucx` now moves it off that core.)
+//!
+//! The default spin window is `shardcx_ucx::DEFAULT_SPIN` (1 ms): waking a sleeping shard
+//! costs about 200 µs on this VM (the first message after idle, one way, in `idle_wake`),
+//! against about a microsecond for a round trip while awake, so a shard keeps spinning through
+//! the gaps of an active exchange, and an idle shard still sleeps 1 ms after its last event.
+//! A shorter window saves CPU on bursty loads at the price of more wake-ups; measure with the
+//! `idle_wake` example and `DriverConfig::spin`.
 
 use std::cell::Cell;
+use std::future::Future;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::UnixStream;
+use glommio::timer::Timer;
 
 use crate::ucx::{Armed, WakeupFd, Worker};
 
@@ -65,6 +99,10 @@ pub const WATCH_SLICE: Duration = Duration::from_millis(100);
 /// Longest single sleep of the driver. A bound, not the wake-up path: should a wake-up ever be
 /// lost (the event fd, the socket), the driver still progresses within this time.
 pub const MAX_SLEEP: Duration = Duration::from_millis(50);
+
+/// Longest time the shard's executor may stay parked while the driver task is runnable (see
+/// the module docs: glommio 0.9 can park with runnable tasks). Only paid when that happens.
+pub const BACKSTOP: Duration = Duration::from_millis(10);
 
 /// Settings of a shard's progress driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +144,14 @@ pub(crate) struct DriverTask {
     sleeping: Rc<Cell<bool>>,
     stats: Rc<DriverStats>,
     config: DriverConfig,
+}
+
+/// A glommio timer kept registered with the reactor while the driver runs, so that the
+/// executor never parks with nothing to wake it while the driver is runnable.
+struct Backstop {
+    timer: Option<Timer>,
+    /// When to re-arm: half of [`BACKSTOP`] after the last arming.
+    rearm_at: Instant,
 }
 
 static SOCKET_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -164,8 +210,9 @@ impl Driver {
         let _ = self.worker.signal();
     }
 
-    /// Wait for the waker thread to exit. Call after the driver task has returned (its socket
-    /// is closed then), so the thread is at end-of-file and exits at once.
+    /// Wait for the waker thread to exit. Call after the driver task has returned: it shuts its
+    /// socket down on the way out, so the thread is at end-of-file and exits at once; should the
+    /// shutdown not get through, the thread still sees the stop flag within [`WATCH_SLICE`].
     pub(crate) fn join(mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(h) = self.waker.take() {
@@ -174,22 +221,62 @@ impl Driver {
     }
 }
 
+impl Backstop {
+    fn new() -> Self {
+        Self {
+            timer: None,
+            rearm_at: Instant::now(),
+        }
+    }
+
+    /// Make sure a timer that fires no sooner than `BACKSTOP / 2` from `now` is registered,
+    /// waking this task.
+    async fn arm(&mut self, now: Instant) {
+        if self.timer.is_some() && now < self.rearm_at {
+            return;
+        }
+        self.arm_for(BACKSTOP).await;
+        self.rearm_at = now + BACKSTOP / 2;
+    }
+
+    /// Register a timer that fires `span` from now, waking this task; the next [`Self::arm`]
+    /// replaces it with a `BACKSTOP` one.
+    async fn arm_for(&mut self, span: Duration) {
+        let mut timer = Timer::new(span);
+        // A glommio timer registers itself with the reactor when first polled; it is pending
+        // (its deadline is `span` away), and it stays registered until it fires or is dropped.
+        std::future::poll_fn(|cx| {
+            let _ = Pin::new(&mut timer).poll(cx);
+            Poll::Ready(())
+        })
+        .await;
+        // Dropping the previous timer deregisters it.
+        self.timer = Some(timer);
+        self.rearm_at = Instant::now();
+    }
+}
+
 /// The driver task: progress while busy, sleep on the event fd when idle.
 pub(crate) async fn run(mut task: DriverTask) {
     let mut last_event = Instant::now();
     let mut byte = [0u8; 1];
     let mut watching = false;
+    let mut backstop = Backstop::new();
     while !task.stop.load(Ordering::Acquire) {
         let events = task.worker.progress();
         task.stats.rounds.set(task.stats.rounds.get() + 1);
+        let now = Instant::now();
         if events > 0 {
-            last_event = Instant::now();
-        } else if last_event.elapsed() >= task.config.spin {
+            last_event = now;
+        } else if now.duration_since(last_event) >= task.config.spin {
             match task.worker.arm() {
                 Ok(Armed::Busy) => {
-                    last_event = Instant::now();
+                    last_event = now;
                 }
                 Ok(Armed::Armed) => {
+                    // The sleep's own timeout wakes the driver, but glommio may consume that
+                    // wake-up and then park (see the module docs): keep a later timer behind it.
+                    backstop.arm_for(MAX_SLEEP + BACKSTOP).await;
                     task.sleeping.set(true);
                     task.stats.sleeps.set(task.stats.sleeps.get() + 1);
                     // One watch request is outstanding at a time: a sleep cut short by
@@ -223,8 +310,14 @@ pub(crate) async fn run(mut task: DriverTask) {
                 }
             }
         }
+        // Yield with a timer registered (see "glommio 0.9 can park with the driver
+        // runnable"). `now` is at most one round old; after a sleep, the timer is re-armed.
+        backstop.arm(now).await;
         glommio::executor().yield_task_queue_now().await;
     }
+    // Tell the waker thread now. Dropping a glommio socket only queues its close on the ring,
+    // and the shard may block in `Driver::join` before the ring runs it.
+    let _ = task.stream.shutdown(std::net::Shutdown::Both).await;
 }
 
 fn socket_path(shard: usize) -> PathBuf {
@@ -238,10 +331,27 @@ fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>) {
         return;
     };
     drop(listener);
+    // Blocking reads time out so that the stop flag is seen even if the socket's end-of-file
+    // never comes (a glommio socket's close is queued on its ring, which may never run again
+    // once the shard is joining this thread).
+    if stream.set_read_timeout(Some(WATCH_SLICE)).is_err() {
+        return;
+    }
     let mut byte = [0u8; 1];
     loop {
         match stream.read(&mut byte) {
             Ok(1) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
+                continue;
+            }
             _ => return,
         }
         loop {

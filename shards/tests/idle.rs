@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use glommio::channels::local_channel;
-use shardcx_shards::ucx::{AmProto, Endpoint, EpOptions, ErrorMode, WorkerAddress};
+use shardcx_shards::ucx::{AmPayload, AmProto, Endpoint, EpOptions, ErrorMode, WorkerAddress};
 use shardcx_shards::{Placement, ShardCtx, ShardsBuilder};
 
 const PING: u16 = 7;
@@ -118,6 +118,73 @@ fn idle_shard_receives() {
     assert!(
         latency < Duration::from_millis(50),
         "first message after idle took {latency:?}"
+    );
+}
+
+/// A busy ping-pong between two shards, then idle gaps, all under one deadline. Before the
+/// driver kept a backstop timer, a shard could park for good between two progress rounds
+/// (glommio's parking race, see the driver's module docs); this catches it only sometimes.
+#[test]
+fn busy_then_idle_pingpong_finishes() {
+    const PONG: u16 = 8;
+    const ROUNDS: usize = 2000;
+    let book = Arc::new(Mutex::new(vec![None, None]));
+    let out = builder()
+        .run(move |ctx: Rc<ShardCtx>| {
+            let book = book.clone();
+            async move {
+                let peer = exchange(&ctx, &book).await;
+                let opts = EpOptions {
+                    error_mode: ErrorMode::None,
+                };
+                let ep = Endpoint::connect_to_worker(ctx.worker(), &peer, opts).unwrap();
+                let me = ctx.id().index();
+                let (tx, rx) = local_channel::new_unbounded();
+                ctx.worker()
+                    .set_am_handler(if me == 0 { PONG } else { PING }, move |_h, p| {
+                        let len = match &p {
+                            AmPayload::Data(d) => d.len(),
+                            AmPayload::Rendezvous(r) => r.len(),
+                        };
+                        let _ = tx.try_send(len);
+                    })
+                    .unwrap();
+                let work = async {
+                    if me == 1 {
+                        // Echo until the zero-length stop message.
+                        let mut echoed = 0;
+                        while rx.recv().await.expect("handler gone") > 0 {
+                            let (r, _) = ep.am_send(PONG, &[], vec![0u8; 8], AmProto::Eager).await;
+                            r.unwrap();
+                            echoed += 1;
+                        }
+                        return Ok(echoed);
+                    }
+                    for i in 0..ROUNDS {
+                        if i % 500 == 0 {
+                            // Let both drivers fall asleep now and then.
+                            glommio::timer::sleep(Duration::from_millis(20)).await;
+                        }
+                        let (r, _) = ep.am_send(PING, &[], vec![0u8; 8], AmProto::Eager).await;
+                        r.unwrap();
+                        rx.recv().await.expect("handler gone");
+                    }
+                    let (r, _) = ep
+                        .am_send(PING, &[], Vec::<u8>::new(), AmProto::Eager)
+                        .await;
+                    r.unwrap();
+                    Ok(ROUNDS)
+                };
+                glommio::timer::timeout(Duration::from_secs(20), work)
+                    .await
+                    .ok()
+            }
+        })
+        .unwrap();
+    assert_eq!(
+        out,
+        vec![Some(ROUNDS), Some(ROUNDS)],
+        "a shard did not finish its ping-pong within 20 s"
     );
 }
 
