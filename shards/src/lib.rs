@@ -58,7 +58,7 @@ pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};
 pub use driver::DriverConfig;
 pub use error::{BootError, ForwardError};
 pub use mesh::MeshConfig;
-pub use pool::ShardPool;
+pub use pool::{PoolBuf, ShardPool};
 
 pub use shardcx_proto as proto;
 pub use shardcx_ucx as ucx;

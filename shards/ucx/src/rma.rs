@@ -51,6 +51,8 @@ pub struct MemSlice {
     region: Rc<MemHandle>,
     offset: usize,
     len: usize,
+    /// Run when the lease ends (a memory pool returns the range to its allocator).
+    release: Option<Box<dyn FnOnce()>>,
 }
 
 /// A packed remote key: bytes to send to a peer, who unpacks them on an endpoint to this
@@ -161,6 +163,7 @@ impl MemHandle {
             region: self.clone(),
             offset,
             len,
+            release: None,
         })
     }
 
@@ -285,6 +288,16 @@ impl MemSlice {
         self.len == 0
     }
 
+    /// Run `release` when the lease ends: when the slice is dropped, or, if an operation that
+    /// owned it was cancelled, once UCX has completed that operation (then from inside
+    /// [`crate::Worker::progress`]: `release` must not call into the worker). A memory pool uses
+    /// this to take the range back only when UCX is done with it. A panic in `release` is
+    /// caught and ignored. Replaces any earlier hook.
+    pub fn on_release(mut self, release: impl FnOnce() + 'static) -> Self {
+        self.release = Some(Box::new(release));
+        self
+    }
+
     /// The region this slice leases from.
     pub fn region(&self) -> &Rc<MemHandle> {
         &self.region
@@ -347,6 +360,11 @@ impl MemSlice {
 impl Drop for MemSlice {
     fn drop(&mut self) {
         self.region.leases.borrow_mut().remove(&self.offset);
+        if let Some(release) = self.release.take() {
+            // May run inside `progress` (a cancelled operation's buffer is dropped when UCX
+            // completes it): a panic must not unwind into UCX.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(release));
+        }
     }
 }
 

@@ -358,8 +358,9 @@ fn teardown_prints_no_ucx_warnings() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
+    // Every other test of this file ran in the child (update when adding one).
     assert!(
-        stdout.contains("6 passed"),
+        stdout.contains("7 passed"),
         "child ran the scenarios:\n{stdout}"
     );
     for line in stderr.lines().chain(stdout.lines()) {
@@ -367,5 +368,38 @@ fn teardown_prints_no_ucx_warnings() {
             !line.contains("UCX  WARN") && !line.contains("UCX  ERROR"),
             "UCX complained: {line}"
         );
+    }
+}
+
+#[test]
+fn a_dropped_send_of_a_memslice_releases_it_only_when_ucx_is_done() {
+    for tls in transports() {
+        let p = pair(tls);
+        let q = inbox(&p, 13);
+        let size = 2 << 20;
+        let region = Rc::new(shardcx_ucx::MemHandle::allocate(&p.a_context, size).expect("region"));
+        let released = Rc::new(Cell::new(false));
+        let flag = released.clone();
+        let slice = region
+            .slice(0, size)
+            .expect("lease")
+            .on_release(move || flag.set(true));
+        {
+            let mut send = pin!(p.ab.am_send(13, b"", slice, AmProto::Rendezvous));
+            assert!(poll_once(send.as_mut()).is_pending());
+        }
+        progress_until(&p, || !q.borrow().is_empty());
+        assert!(!released.get(), "{tls}: lease ended while UCX may read it");
+        assert!(
+            region.slice(0, 1).is_err(),
+            "{tls}: range leased again while UCX may read it"
+        );
+        let AmPayload::Rendezvous(r) = q.borrow_mut().pop_front().expect("message") else {
+            panic!("expected rendezvous")
+        };
+        let _ = p.run(p.b.am_recv_data(r, vec![0u8; size]));
+        progress_until(&p, || p.a.orphaned_requests() == 0);
+        assert!(released.get(), "{tls}: release hook never ran");
+        assert!(region.slice(0, size).is_ok(), "{tls}: lease not ended");
     }
 }
