@@ -1,16 +1,21 @@
 //! Booting shards: one glommio executor per shard, each building its own [`ShardCtx`].
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::rc::Rc;
-use std::time::Duration;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use glommio::{Latency, LocalExecutorBuilder, Placement as GPlacement, Shares};
 
 use crate::driver::{self, Driver, DriverConfig, DriverStats};
 use crate::error::BootError;
 use crate::mesh::{self, MeshConfig, MeshEnds, MeshState};
+use crate::net::{self, NetConfig, NetState, NodeSettings};
 use crate::pool::{PoolNewError, ShardPool};
-use crate::proto::ids::ShardId;
+use crate::proto::ids::{Incarnation, NodeId, ShardId};
+use crate::proto::shard_map::MAX_SHARDS;
+use crate::proto::PreSharedKey;
 use crate::ucx::{Config, Context, Features, Worker};
 
 /// Locked memory left for everything but the executors' io memory (UCX, the rings).
@@ -41,6 +46,14 @@ pub struct ShardsBuilder {
     arena_len: usize,
     driver: DriverConfig,
     mesh: MeshConfig,
+    io_memory: Option<u64>,
+    node_id: Option<NodeId>,
+    incarnation: Option<Incarnation>,
+    psk: Option<Vec<u8>>,
+    listen: Option<SocketAddr>,
+    net: NetConfig,
+    // Resolved by `run` and shared by the shards of one run.
+    settings: Option<NodeSettings>,
 }
 
 /// One shard's state, built inside its thread and never moved out of it (`!Send`, reached as
@@ -53,6 +66,7 @@ pub struct ShardCtx {
     driver: Driver,
     stats: Rc<DriverStats>,
     mesh: Rc<MeshState>,
+    net: Rc<NetState>,
     // Dropped last: the worker and the pool's memory hold the context alive themselves, this
     // keeps it for `context()`.
     context: Context,
@@ -70,6 +84,13 @@ impl ShardsBuilder {
             arena_len: 1 << 20,
             driver: DriverConfig::default(),
             mesh: MeshConfig::default(),
+            io_memory: None,
+            node_id: None,
+            incarnation: None,
+            psk: None,
+            listen: None,
+            net: NetConfig::default(),
+            settings: None,
         }
     }
 
@@ -122,6 +143,46 @@ impl ShardsBuilder {
         self
     }
 
+    /// io memory of each executor, in bytes, instead of the automatic sizing (which assumes one
+    /// shard set per process): set it when several sets share a process, so that all of them
+    /// fit `RLIMIT_MEMLOCK`.
+    pub fn io_memory(mut self, bytes: u64) -> Self {
+        self.io_memory = Some(bytes);
+        self
+    }
+
+    /// This node's id (default: drawn from `/dev/urandom` by [`ShardsBuilder::run`]).
+    pub fn node_id(mut self, id: NodeId) -> Self {
+        self.node_id = Some(id);
+        self
+    }
+
+    /// This run's incarnation (default: the start time in nanoseconds since the Unix epoch).
+    pub fn incarnation(mut self, incarnation: Incarnation) -> Self {
+        self.incarnation = Some(incarnation);
+        self
+    }
+
+    /// The cluster's pre-shared key (at least 16 bytes). Without one the node neither connects
+    /// nor accepts connections.
+    pub fn psk(mut self, key: &[u8]) -> Self {
+        self.psk = Some(key.to_vec());
+        self
+    }
+
+    /// Listen for other nodes on `addr` (port 0 picks one; see [`ShardCtx::listen_addr`]).
+    /// Needs the `tcp` transport and a pre-shared key.
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = Some(addr);
+        self
+    }
+
+    /// Settings of connections between nodes (timeouts, heartbeats).
+    pub fn net(mut self, cfg: NetConfig) -> Self {
+        self.net = cfg;
+        self
+    }
+
     /// io memory per executor so that all shards fit `limit` bytes of locked memory.
     pub fn io_memory_for(&self, limit: u64) -> Result<u64, BootError> {
         let n = self.shard_count.max(1) as u64;
@@ -148,22 +209,30 @@ impl ShardsBuilder {
         if self.shard_count == 0 {
             return Err(BootError::Config("shard count must be at least 1"));
         }
-        if self.shard_count > usize::from(u16::MAX) {
+        if self.shard_count > usize::from(MAX_SHARDS) {
             return Err(BootError::Config("too many shards"));
         }
         self.mesh.validate().map_err(BootError::Config)?;
-        let io_memory = self.io_memory_for(memlock_limit())?;
+        let io_memory = match self.io_memory {
+            Some(bytes) => bytes,
+            None => self.io_memory_for(memlock_limit())?,
+        };
+        // One identity for every shard of this run.
+        let recipe = Self {
+            settings: Some(self.node_settings()?),
+            ..self
+        };
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let mut handles = Vec::with_capacity(self.shard_count);
+        let mut handles = Vec::with_capacity(recipe.shard_count);
         // Made before any executor starts; a shard whose ends are dropped unconnected (its
         // executor failed to start) reads as gone to the others.
-        let mut ends = mesh::lanes(self.shard_count, self.mesh.lane_capacity).into_iter();
-        for (shard, ends) in (0..self.shard_count).zip(&mut ends) {
-            let placement = match self.placement {
+        let mut ends = mesh::lanes(recipe.shard_count, recipe.mesh.lane_capacity).into_iter();
+        for (shard, ends) in (0..recipe.shard_count).zip(&mut ends) {
+            let placement = match recipe.placement {
                 Placement::Pinned => GPlacement::Fixed(shard % cpus),
                 Placement::Unpinned => GPlacement::Unbound,
             };
-            let me = self.clone();
+            let me = recipe.clone();
             let f = f.clone();
             let h = LocalExecutorBuilder::new(placement)
                 .name(&format!("shardcx-{shard}"))
@@ -201,6 +270,47 @@ impl ShardsBuilder {
             Some(e) => Err(e),
             None => Ok(out),
         }
+    }
+
+    fn node_settings(&self) -> Result<NodeSettings, BootError> {
+        let node_id = match self.node_id {
+            Some(id) => id,
+            None => {
+                let mut b = [0u8; 8];
+                net::os_random(&mut b)
+                    .map_err(|_| BootError::Config("cannot read /dev/urandom for a node id"))?;
+                NodeId::new(u64::from_le_bytes(b))
+            }
+        };
+        let incarnation = self.incarnation.unwrap_or_else(|| {
+            let nanos = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+            Incarnation::new(nanos)
+        });
+        let psk =
+            match &self.psk {
+                Some(k) => Some(PreSharedKey::new(k).map_err(|_| {
+                    BootError::Config("pre-shared key too short (16 bytes at least)")
+                })?),
+                None => None,
+            };
+        if self.listen.is_some() && psk.is_none() {
+            return Err(BootError::Config("listening needs a pre-shared key"));
+        }
+        let error_mode = self
+            .net
+            .error_mode
+            .unwrap_or_else(|| net::error_mode_for(self.transports.as_deref()));
+        Ok(NodeSettings {
+            node_id,
+            incarnation,
+            psk,
+            listen: self.listen,
+            listen_addr: Arc::new(OnceLock::new()),
+            error_mode,
+            cfg: self.net.clone(),
+        })
     }
 
     async fn shard_main<F, Fut, T>(self, shard: usize, ends: MeshEnds, f: F) -> Result<T, BootError>
@@ -241,6 +351,11 @@ impl ShardsBuilder {
             })?;
         let id =
             ShardId::new(u16::try_from(shard).map_err(|_| BootError::Config("too many shards"))?);
+        let settings = self
+            .settings
+            .clone()
+            .ok_or(BootError::Config("node settings not resolved"))?;
+        let net = Rc::new(NetState::new(settings, &worker).map_err(ucx)?);
         let ctx = Rc::new(ShardCtx {
             id,
             shard_count: self.shard_count,
@@ -249,13 +364,23 @@ impl ShardsBuilder {
             driver,
             stats,
             mesh: mesh.clone(),
+            net,
             context,
         });
+        let installed = net::install(&ctx);
         let mesh_tasks = mesh.start(&ctx, receivers);
-        let out = f(ctx.clone()).await;
+        let started = match installed {
+            Ok(()) => net::listen(&ctx).await,
+            Err(e) => Err(e),
+        };
+        let out = match started {
+            Ok(()) => Ok(f(ctx.clone()).await),
+            Err(e) => Err(e),
+        };
         // Keep serving the other shards until the whole set is quiescent (see `mesh`).
         mesh.user_finished();
         mesh.drain().await;
+        net::shutdown(&ctx).await;
         mesh.close(mesh_tasks);
         drop(mesh);
         ctx.driver.stop();
@@ -266,7 +391,7 @@ impl ShardsBuilder {
             // driver's socket is closed, which already happened.
             Err(_still_shared) => {}
         }
-        Ok(out)
+        out
     }
 }
 
@@ -321,6 +446,10 @@ impl ShardCtx {
     pub(crate) fn mesh(&self) -> &Rc<MeshState> {
         &self.mesh
     }
+
+    pub(crate) fn net(&self) -> &Rc<NetState> {
+        &self.net
+    }
 }
 
 /// `RLIMIT_MEMLOCK` in bytes, read from `/proc/self/limits` (std has no `getrlimit` and this
@@ -356,6 +485,26 @@ mod tests {
         assert_eq!(parse_memlock(s), Some(8 << 20));
         let u = "Max locked memory         unlimited            unlimited            bytes\n";
         assert_eq!(parse_memlock(u), Some(u64::MAX));
+    }
+
+    #[test]
+    fn node_settings_are_checked() {
+        let short = ShardsBuilder::new().psk(b"short").node_settings();
+        assert!(matches!(short, Err(BootError::Config(_))));
+        let deaf = ShardsBuilder::new()
+            .listen(([127, 0, 0, 1], 0).into())
+            .node_settings();
+        assert!(matches!(deaf, Err(BootError::Config(_))));
+        let a = ShardsBuilder::new().node_settings().ok();
+        let b = ShardsBuilder::new().node_settings().ok();
+        // Random node ids: equal with probability 2^-64.
+        assert!(a.zip(b).is_some_and(|(a, b)| a.node_id != b.node_id));
+        let fixed = ShardsBuilder::new()
+            .node_id(NodeId::new(5))
+            .psk(&[7; 16])
+            .node_settings()
+            .ok();
+        assert!(fixed.is_some_and(|s| s.node_id == NodeId::new(5) && s.psk.is_some()));
     }
 
     #[test]

@@ -1,8 +1,12 @@
-//! Errors of booting and running shards, and of forwarding work between them.
+//! Errors of booting and running shards, of forwarding work between them, and of connections
+//! between nodes.
+
+use std::net::SocketAddr;
 
 use thiserror::Error;
 
-use crate::proto::ids::ShardId;
+use crate::proto::handshake::{HandshakeError, RejectReason};
+use crate::proto::ids::{NodeId, ShardId};
 
 /// Why shards could not start or run.
 #[derive(Debug, Error)]
@@ -55,6 +59,14 @@ pub enum BootError {
         /// The I/O error.
         #[source]
         source: std::io::Error,
+    },
+    /// The node's listener could not be set up.
+    #[error("shard {shard}: cannot listen: {reason}")]
+    Listen {
+        /// The shard's index.
+        shard: usize,
+        /// What went wrong, as text.
+        reason: String,
     },
     /// A setting was invalid.
     #[error("invalid setting: {0}")]
@@ -117,4 +129,104 @@ pub enum ForwardError {
         /// The panic message, when it was a string.
         message: String,
     },
+}
+
+/// Why a connection between nodes, or a frame to a remote node, failed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NetError {
+    /// The peer refused the handshake, or proved a different key (`BadProof`).
+    #[error("node {node} refused the connection: {reason:?}")]
+    Refused {
+        /// The remote node.
+        node: NodeId,
+        /// The reject reason (proto's).
+        reason: RejectReason,
+    },
+    /// The handshake failed for another reason (version, shard count, wrong node...).
+    #[error("handshake with node {node} failed: {source}")]
+    Handshake {
+        /// The remote node.
+        node: NodeId,
+        /// proto's handshake error.
+        #[source]
+        source: HandshakeError,
+    },
+    /// A deadline passed (`what` is `"bootstrap"` or `"handshake"`).
+    #[error("{what} timed out")]
+    TimedOut {
+        /// The step that timed out.
+        what: &'static str,
+    },
+    /// Nothing answers at the address (the UCX endpoint failed).
+    #[error("cannot reach {addr}: {source}")]
+    Unreachable {
+        /// The address dialled.
+        addr: SocketAddr,
+        /// The UCX error.
+        #[source]
+        source: crate::ucx::Error,
+    },
+    /// The peer stopped answering heartbeats.
+    #[error("node {node} is dead")]
+    PeerDead {
+        /// The remote node.
+        node: NodeId,
+    },
+    /// The endpoint to the peer failed.
+    #[error("transport to node {node} failed")]
+    Transport {
+        /// The remote node.
+        node: NodeId,
+    },
+    /// The connection closed (locally or by the peer) before the operation completed.
+    #[error("connection to node {node} closed")]
+    Closed {
+        /// The remote node.
+        node: NodeId,
+    },
+    /// There is no ready connection to the node.
+    #[error("not connected to node {node}")]
+    NotConnected {
+        /// The remote node.
+        node: NodeId,
+    },
+    /// The node was built without a pre-shared key, so it cannot connect.
+    #[error("no pre-shared key configured")]
+    NoKey,
+    /// The address is this node's own listener.
+    #[error("cannot connect a node to itself")]
+    SelfConnect,
+    /// The listener sent a malformed directory.
+    #[error("malformed directory from {addr}")]
+    BadDirectory {
+        /// The address dialled.
+        addr: SocketAddr,
+    },
+    /// The frame could not be encoded (e.g. too large).
+    #[error("frame: {source}")]
+    Wire {
+        /// The wire error.
+        #[source]
+        source: crate::proto::WireError,
+    },
+    /// UCX refused to create an endpoint.
+    #[error("ucx: {source}")]
+    Ucx {
+        /// The UCX error.
+        #[source]
+        source: crate::ucx::Error,
+    },
+    /// The OS random source could not be read.
+    #[error("cannot read /dev/urandom: {reason}")]
+    Random {
+        /// The I/O error, as text.
+        reason: String,
+    },
+    /// The shard is shutting down.
+    #[error("shard is shutting down")]
+    ShuttingDown,
+    /// Forwarding to the owner shard failed.
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
 }

@@ -24,6 +24,15 @@
 //! until the worker's event fd is readable (through a small waker thread; see the module docs
 //! for why). An idle shard therefore costs no CPU, and a busy one never sleeps.
 //!
+//! ## Nodes
+//!
+//! A shard set is one *node*, with a [`proto::NodeId`] ([`ShardsBuilder::node_id`], random by
+//! default), an incarnation fresh for every run, and a pre-shared key ([`ShardsBuilder::psk`]).
+//! A node may listen ([`ShardsBuilder::listen`]); any shard may [`ShardCtx::connect`] to
+//! another node's listener. The session of a node pair lives on the owner shard on each side
+//! ([`proto::ShardMap`]), behind proto's authenticated handshake, with heartbeats; other shards
+//! reach it through the mesh ([`ShardCtx::send_am`], [`ShardCtx::set_net_handler`]). See [`net`].
+//!
 //! ## Invariants
 //!
 //! - A [`ShardCtx`] is built inside its thread and never leaves it; UCX handles are never shared
@@ -35,8 +44,9 @@
 //!
 //! ## What is `Send`, and why
 //!
-//! [`ShardsBuilder`], [`Placement`], [`DriverConfig`] and [`BootError`] are `Send`: they are
-//! settings and results that cross threads. [`ShardCtx`] and [`ShardPool`] are `!Send`: they
+//! [`ShardsBuilder`], [`Placement`], [`DriverConfig`], [`NetConfig`], [`BootError`],
+//! [`NetError`], [`RemoteNode`] and [`Directory`] are `Send`: they are settings, handles and
+//! results that cross threads. [`ShardCtx`] and [`ShardPool`] are `!Send`: they
 //! hold UCX handles made for one thread, and `Rc`/`RefCell` state.
 //!
 //! ## What the machine needs
@@ -46,18 +56,24 @@
 //! - Locked memory: each executor locks its io memory. The builder reads `RLIMIT_MEMLOCK` from
 //!   `/proc/self/limits` and gives each executor `(limit - 1 MiB) / shards` (at most 2 MiB, at
 //!   least 64 KiB), or fails with [`BootError::MemlockTooSmall`] naming the limit and the need.
+//!   Several sets in one process (tests, the `two_nodes` example) set it themselves with
+//!   [`ShardsBuilder::io_memory`].
+//! - Connections between nodes: the `tcp` transport for the listener and socket-address
+//!   connects (UCX 1.12), and `/dev/urandom` for node ids and handshake nonces.
 //! - UCX with `UCP_FEATURE_WAKEUP` (always requested) and the transports asked for.
 
 pub mod boot;
 pub mod driver;
 mod error;
 pub mod mesh;
+pub mod net;
 pub mod pool;
 
 pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};
 pub use driver::DriverConfig;
-pub use error::{BootError, ForwardError};
+pub use error::{BootError, ForwardError, NetError};
 pub use mesh::MeshConfig;
+pub use net::{Directory, NetConfig, NetStats, RemoteNode};
 pub use pool::{PoolBuf, ShardPool};
 
 pub use shardcx_proto as proto;

@@ -1,0 +1,343 @@
+//! Tier 3: two nodes of two shards each, in one process, connected over tcp on loopback.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test/example may panic: a panic is a failure it reports.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use glommio::timer::sleep;
+use shardcx_shards::net::{frame_am_header, NetConfig, NetStats, FRAME_AM};
+use shardcx_shards::proto::handshake::RejectReason;
+use shardcx_shards::proto::wire::{encode_frame, frame_len};
+use shardcx_shards::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId, ShardMap};
+use shardcx_shards::ucx::{AmProto, Endpoint, EpOptions, ErrorMode};
+use shardcx_shards::{NetError, Placement, ShardCtx, ShardsBuilder};
+
+/// Longest any one test may run.
+const LIMIT: Duration = Duration::from_secs(60);
+const KEY: &[u8] = b"sixteen byte key, and some more";
+const A: NodeId = NodeId::new(0xA11CE);
+const B: NodeId = NodeId::new(0xB0B);
+const PING: AmId = AmId::new(1);
+const PONG: AmId = AmId::new(2);
+
+/// Two nodes of two shards each must fit the 8 MiB locked-memory limit: one test at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn node(id: NodeId, key: &[u8]) -> ShardsBuilder {
+    ShardsBuilder::new()
+        .shard_count(2)
+        .placement(Placement::Unpinned)
+        .transports("tcp")
+        .io_memory(1 << 20)
+        .node_id(id)
+        .psk(key)
+        .net(NetConfig {
+            connect_timeout: Duration::from_secs(3),
+            handshake_timeout: Duration::from_secs(3),
+            linger: Duration::from_millis(200),
+            ..NetConfig::default()
+        })
+}
+
+/// What each shard of the listening node reports when it ends.
+#[derive(Debug, Clone)]
+struct Report {
+    stats: NetStats,
+    pings: u64,
+}
+
+/// Starts node B (listening, answering PING with PONG) in its own thread; returns its address,
+/// the flag that ends it, and its thread.
+fn start_b(
+    key: &'static [u8],
+) -> (
+    SocketAddr,
+    Arc<AtomicBool>,
+    std::thread::JoinHandle<Vec<Report>>,
+) {
+    let (tx, rx) = mpsc::channel();
+    let done = Arc::new(AtomicBool::new(false));
+    let done2 = done.clone();
+    let tx = Arc::new(Mutex::new(tx));
+    let h = std::thread::spawn(move || {
+        node(B, key)
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |ctx: Rc<ShardCtx>| {
+                let done = done2.clone();
+                let tx = tx.clone();
+                async move {
+                    let pings = Rc::new(std::cell::Cell::new(0u64));
+                    let p = pings.clone();
+                    ctx.set_net_handler(PING, move |ctx, from, payload| {
+                        p.set(p.get() + 1);
+                        let ctx = ctx.clone();
+                        glommio::spawn_local(async move {
+                            let _ = ctx.send_am(from, PONG, payload).await;
+                        })
+                        .detach();
+                    });
+                    if ctx.id().get() == 0 {
+                        let _ = tx.lock().unwrap().send(ctx.listen_addr().unwrap());
+                    }
+                    let deadline = Instant::now() + LIMIT;
+                    while !done.load(Ordering::Acquire) && Instant::now() < deadline {
+                        sleep(Duration::from_millis(5)).await;
+                    }
+                    Report {
+                        stats: ctx.net_stats(),
+                        pings: pings.get(),
+                    }
+                }
+            })
+            .unwrap()
+    });
+    let addr = rx.recv_timeout(LIMIT).expect("node B did not start");
+    (addr, done, h)
+}
+
+/// Runs node A with `f` on every shard, bounded by `LIMIT`.
+fn run_a<T, F, Fut>(key: &'static [u8], f: F) -> Vec<T>
+where
+    F: Fn(Rc<ShardCtx>) -> Fut + Send + Clone + 'static,
+    Fut: std::future::Future<Output = T> + 'static,
+    T: Send + 'static,
+{
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(node(A, key).run(f));
+    });
+    rx.recv_timeout(LIMIT)
+        .expect("node A still running")
+        .expect("node A failed")
+}
+
+fn finish_b(done: &AtomicBool, h: std::thread::JoinHandle<Vec<Report>>) -> Vec<Report> {
+    done.store(true, Ordering::Release);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(h.join());
+    });
+    rx.recv_timeout(LIMIT)
+        .expect("node B did not stop (see Driver::join)")
+        .expect("node B panicked")
+}
+
+#[test]
+fn connect_puts_endpoints_on_owner_shards() {
+    let _g = serial();
+    let (addr, done, b) = start_b(KEY);
+    let owner_a = ShardMap::new(2).unwrap().owner_of(B); // on A, owns B
+    let owner_b = ShardMap::new(2).unwrap().owner_of(A); // on B, owns A
+    let got = run_a(KEY, move |ctx| async move {
+        // Connect from the shard that does not own B, so that the connect is forwarded.
+        if ctx.id() == owner_a {
+            return None;
+        }
+        let remote = ctx.connect(addr).await.expect("connect");
+        // The endpoint really sits on the owner: ask every shard.
+        let mut holders = Vec::new();
+        for s in 0..2u16 {
+            let to = shardcx_shards::proto::ShardId::new(s);
+            let nodes = ctx
+                .forward(to, |c| async move { c.connected_nodes() })
+                .await
+                .unwrap();
+            holders.push(nodes);
+        }
+        Some((remote, holders))
+    });
+    let reports = finish_b(&done, b);
+    let (remote, holders) = got.into_iter().flatten().next().expect("a result");
+    assert_eq!(remote.node_id, B);
+    assert_eq!(remote.shard_count, 2);
+    assert_eq!(remote.owner, owner_a);
+    assert_eq!(remote.remote_shard, owner_b);
+    for (s, nodes) in holders.iter().enumerate() {
+        let has_b = nodes.iter().any(|r| r.node_id == B);
+        assert_eq!(
+            has_b,
+            s == owner_a.index(),
+            "shard {s} of A holds {nodes:?}"
+        );
+    }
+    for (s, r) in reports.iter().enumerate() {
+        let want = u64::from(s == owner_b.index());
+        assert_eq!(r.stats.handshakes, want, "shard {s} of B: {r:?}");
+        assert_eq!(r.stats.dropped_misrouted, 0);
+    }
+}
+
+#[test]
+fn round_trip_from_every_shard() {
+    let _g = serial();
+    let (addr, done, b) = start_b(KEY);
+    let pongs: Arc<Mutex<HashSet<Vec<u8>>>> = Arc::default();
+    const N: u8 = 20;
+    let rtts = run_a(KEY, move |ctx| {
+        let pongs = pongs.clone();
+        async move {
+            let p = pongs.clone();
+            ctx.set_net_handler(PONG, move |_ctx, from, payload| {
+                assert_eq!(from, B);
+                p.lock().unwrap().insert(payload);
+            });
+            let remote = ctx.connect(addr).await.expect("connect");
+            assert_eq!(remote.node_id, B);
+            let mut worst = Duration::ZERO;
+            for i in 0..N {
+                let msg = vec![ctx.id().get() as u8, i, 0xAB];
+                let t0 = Instant::now();
+                ctx.send_am(B, PING, msg.clone()).await.expect("send");
+                let deadline = t0 + Duration::from_secs(5);
+                while !pongs.lock().unwrap().contains(&msg) {
+                    assert!(Instant::now() < deadline, "no pong for {msg:?}");
+                    sleep(Duration::from_micros(200)).await;
+                }
+                worst = worst.max(t0.elapsed());
+            }
+            worst
+        }
+    });
+    let reports = finish_b(&done, b);
+    assert_eq!(rtts.len(), 2);
+    let pings: u64 = reports.iter().map(|r| r.pings).sum();
+    assert_eq!(pings, 2 * u64::from(N));
+    let owner_b = ShardMap::new(2).unwrap().owner_of(A);
+    assert_eq!(reports[owner_b.index()].pings, 2 * u64::from(N));
+    assert_eq!(reports[owner_b.index()].stats.handshakes, 1);
+}
+
+#[test]
+fn wrong_key_is_refused() {
+    let _g = serial();
+    let (addr, done, b) = start_b(KEY);
+    let got = run_a(b"another key of sixteen bytes", move |ctx| async move {
+        if ctx.id().get() != 0 {
+            return None;
+        }
+        let t0 = Instant::now();
+        let r = ctx.connect(addr).await;
+        Some((r, t0.elapsed()))
+    });
+    let reports = finish_b(&done, b);
+    let (r, took) = got.into_iter().flatten().next().unwrap();
+    assert!(
+        matches!(
+            r,
+            Err(NetError::Refused {
+                node: B,
+                reason: RejectReason::BadProof
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert!(
+        reports.iter().all(|r| r.stats.handshakes == 0),
+        "{reports:?}"
+    );
+}
+
+#[test]
+fn connect_without_listener_fails_within_deadline() {
+    let _g = serial();
+    // A port that nobody listens on (bound, then released).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let got = run_a(KEY, move |ctx| async move {
+        if ctx.id().get() != 0 {
+            return None;
+        }
+        let t0 = Instant::now();
+        let r = ctx.connect(addr).await;
+        Some((r, t0.elapsed()))
+    });
+    let (r, took) = got.into_iter().flatten().next().unwrap();
+    assert!(
+        matches!(
+            r,
+            Err(NetError::Unreachable { .. } | NetError::TimedOut { .. })
+        ),
+        "{r:?}"
+    );
+    // The connect timeout is 3 s.
+    assert!(took < Duration::from_millis(3500), "took {took:?}");
+}
+
+#[test]
+fn frame_before_handshake_is_dropped() {
+    let _g = serial();
+    let (addr, done, b) = start_b(KEY);
+    run_a(KEY, move |ctx| async move {
+        if ctx.id().get() != 0 {
+            return;
+        }
+        // Learn B's workers, but do not handshake: send an application frame straight to the
+        // shard of B that owns A, claiming to be A.
+        let dir = ctx.bootstrap(addr).await.expect("bootstrap");
+        let r = ShardMap::new(dir.shard_count()).unwrap().owner_of(A);
+        let opts = EpOptions {
+            error_mode: ErrorMode::Peer,
+        };
+        let ep = Endpoint::connect_to_worker(ctx.worker(), &dir.workers[r.index()], opts).unwrap();
+        let payload = b"sneaky";
+        let header = FrameHeader {
+            id: PING.get(),
+            payload_len: payload.len() as u64,
+            ..FrameHeader::new(FrameKind::Am)
+        };
+        let limits = Limits::default();
+        let mut frame = vec![0u8; frame_len(header.payload_len, &limits).unwrap()];
+        encode_frame(&header, payload, &mut frame, &limits).unwrap();
+        for _ in 0..3 {
+            let send = ep.am_send(
+                FRAME_AM,
+                &frame_am_header(A, 0),
+                frame.clone(),
+                AmProto::Eager,
+            );
+            ctx.wake_driver();
+            let (res, _) = send.await;
+            res.expect("raw send");
+        }
+        let flushed = futures_lite::future::or(async { ep.flush().await.is_ok() }, async {
+            sleep(Duration::from_secs(3)).await;
+            false
+        })
+        .await;
+        assert!(flushed, "flush timed out");
+        // Give B's net task time to see them.
+        sleep(Duration::from_millis(200)).await;
+    });
+    let reports = finish_b(&done, b);
+    let dropped: u64 = reports
+        .iter()
+        .map(|r| r.stats.dropped_unauthenticated)
+        .sum();
+    assert_eq!(dropped, 3, "{reports:?}");
+    assert!(reports
+        .iter()
+        .all(|r| r.pings == 0 && r.stats.delivered == 0));
+}
+
+#[test]
+fn net_types_cross_threads() {
+    fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<NetError>();
+    send_sync::<NetConfig>();
+    send_sync::<NetStats>();
+    send_sync::<shardcx_shards::RemoteNode>();
+    send_sync::<shardcx_shards::Directory>();
+}
