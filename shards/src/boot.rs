@@ -320,7 +320,7 @@ impl ShardsBuilder {
     {
         // First, so that every shard's lanes are connected before any user future runs, and a
         // shard that fails below leaves the mesh (its lanes close) instead of hanging the others.
-        let (mesh, receivers) = ends.connect(self.mesh).await;
+        let (mesh, receivers) = backstopped(ends.connect(self.mesh)).await;
         let _leave = mesh.leave_guard();
         let ucx = |source| BootError::Ucx { shard, source };
         let mut config = Config::from_env().map_err(ucx)?;
@@ -336,7 +336,7 @@ impl ShardsBuilder {
             PoolNewError::Pool(source) => BootError::Pool { shard, source },
         })?;
         let stats = Rc::new(DriverStats::default());
-        let (driver, task) = Driver::start(&worker, shard, self.driver, stats.clone())
+        let (driver, task) = backstopped(Driver::start(&worker, shard, self.driver, stats.clone()))
             .await
             .map_err(|source| BootError::Driver { shard, source })?;
         let tq = glommio::executor().create_task_queue(
@@ -379,12 +379,15 @@ impl ShardsBuilder {
         };
         // Keep serving the other shards until the whole set is quiescent (see `mesh`).
         mesh.user_finished();
-        mesh.drain().await;
-        net::shutdown(&ctx).await;
-        mesh.close(mesh_tasks);
+        backstopped(async {
+            mesh.drain().await;
+            net::shutdown(&ctx).await;
+            mesh.close(mesh_tasks);
+            ctx.driver.stop();
+            progress.await;
+        })
+        .await;
         drop(mesh);
-        ctx.driver.stop();
-        progress.await;
         match Rc::try_unwrap(ctx) {
             Ok(ctx) => ctx.driver.join(),
             // The user kept the context alive: the waker thread exits on its own once the
@@ -393,6 +396,22 @@ impl ShardsBuilder {
         }
         out
     }
+}
+
+/// Run `fut` with a glommio timer always registered, for the phases of a shard's life without
+/// a running progress driver (start-up before it, shut-down after it). glommio 0.9 can park
+/// the executor with a task runnable when its preempt timer fired before it looked at the task
+/// queues (see [`driver`]'s module docs); it then wakes only for I/O or a timer. The driver keeps
+/// a timer registered while it runs; without it, a park in these phases lasted for ever (a CI
+/// run hung in `tests/mesh.rs` after the driver had stopped). With this, it lasts at most
+/// [`driver::BACKSTOP`].
+async fn backstopped<T>(fut: impl Future<Output = T>) -> T {
+    futures_lite::future::or(fut, async {
+        loop {
+            glommio::timer::sleep(driver::BACKSTOP).await;
+        }
+    })
+    .await
 }
 
 impl Default for ShardsBuilder {
