@@ -1,5 +1,11 @@
 #![doc = include_str!("../README.md")]
 
+mod error;
+pub mod node;
+
+pub use error::Error;
+pub use node::{AmMsg, Node, NodeBuilder, Peer, DEFAULT_DEADLINE, MAX_AM_HEADER};
+pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
 pub use shardcx_shards::{proto, ucx};
 
 /// The runtime inside a core: shards, their progress drivers, pools and cross-shard forwarding.

@@ -52,8 +52,19 @@ pub struct ShardsBuilder {
     psk: Option<Vec<u8>>,
     listen: Option<SocketAddr>,
     net: NetConfig,
+    on_start: Option<StartHook>,
     // Resolved by `run` and shared by the shards of one run.
     settings: Option<NodeSettings>,
+}
+
+/// A hook run on every shard once its state is built (see [`ShardsBuilder::on_start`]).
+#[derive(Clone)]
+struct StartHook(Arc<dyn Fn(&Rc<ShardCtx>) + Send + Sync>);
+
+impl std::fmt::Debug for StartHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StartHook")
+    }
 }
 
 /// One shard's state, built inside its thread and never moved out of it (`!Send`, reached as
@@ -90,8 +101,21 @@ impl ShardsBuilder {
             psk: None,
             listen: None,
             net: NetConfig::default(),
+            on_start: None,
             settings: None,
         }
+    }
+
+    /// Run `hook` on every shard, inside its thread, once the shard's state is built and before
+    /// it serves anything: before its mesh receivers start, before shard 0 listens, before the
+    /// user future. The place to register handlers (e.g. [`ShardCtx::set_net_handler`]) that must
+    /// be there before the first frame can arrive. Replaces any previous hook.
+    pub fn on_start<H>(mut self, hook: H) -> Self
+    where
+        H: Fn(&Rc<ShardCtx>) + Send + Sync + 'static,
+    {
+        self.on_start = Some(StartHook(Arc::new(hook)));
+        self
     }
 
     /// Number of shards.
@@ -368,6 +392,11 @@ impl ShardsBuilder {
             context,
         });
         let installed = net::install(&ctx);
+        if installed.is_ok() {
+            if let Some(hook) = &self.on_start {
+                (hook.0)(&ctx);
+            }
+        }
         let mesh_tasks = mesh.start(&ctx, receivers);
         let started = match installed {
             Ok(()) => net::listen(&ctx).await,

@@ -1,0 +1,37 @@
+//! The facade's error type.
+
+use std::time::Duration;
+
+use shardcx_shards::{BootError, ForwardError, NetError};
+
+/// Why a node could not run, or an operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The shards could not start or run.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// A connection, or a frame to a remote node, failed.
+    #[error(transparent)]
+    Net(#[from] NetError),
+    /// Forwarding to the owner shard failed.
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    /// The operation's deadline passed before it completed.
+    #[error("{what} timed out after {after:?}")]
+    TimedOut {
+        /// The operation.
+        what: &'static str,
+        /// Its deadline, from the call.
+        after: Duration,
+    },
+    /// The call was made outside a shard thread of a running [`crate::Node`].
+    #[error("not called on a shard of a running node")]
+    NotOnShard,
+    /// An active-message header longer than [`crate::MAX_AM_HEADER`].
+    #[error("active-message header of {len} bytes is over the limit")]
+    HeaderTooLarge {
+        /// The header's length.
+        len: usize,
+    },
+}

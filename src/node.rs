@@ -1,0 +1,490 @@
+//! `Node` and `Peer`: the user's view of a running set of shards and of the nodes it talks to.
+//!
+//! A node is one set of shards ([`shardcx_shards::ShardsBuilder`]) with an identity, a
+//! pre-shared key and, optionally, a listener. [`Node::builder`] configures it;
+//! [`NodeBuilder::run`] starts one shard per core and runs the user's closure on every shard,
+//! each time with that shard's [`Node`] handle (`!Send`: it belongs to the shard's thread).
+//!
+//! A [`Peer`] is a remote node as seen from this node: `Send + Copy`, usable from any shard.
+//! Operations through it find the calling shard by itself (a thread-local set when the shard
+//! starts) and go to the shard that owns the peer (its connection lives there), over the
+//! cross-shard mesh when that is another shard.
+//!
+//! ## Active messages
+//!
+//! Handlers are registered by [`AmId`] on the builder, as a `Send` factory called once on every
+//! shard ([`NodeBuilder::on_am`]): the handler itself need not be `Send` and may hold the
+//! shard's state. A message from a peer runs the handler on this node's owner shard of that
+//! peer, with the header and payload ([`AmMsg`]). The handler must not block; it may spawn
+//! local tasks (to answer with [`Peer::am_send`], or to forward work to another shard).
+//! Handlers are installed before a shard serves anything, so no message finds a shard without
+//! them.
+//!
+//! On the wire an active message is one application frame of the connection (see
+//! `shardcx_shards::net`) whose payload is a 4-byte little-endian header length, the header,
+//! then the payload. A frame too short for its header length is dropped and counted
+//! ([`Node::malformed_am`]).
+//!
+//! ## Deadlines
+//!
+//! Every operation has a deadline: [`NodeBuilder::default_deadline`] (5 s unless set), or the
+//! one given to the `*_within` form of the call. An operation past its deadline fails with
+//! [`Error::TimedOut`]; what it had started (a frame already queued) is not recalled.
+//!
+//! ## Life of a node
+//!
+//! [`NodeBuilder::run`] returns once the closure has returned on every shard: a shard whose
+//! closure ends first keeps serving (handlers, forwards for the others' peers) until the last
+//! one ends; then the shards drain the work in flight between them (bounded by the mesh's drain
+//! timeout), close their connections (sending `Close`) and stop.
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::rc::{Rc, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use glommio::timer::sleep;
+use shardcx_shards::proto::{AmId, Incarnation, NodeId, ShardId};
+use shardcx_shards::{NetConfig, Placement, RemoteNode, ShardCtx, ShardsBuilder};
+
+use crate::Error;
+
+/// Default deadline of every operation.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Longest active-message header.
+pub const MAX_AM_HEADER: usize = 64 << 10;
+
+/// Bytes before the header in an active message's frame payload (the header length).
+const AM_PREFIX: usize = 4;
+
+type Handler = Rc<dyn Fn(&Node, AmMsg)>;
+type Factory = Arc<dyn Fn() -> Handler + Send + Sync>;
+
+/// Configures and runs a [`Node`]. `Send`: a recipe; the shards are built in their threads.
+#[derive(Clone)]
+pub struct NodeBuilder {
+    shards: ShardsBuilder,
+    handlers: Vec<(AmId, Factory)>,
+    deadline: Duration,
+}
+
+/// This shard's handle on the running node. `!Send`: it belongs to the shard's thread; clone
+/// it freely within the shard.
+#[derive(Clone)]
+pub struct Node {
+    ctx: Rc<ShardCtx>,
+    shared: Rc<ShardLocal>,
+}
+
+/// Per-shard facade state.
+struct ShardLocal {
+    deadline: Duration,
+    malformed: Cell<u64>,
+}
+
+/// A remote node: `Send + Copy`, usable from any shard of this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Peer {
+    node: NodeId,
+}
+
+/// An active message received from a peer.
+#[derive(Debug)]
+pub struct AmMsg {
+    from: Peer,
+    id: AmId,
+    bytes: Vec<u8>,
+    header_end: usize,
+}
+
+thread_local! {
+    /// The node of the shard running on this thread (weak: it must not keep the shard alive).
+    static CURRENT: RefCell<Option<(Weak<ShardCtx>, Rc<ShardLocal>)>> = const { RefCell::new(None) };
+}
+
+impl Node {
+    /// A builder with the defaults of [`ShardsBuilder::new`] (one pinned shard per CPU) and
+    /// [`DEFAULT_DEADLINE`].
+    pub fn builder() -> NodeBuilder {
+        NodeBuilder {
+            shards: ShardsBuilder::new(),
+            handlers: Vec::new(),
+            deadline: DEFAULT_DEADLINE,
+        }
+    }
+
+    /// The node of the shard running on this thread, if any.
+    pub fn current() -> Option<Node> {
+        CURRENT.with(|c| {
+            let c = c.borrow();
+            let (ctx, shared) = c.as_ref()?;
+            Some(Node {
+                ctx: ctx.upgrade()?,
+                shared: shared.clone(),
+            })
+        })
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.ctx.node_id()
+    }
+
+    /// This node's incarnation (fresh for every run).
+    pub fn incarnation(&self) -> Incarnation {
+        self.ctx.incarnation()
+    }
+
+    /// The shard this handle belongs to.
+    pub fn shard(&self) -> ShardId {
+        self.ctx.id()
+    }
+
+    /// Number of shards of this node.
+    pub fn shard_count(&self) -> usize {
+        self.ctx.shard_count()
+    }
+
+    /// The address the node listens on, if it listens.
+    pub fn listen_addr(&self) -> Option<SocketAddr> {
+        self.ctx.listen_addr()
+    }
+
+    /// The shard's runtime context, for what the facade does not wrap (forwarding, the pool,
+    /// the UCX worker).
+    pub fn shard_ctx(&self) -> &Rc<ShardCtx> {
+        &self.ctx
+    }
+
+    /// The default deadline of operations.
+    pub fn default_deadline(&self) -> Duration {
+        self.shared.deadline
+    }
+
+    /// Active messages dropped on this shard as malformed (shorter than their header length).
+    pub fn malformed_am(&self) -> u64 {
+        self.shared.malformed.get()
+    }
+
+    /// The shard of this node that owns `peer` (holds its connection).
+    pub fn owner_of(&self, peer: Peer) -> ShardId {
+        self.ctx.owner_of(peer.node)
+    }
+
+    /// Connects to the node listening at `addr` (handshake with the pre-shared key on both
+    /// owner shards), within the default deadline. Returns the existing session if there is one.
+    pub async fn connect(&self, addr: SocketAddr) -> Result<Peer, Error> {
+        self.connect_within(addr, self.shared.deadline).await
+    }
+
+    /// [`Node::connect`] with its own deadline.
+    pub async fn connect_within(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer, Error> {
+        let remote: RemoteNode = within("connect", timeout, async {
+            Ok(self.ctx.connect(addr).await?)
+        })
+        .await?;
+        Ok(Peer {
+            node: remote.node_id,
+        })
+    }
+}
+
+impl NodeBuilder {
+    /// Number of shards (default: the CPUs available).
+    pub fn shards(mut self, n: usize) -> Self {
+        self.shards = self.shards.shard_count(n);
+        self
+    }
+
+    /// Where shard threads run (default pinned, one per CPU).
+    pub fn placement(mut self, p: Placement) -> Self {
+        self.shards = self.shards.placement(p);
+        self
+    }
+
+    /// UCX transport list, e.g. `"tcp"` or `"sm,tcp"` (default: `UCX_TLS` or UCX's choice).
+    /// Listening and connecting by address need `tcp` (UCX 1.12).
+    pub fn transports(mut self, tls: &str) -> Self {
+        self.shards = self.shards.transports(tls);
+        self
+    }
+
+    /// This node's id (default: random).
+    pub fn node_id(mut self, id: NodeId) -> Self {
+        self.shards = self.shards.node_id(id);
+        self
+    }
+
+    /// The pre-shared key both sides of a connection must hold (16 bytes at least).
+    pub fn psk(mut self, key: &[u8]) -> Self {
+        self.shards = self.shards.psk(key);
+        self
+    }
+
+    /// Listen for connections at `addr` (port 0 picks one; see [`Node::listen_addr`]).
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.shards = self.shards.listen(addr);
+        self
+    }
+
+    /// glommio io memory per shard (default: sized so every shard fits `RLIMIT_MEMLOCK`; set it
+    /// when several nodes share a process).
+    pub fn io_memory(mut self, bytes: u64) -> Self {
+        self.shards = self.shards.io_memory(bytes);
+        self
+    }
+
+    /// Connection settings (timeouts, heartbeats).
+    pub fn net(mut self, cfg: NetConfig) -> Self {
+        self.shards = self.shards.net(cfg);
+        self
+    }
+
+    /// The deadline of operations called without one.
+    pub fn default_deadline(mut self, d: Duration) -> Self {
+        self.deadline = d;
+        self
+    }
+
+    /// The underlying shard settings, for what the facade does not expose.
+    pub fn with_shards(mut self, f: impl FnOnce(ShardsBuilder) -> ShardsBuilder) -> Self {
+        self.shards = f(self.shards);
+        self
+    }
+
+    /// Registers the handler of active message `id`: `factory` runs once on every shard and
+    /// returns that shard's handler, which runs for every message `id` from a peer this shard
+    /// owns. Replaces an earlier registration of `id`.
+    pub fn on_am<F, H>(mut self, id: AmId, factory: F) -> Self
+    where
+        F: Fn() -> H + Send + Sync + 'static,
+        H: Fn(&Node, AmMsg) + 'static,
+    {
+        self.handlers.retain(|(i, _)| *i != id);
+        let factory: Factory = Arc::new(move || Rc::new(factory()) as Handler);
+        self.handlers.push((id, factory));
+        self
+    }
+
+    /// Starts the node and runs `f` on every shard with that shard's [`Node`]; returns each
+    /// shard's result, in shard order, once every shard has ended (see the module docs).
+    pub fn run<F, Fut, T>(self, f: F) -> Result<Vec<T>, Error>
+    where
+        F: Fn(Node) -> Fut + Send + Clone + 'static,
+        Fut: Future<Output = T> + 'static,
+        T: Send + 'static,
+    {
+        let NodeBuilder {
+            shards,
+            handlers,
+            deadline,
+        } = self;
+        let handlers = Arc::new(handlers);
+        let shards = shards.on_start(move |ctx| install(ctx, deadline, &handlers));
+        let ended = Arc::new(AtomicUsize::new(0));
+        let out = shards.run(move |ctx: Rc<ShardCtx>| {
+            let f = f.clone();
+            let ended = ended.clone();
+            async move {
+                let node = Node::current()
+                    .filter(|n| Rc::ptr_eq(&n.ctx, &ctx))
+                    .unwrap_or_else(|| Node {
+                        ctx: ctx.clone(),
+                        shared: Rc::new(ShardLocal {
+                            deadline,
+                            malformed: Cell::new(0),
+                        }),
+                    });
+                let out = f(node).await;
+                // Keep serving (handlers, forwards of the others' operations) until every
+                // shard's closure has ended.
+                ended.fetch_add(1, Ordering::AcqRel);
+                while ended.load(Ordering::Acquire) < ctx.shard_count() {
+                    sleep(Duration::from_millis(2)).await;
+                }
+                CURRENT.with(|c| c.borrow_mut().take());
+                out
+            }
+        })?;
+        Ok(out)
+    }
+}
+
+/// On every shard, before it serves: the thread-local node, and the AM handlers.
+fn install(ctx: &Rc<ShardCtx>, deadline: Duration, handlers: &[(AmId, Factory)]) {
+    let shared = Rc::new(ShardLocal {
+        deadline,
+        malformed: Cell::new(0),
+    });
+    CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), shared.clone())));
+    for (id, factory) in handlers {
+        let handler = factory();
+        let id = *id;
+        let shared = shared.clone();
+        ctx.set_net_handler(id, move |ctx, from, bytes| {
+            let node = Node {
+                ctx: ctx.clone(),
+                shared: shared.clone(),
+            };
+            match AmMsg::decode(Peer { node: from }, id, bytes) {
+                Some(msg) => handler(&node, msg),
+                None => shared.malformed.set(shared.malformed.get() + 1),
+            }
+        });
+    }
+}
+
+impl Peer {
+    /// The peer for a node id (e.g. learnt from a message or a directory).
+    pub fn new(node: NodeId) -> Self {
+        Self { node }
+    }
+
+    /// The peer's node id.
+    pub fn node_id(&self) -> NodeId {
+        self.node
+    }
+
+    /// Sends active message `id` with `header` and `payload`, from any shard of a running
+    /// node, within the default deadline. Resolves once the message is queued on the owner
+    /// shard's endpoint (it then goes out in order with the connection's other frames).
+    ///
+    /// Errors: [`Error::NotOnShard`], [`Error::HeaderTooLarge`], [`Error::TimedOut`], and the
+    /// connection's ([`shardcx_shards::NetError::NotConnected`] when there is no session).
+    pub async fn am_send(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        let timeout = node.shared.deadline;
+        self.send_on(&node, id, header, payload, timeout).await
+    }
+
+    /// [`Peer::am_send`] with its own deadline.
+    pub async fn am_send_within(
+        &self,
+        id: AmId,
+        header: &[u8],
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        self.send_on(&node, id, header, payload, timeout).await
+    }
+
+    async fn send_on(
+        &self,
+        node: &Node,
+        id: AmId,
+        header: &[u8],
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        let bytes = AmMsg::encode(header, payload)?;
+        let peer = self.node;
+        within("am_send", timeout, async {
+            Ok(node.ctx.send_am(peer, id, bytes).await?)
+        })
+        .await
+    }
+}
+
+impl AmMsg {
+    fn encode(header: &[u8], payload: &[u8]) -> Result<Vec<u8>, Error> {
+        if header.len() > MAX_AM_HEADER {
+            return Err(Error::HeaderTooLarge { len: header.len() });
+        }
+        let mut b = Vec::with_capacity(AM_PREFIX + header.len() + payload.len());
+        // Fits: checked against MAX_AM_HEADER above.
+        b.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        b.extend_from_slice(header);
+        b.extend_from_slice(payload);
+        Ok(b)
+    }
+
+    fn decode(from: Peer, id: AmId, bytes: Vec<u8>) -> Option<Self> {
+        let len: [u8; AM_PREFIX] = bytes.get(..AM_PREFIX)?.try_into().ok()?;
+        let header_len = usize::try_from(u32::from_le_bytes(len)).ok()?;
+        let header_end = AM_PREFIX.checked_add(header_len)?;
+        if header_len > MAX_AM_HEADER || header_end > bytes.len() {
+            return None;
+        }
+        Some(Self {
+            from,
+            id,
+            bytes,
+            header_end,
+        })
+    }
+
+    /// The sending peer.
+    pub fn from(&self) -> Peer {
+        self.from
+    }
+
+    /// The message's id.
+    pub fn id(&self) -> AmId {
+        self.id
+    }
+
+    /// The header.
+    pub fn header(&self) -> &[u8] {
+        &self.bytes[AM_PREFIX..self.header_end]
+    }
+
+    /// The payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.bytes[self.header_end..]
+    }
+
+    /// The payload, owned (moves the bytes down over the header; no new allocation).
+    pub fn into_payload(mut self) -> Vec<u8> {
+        self.bytes.drain(..self.header_end);
+        self.bytes
+    }
+}
+
+/// Runs `fut` with a deadline.
+async fn within<T>(
+    what: &'static str,
+    timeout: Duration,
+    fut: impl Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    let start = Instant::now();
+    futures_lite::future::or(fut, async {
+        sleep(timeout.saturating_sub(start.elapsed())).await;
+        Err(Error::TimedOut {
+            what,
+            after: timeout,
+        })
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn am_frames_round_trip_and_refuse_short_input() {
+        let p = Peer::new(NodeId::new(3));
+        let b = AmMsg::encode(b"hdr", b"payload").unwrap();
+        let m = AmMsg::decode(p, AmId::new(7), b.clone()).unwrap();
+        assert_eq!((m.header(), m.payload()), (&b"hdr"[..], &b"payload"[..]));
+        assert_eq!(m.into_payload(), b"payload");
+        for cut in 0..AM_PREFIX + 3 {
+            assert!(AmMsg::decode(p, AmId::new(7), b[..cut].to_vec()).is_none());
+        }
+        let empty = AmMsg::encode(b"", b"").unwrap();
+        let m = AmMsg::decode(p, AmId::new(1), empty).unwrap();
+        assert!(m.header().is_empty() && m.payload().is_empty());
+        let mut huge = (u32::MAX).to_le_bytes().to_vec();
+        huge.extend_from_slice(&[0; 8]);
+        assert!(AmMsg::decode(p, AmId::new(1), huge).is_none());
+        assert!(matches!(
+            AmMsg::encode(&vec![0; MAX_AM_HEADER + 1], b""),
+            Err(Error::HeaderTooLarge { .. })
+        ));
+    }
+}

@@ -1,0 +1,317 @@
+//! The facade: two nodes of two shards each in one process, over tcp on loopback.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test/example may panic: a panic is a failure it reports.
+
+use std::cell::{Cell, RefCell};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use glommio::channels::local_channel::{self, LocalSender};
+use glommio::timer::sleep;
+use shardcx::shards::{NetError, Placement};
+use shardcx::{AmId, AmMsg, Error, Node, NodeBuilder, NodeId, Peer, ShardId};
+
+/// Longest any one test may run.
+const LIMIT: Duration = Duration::from_secs(60);
+const KEY: &[u8] = b"facade test key, 16+ bytes";
+const WORK: AmId = AmId::new(10);
+const DONE: AmId = AmId::new(11);
+/// Messages per client shard in the all-pairs test (10,000 in all).
+const PER_SHARD: u32 = 5_000;
+/// Messages in flight per client shard.
+const WINDOW: u32 = 64;
+
+/// Two nodes of two shards each must fit the 8 MiB locked-memory limit: one test at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn node(id: u64, key: &[u8]) -> NodeBuilder {
+    Node::builder()
+        .shards(2)
+        .placement(Placement::Unpinned)
+        .transports("tcp")
+        .io_memory(1 << 20)
+        .node_id(NodeId::new(id))
+        .psk(key)
+}
+
+/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.
+fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(LIMIT).expect("still running after LIMIT")
+}
+
+/// The payload of message `seq` from client shard `origin`.
+fn payload(origin: u16, seq: u32) -> Vec<u8> {
+    let len = (seq % 97) as usize;
+    (0..len)
+        .map(|i| (i as u32 ^ seq ^ u32::from(origin) << 8) as u8)
+        .collect()
+}
+
+/// What each server shard saw.
+#[derive(Debug, Clone, Copy, Default)]
+struct ServerReport {
+    /// Messages received on this shard (it owns the client).
+    received: u64,
+    /// Messages whose content did not match.
+    bad: u64,
+    /// Jobs this shard ran for a message (every shard should run some).
+    served: u64,
+    malformed: u64,
+}
+
+thread_local! {
+    static RECEIVED: Cell<u64> = const { Cell::new(0) };
+    static BAD: Cell<u64> = const { Cell::new(0) };
+    static SERVED: Cell<u64> = const { Cell::new(0) };
+    static ACKS: RefCell<Option<LocalSender<(u32, u64)>>> = const { RefCell::new(None) };
+}
+
+/// Starts the server node: checks each WORK message, hands it to the server shard named by the
+/// message (`seq % 2`), which answers DONE with a checksum. Returns its address, its stop flag
+/// and its thread.
+fn start_server(
+    key: &'static [u8],
+) -> (
+    SocketAddr,
+    Arc<AtomicBool>,
+    std::thread::JoinHandle<Vec<ServerReport>>,
+) {
+    let (tx, rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let h = std::thread::spawn(move || {
+        node(2, key)
+            .listen("127.0.0.1:0".parse().unwrap())
+            .on_am(WORK, || {
+                |node: &Node, msg: AmMsg| {
+                    RECEIVED.with(|c| c.set(c.get() + 1));
+                    let h = msg.header();
+                    let origin = u16::from_le_bytes([h[0], h[1]]);
+                    let seq = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
+                    if msg.payload() != payload(origin, seq) {
+                        BAD.with(|c| c.set(c.get() + 1));
+                    }
+                    let sum: u64 = msg.payload().iter().map(|&b| u64::from(b)).sum();
+                    let target = ShardId::new((seq % 2) as u16);
+                    let from = msg.from();
+                    let header = h.to_vec();
+                    let ctx = node.shard_ctx().clone();
+                    glommio::spawn_local(async move {
+                        // Every server shard does some of the work, then answers through the
+                        // peer (a forward back to the owner when it is another shard).
+                        ctx.forward(target, move |_| async move {
+                            SERVED.with(|c| c.set(c.get() + 1));
+                            from.am_send(DONE, &header, &sum.to_le_bytes())
+                                .await
+                                .expect("answer");
+                        })
+                        .await
+                        .expect("forward to the target shard");
+                    })
+                    .detach();
+                }
+            })
+            .run(move |node: Node| {
+                let (tx, stop) = (tx.clone(), stop2.clone());
+                async move {
+                    if node.shard() == ShardId::new(0) {
+                        let _ = tx.send(node.listen_addr().unwrap());
+                    }
+                    let deadline = Instant::now() + LIMIT;
+                    while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
+                        sleep(Duration::from_millis(5)).await;
+                    }
+                    ServerReport {
+                        received: RECEIVED.with(Cell::get),
+                        bad: BAD.with(Cell::get),
+                        served: SERVED.with(Cell::get),
+                        malformed: node.malformed_am(),
+                    }
+                }
+            })
+            .unwrap()
+    });
+    let addr = rx.recv_timeout(LIMIT).expect("server did not start");
+    (addr, stop, h)
+}
+
+fn stop_server(
+    stop: &AtomicBool,
+    h: std::thread::JoinHandle<Vec<ServerReport>>,
+) -> Vec<ServerReport> {
+    stop.store(true, Ordering::Release);
+    within(move || h.join().expect("server panicked"))
+}
+
+#[test]
+fn ten_thousand_messages_across_all_shard_pairs() {
+    let _g = serial();
+    let (addr, stop, server) = start_server(KEY);
+    let checked = Arc::new(AtomicU64::new(0));
+    let checked2 = checked.clone();
+    let routes = within(move || {
+        node(1, KEY)
+            .on_am(DONE, || {
+                // Answers arrive on the client shard that owns the server; the header names
+                // the shard waiting for them.
+                |node: &Node, msg: AmMsg| {
+                    let h = msg.header();
+                    let origin = ShardId::new(u16::from_le_bytes([h[0], h[1]]));
+                    let seq = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
+                    let sum = u64::from_le_bytes(msg.payload().try_into().expect("8-byte sum"));
+                    if origin == node.shard() {
+                        ack(seq, sum);
+                    } else {
+                        let ctx = node.shard_ctx().clone();
+                        glommio::spawn_local(async move {
+                            ctx.forward(origin, move |_| async move { ack(seq, sum) })
+                                .await
+                                .expect("forward the answer");
+                        })
+                        .detach();
+                    }
+                }
+            })
+            .run(move |node: Node| {
+                let checked = checked2.clone();
+                async move {
+                    let (tx, rx) = local_channel::new_unbounded();
+                    ACKS.with(|a| *a.borrow_mut() = Some(tx));
+                    let server = node.connect(addr).await.expect("connect");
+                    let me = node.shard().get();
+                    let mut seq = 0;
+                    while seq < PER_SHARD {
+                        let end = (seq + WINDOW).min(PER_SHARD);
+                        for s in seq..end {
+                            let mut header = me.to_le_bytes().to_vec();
+                            header.extend_from_slice(&s.to_le_bytes());
+                            server
+                                .am_send(WORK, &header, &payload(me, s))
+                                .await
+                                .expect("send");
+                        }
+                        let mut pending: Vec<u32> = (seq..end).collect();
+                        while !pending.is_empty() {
+                            let (s, sum) = futures_lite::future::or(rx.recv(), async {
+                                sleep(Duration::from_secs(10)).await;
+                                None
+                            })
+                            .await
+                            .expect("an answer within 10 s");
+                            let want: u64 = payload(me, s).iter().map(|&b| u64::from(b)).sum();
+                            assert_eq!(sum, want, "checksum of message {s}");
+                            let i = pending
+                                .iter()
+                                .position(|&p| p == s)
+                                .expect("one answer each");
+                            pending.swap_remove(i);
+                            checked.fetch_add(1, Ordering::Relaxed);
+                        }
+                        seq = end;
+                    }
+                    ACKS.with(|a| a.borrow_mut().take());
+                    (node.shard(), node.owner_of(server))
+                }
+            })
+            .expect("client node")
+    });
+    let reports = stop_server(&stop, server);
+    assert_eq!(checked.load(Ordering::Relaxed), 2 * u64::from(PER_SHARD));
+    // One client shard owns the server and sends directly; the other's go through it.
+    assert_eq!(routes.iter().filter(|(me, owner)| me == owner).count(), 1);
+    let received: u64 = reports.iter().map(|r| r.received).sum();
+    assert_eq!(received, 2 * u64::from(PER_SHARD));
+    // Everything arrived on the one server shard that owns the client...
+    assert_eq!(reports.iter().filter(|r| r.received > 0).count(), 1);
+    // ...and both server shards did half of the work.
+    for r in &reports {
+        assert_eq!(r.served, u64::from(PER_SHARD), "{reports:?}");
+        assert_eq!((r.bad, r.malformed), (0, 0), "{reports:?}");
+    }
+}
+
+fn ack(seq: u32, sum: u64) {
+    ACKS.with(|a| {
+        if let Some(tx) = a.borrow().as_ref() {
+            let _ = tx.try_send((seq, sum));
+        }
+    });
+}
+
+#[test]
+fn wrong_key_is_refused_and_deadlines_end_calls() {
+    let _g = serial();
+    let (addr, stop, server) = start_server(KEY);
+    let out = within(move || {
+        node(3, b"another key of 16+ bytes")
+            .shards(1)
+            .run(move |node: Node| async move {
+                let refused = node.connect(addr).await.map(|_| ());
+                // A deadline too short for any handshake ends the call with TimedOut.
+                let hurried = node
+                    .connect_within(addr, Duration::from_micros(1))
+                    .await
+                    .map(|_| ());
+                // A peer with no session: a typed error, not a hang.
+                let stranger = Peer::new(NodeId::new(99)).am_send(WORK, b"", b"").await;
+                (refused, hurried, stranger)
+            })
+            .expect("node")
+    });
+    let (refused, hurried, stranger) = &out[0];
+    assert!(
+        matches!(refused, Err(Error::Net(NetError::Refused { .. }))),
+        "{refused:?}"
+    );
+    assert!(
+        matches!(
+            hurried,
+            Err(Error::TimedOut {
+                what: "connect",
+                ..
+            })
+        ),
+        "{hurried:?}"
+    );
+    assert!(
+        matches!(stranger, Err(Error::Net(NetError::NotConnected { .. }))),
+        "{stranger:?}"
+    );
+    let reports = stop_server(&stop, server);
+    assert_eq!(reports.iter().map(|r| r.received).sum::<u64>(), 0);
+}
+
+#[test]
+fn calls_outside_a_shard_fail_cleanly() {
+    let r = futures_lite::future::block_on(Peer::new(NodeId::new(1)).am_send(WORK, b"h", b"p"));
+    assert!(matches!(r, Err(Error::NotOnShard)), "{r:?}");
+    assert!(Node::current().is_none());
+}
+
+#[test]
+fn public_types_auto_traits() {
+    fn send_sync<T: Send + Sync + 'static>() {}
+    fn send<T: Send + 'static>() {}
+    fn copy<T: Copy>() {}
+    send_sync::<Peer>();
+    copy::<Peer>();
+    send::<NodeBuilder>();
+    send_sync::<Error>();
+    send::<AmMsg>();
+    trait AmbiguousIfSend<A> {
+        fn some_item() {}
+    }
+    impl<T: ?Sized> AmbiguousIfSend<()> for T {}
+    impl<T: ?Sized + Send> AmbiguousIfSend<u8> for T {}
+    // Compiles only if `Node` is NOT Send: it holds the shard's state.
+    let _ = <Node as AmbiguousIfSend<_>>::some_item;
+}
