@@ -6,9 +6,12 @@
 //! reports it); these functions are test support, not for production paths.
 
 use crate::handshake::{Handshake, HandshakeConfig, HandshakeMessage, PreSharedKey};
-use crate::ids::{Incarnation, NodeId};
+use crate::ids::{Generation, Incarnation, NodeId, RegionId};
+use crate::region::{
+    GetRequest, Permissions, PutRequest, RegionSpec, RegionTable, RmaError, RmaReply,
+};
 use crate::time::Timestamp;
-use crate::wire::{decode_frame, payload_offset, FrameHeader, Limits, HEADER_LEN};
+use crate::wire::{decode_frame, payload_offset, FrameHeader, FrameKind, Limits, HEADER_LEN};
 
 /// The limits the fuzz entry points decode with (64 KiB, so oversized lengths are easy to hit).
 pub const FUZZ_LIMITS: Limits = Limits {
@@ -69,6 +72,87 @@ pub fn handshake(data: &[u8]) -> bool {
         if let Some(Ok(_)) = hs.outcome() {
             panic!("handshake completed from a single unauthenticated message");
         }
+    }
+    true
+}
+
+/// The node [`rma`] checks requests as (the grantee of [`rma_table`]'s second region).
+pub const FUZZ_REQUESTER: NodeId = NodeId::new(1);
+
+/// The region table [`rma`] checks requests against: region 1 (64 bytes, read-write, any node,
+/// generation 1) and region 2 (16 bytes, read-only, granted to [`FUZZ_REQUESTER`], generation 2).
+pub fn rma_table() -> RegionTable {
+    let mut table = RegionTable::starting_at(Generation::new(1));
+    for (len, permissions, grantee) in [
+        (64, Permissions::READ_WRITE, None),
+        (16, Permissions::READ, Some(FUZZ_REQUESTER)),
+    ] {
+        // Two registrations in a fresh table cannot exhaust ids or generations.
+        let _ = table.register(RegionSpec {
+            len,
+            permissions,
+            grantee,
+            handle: len,
+        });
+    }
+    table
+}
+
+/// Decodes `data` as a frame carrying an RMA payload (put, get or reply), checks the contract,
+/// and runs decoded requests through [`rma_table`]'s checks, which must return a range inside the
+/// region or a refusal. Returns whether an RMA payload decoded.
+pub fn rma(data: &[u8]) -> bool {
+    let Ok((header, payload)) = decode_frame(data, &FUZZ_LIMITS) else {
+        return false;
+    };
+    let table = rma_table();
+    let region = RegionId::new(header.id);
+    let checked = match header.kind {
+        FrameKind::RmaPut => {
+            let Ok(put) = PutRequest::decode(payload, &FUZZ_LIMITS) else {
+                return false;
+            };
+            let mut buf = vec![0u8; payload.len()];
+            assert_eq!(put.encode(&mut buf, &FUZZ_LIMITS), Ok(payload.len()));
+            assert_eq!(buf, payload, "put request does not re-encode");
+            table.check_put(FUZZ_REQUESTER, region, &put)
+        }
+        FrameKind::RmaGet => {
+            let Ok(get) = GetRequest::decode(payload, &FUZZ_LIMITS) else {
+                return false;
+            };
+            assert!(
+                get.reply_len() <= FUZZ_LIMITS.max_message_size,
+                "oversized get accepted"
+            );
+            assert_eq!(
+                get.to_bytes(&FUZZ_LIMITS).ok().as_ref().map(|b| &b[..]),
+                Some(payload)
+            );
+            table.check_get(FUZZ_REQUESTER, region, &get)
+        }
+        FrameKind::RmaReply => {
+            let Ok(reply) = RmaReply::decode(payload, &FUZZ_LIMITS) else {
+                return false;
+            };
+            let mut out = Vec::new();
+            assert!(reply.encode_to_vec(&mut out, &FUZZ_LIMITS).is_ok());
+            assert_eq!(out, payload, "reply does not re-encode");
+            return true;
+        }
+        _ => return false,
+    };
+    match checked {
+        Ok(range) => {
+            let entry = table.get(region).map(|e| e.descriptor.len);
+            let end = range.start.checked_add(range.len).map(|e| e as u64);
+            assert!(
+                end.is_some() && end <= entry,
+                "check accepted a range outside the region"
+            );
+        }
+        Err(RmaError::UnknownRegion { .. }) => assert!(table.get(region).is_none()),
+        Err(_) => {}
     }
     true
 }

@@ -36,6 +36,8 @@
 //! * [`request`] — [`PendingTable`] (deadlines; exactly one completion per request),
 //!   [`DedupWindow`] (at-most-once RPC), [`CreditWindow`] (flow control).
 //! * [`pool`] — [`SizeClassPool`]: a buddy allocator over offsets of a registered arena.
+//! * [`region`] — [`RegionTable`]: checked remote memory (bounds, permissions, generation and
+//!   grantee checks for put / get), and the RMA frame payloads.
 //! * [`rng`] — [`Rng`], a small seeded generator (xoshiro256**), for jitter and simulation.
 //! * [`fuzzing`] — the decoder checks run by the cargo-fuzz targets in `fuzz/` and by the
 //!   corpus replay test.
@@ -44,11 +46,14 @@
 //!
 //! ## Invariants
 //!
-//! * Decoders ([`wire::FrameHeader::decode`], [`handshake::HandshakeMessage::decode`]) accept any
-//!   byte string and return a value or a typed error; they never panic and never allocate, and
-//!   a frame's announced length is checked against [`wire::Limits::max_message_size`] before any
-//!   caller could size a buffer from it. Property tests and fuzz targets check this.
+//! * Decoders ([`wire::FrameHeader::decode`], [`handshake::HandshakeMessage::decode`], the
+//!   [`region`] payload decoders) accept any byte string and return a value or a typed error;
+//!   they never panic and never allocate, and a frame's announced length (and the reply a get
+//!   asks for) is checked against [`wire::Limits::max_message_size`] before any caller could
+//!   size a buffer from it. Property tests and fuzz targets check this.
 //! * No frame from an incarnation other than the one authenticated in the handshake is delivered.
+//! * A remote put or get is allowed only within a registered region's bounds (checked without
+//!   overflow), with its permission, by its grantee, and at its current generation.
 //! * A pending request completes exactly once; bytes in flight never exceed a credit window; an
 //!   RPC is executed at most once per `(node, incarnation, request id)`.
 //! * Library code holds no `unwrap` on external input; the few `expect`s state their invariant.
@@ -72,6 +77,7 @@ pub mod fuzzing;
 pub mod handshake;
 pub mod ids;
 pub mod pool;
+pub mod region;
 pub mod request;
 pub mod rng;
 pub mod shard_map;
@@ -83,6 +89,10 @@ pub use conn::{ConnConfig, Connection, Event, Seeds, State, Transmit};
 pub use handshake::{Features, Handshake, HandshakeConfig, PeerInfo, PreSharedKey};
 pub use ids::{AmId, FunctionId, Generation, Incarnation, NodeId, RegionId, ReqId, ShardId};
 pub use pool::{Block, PoolConfig, SizeClassPool};
+pub use region::{
+    Access, CheckedRange, GetRequest, Permissions, PutRequest, RegionDescriptor, RegionEntry,
+    RegionError, RegionSpec, RegionTable, RmaError, RmaErrorCode, RmaReply, RmaWireError,
+};
 pub use request::{CreditWindow, DedupKey, DedupVerdict, DedupWindow, PendingTable};
 pub use rng::Rng;
 pub use shard_map::ShardMap;
@@ -112,5 +122,12 @@ mod tests {
         assert_send_sync::<sim::Sim>();
         assert_send_sync::<WireError>();
         assert_send_sync::<handshake::HandshakeError>();
+        assert_send_sync::<RegionTable>();
+        assert_send_sync::<RegionDescriptor>();
+        assert_send_sync::<PutRequest<'static>>();
+        assert_send_sync::<RmaReply<'static>>();
+        assert_send_sync::<RmaError>();
+        assert_send_sync::<RmaWireError>();
+        assert_send_sync::<RegionError>();
     }
 }

@@ -9,7 +9,8 @@ use shardcx_proto::fuzzing::{self, FUZZ_LIMITS};
 use shardcx_proto::handshake::{Confirm, HandshakeMessage, Hello, Reject, RejectReason, Welcome};
 use shardcx_proto::wire::{encode_frame, payload_offset};
 use shardcx_proto::{
-    Features, FrameFlags, FrameHeader, FrameKind, Incarnation, NodeId, ReqId, ShardId,
+    Features, FrameFlags, FrameHeader, FrameKind, Generation, GetRequest, Incarnation, NodeId,
+    PutRequest, ReqId, RmaErrorCode, RmaReply, ShardId,
 };
 use std::path::PathBuf;
 
@@ -174,7 +175,132 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {
         frame(FrameHeader::new(FrameKind::Am), &p),
         false,
     ));
+    s.extend(rma_seeds());
     s
+}
+
+fn rma_seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {
+    let rma = |kind, region: u32| FrameHeader {
+        id: region,
+        req_id: ReqId::new(5),
+        ..FrameHeader::new(kind)
+    };
+    let put = |generation: u64, offset: u64, data: &[u8]| {
+        let mut p = Vec::new();
+        PutRequest {
+            generation: Generation::new(generation),
+            offset,
+            data,
+        }
+        .encode_to_vec(&mut p, &FUZZ_LIMITS)
+        .unwrap();
+        p
+    };
+    let get = |generation: u64, offset: u64, len: u64| {
+        GetRequest {
+            generation: Generation::new(generation),
+            offset,
+            len,
+        }
+        .to_bytes(&FUZZ_LIMITS)
+        .unwrap()
+        .to_vec()
+    };
+    let reply = |r: RmaReply<'_>| {
+        let mut p = Vec::new();
+        r.encode_to_vec(&mut p, &FUZZ_LIMITS).unwrap();
+        p
+    };
+    let put_frame = |region, p: &[u8]| frame(rma(FrameKind::RmaPut, region), p);
+    let get_frame = |region, p: &[u8]| frame(rma(FrameKind::RmaGet, region), p);
+    let reply_frame = |p: &[u8]| frame(rma(FrameKind::RmaReply, 0), p);
+    let valid_put = put(1, 60, b"abcd");
+    let valid_get = get(2, 0, 16);
+    let mut huge_get = valid_get.clone();
+    huge_get[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+    let mut padded_reply = reply(RmaReply::ok(b""));
+    padded_reply[7] = 1;
+    let mut error_with_data = reply(RmaReply::err(RmaErrorCode::OutOfBounds));
+    error_with_data.push(0);
+    vec![
+        ("rma", "valid-put", put_frame(1, &valid_put), true),
+        (
+            "rma",
+            "put-out-of-bounds",
+            put_frame(1, &put(1, 61, b"abcd")),
+            true,
+        ),
+        (
+            "rma",
+            "put-offset-overflow",
+            put_frame(1, &put(1, u64::MAX, b"a")),
+            true,
+        ),
+        ("rma", "put-read-only", put_frame(2, &put(2, 0, b"a")), true),
+        (
+            "rma",
+            "put-stale-generation",
+            put_frame(1, &put(9, 0, b"a")),
+            true,
+        ),
+        ("rma", "put-unknown-region", put_frame(7, &valid_put), true),
+        (
+            "rma",
+            "put-truncated",
+            put_frame(1, &valid_put[..15]),
+            false,
+        ),
+        ("rma", "valid-get", get_frame(2, &valid_get), true),
+        (
+            "rma",
+            "get-offset-overflow",
+            get_frame(2, &get(2, u64::MAX, 8)),
+            true,
+        ),
+        ("rma", "get-reply-too-large", get_frame(2, &huge_get), false),
+        (
+            "rma",
+            "get-trailing",
+            get_frame(2, &[&valid_get[..], &[0]].concat()),
+            false,
+        ),
+        (
+            "rma",
+            "valid-reply-data",
+            reply_frame(&reply(RmaReply::ok(b"data"))),
+            true,
+        ),
+        (
+            "rma",
+            "valid-reply-error",
+            reply_frame(&reply(RmaReply::err(RmaErrorCode::StaleGeneration))),
+            true,
+        ),
+        (
+            "rma",
+            "reply-unknown-code",
+            reply_frame(&[200, 0, 0, 0, 0, 0, 0, 0]),
+            true,
+        ),
+        (
+            "rma",
+            "reply-padding-set",
+            reply_frame(&padded_reply),
+            false,
+        ),
+        (
+            "rma",
+            "reply-error-with-data",
+            reply_frame(&error_with_data),
+            false,
+        ),
+        (
+            "rma",
+            "not-rma",
+            frame(FrameHeader::new(FrameKind::Am), &valid_put),
+            false,
+        ),
+    ]
 }
 
 #[test]
@@ -202,6 +328,7 @@ fn seeds_decode_as_expected() {
     for (target, name, bytes, ok) in seeds() {
         let decoded = match target {
             "frame" => fuzzing::frame(&bytes),
+            "rma" => fuzzing::rma(&bytes),
             _ => fuzzing::handshake(&bytes),
         };
         assert_eq!(decoded, ok, "{target}/{name}");
@@ -213,6 +340,7 @@ fn replay_every_corpus_file() {
     for (target, run) in [
         ("frame", fuzzing::frame as fn(&[u8]) -> bool),
         ("handshake", fuzzing::handshake),
+        ("rma", fuzzing::rma),
     ] {
         let dir = corpus_dir(target);
         let mut count = 0;
@@ -223,6 +351,7 @@ fn replay_every_corpus_file() {
                 // Every file must not panic; other targets' files are fed too, for breadth.
                 let _ = fuzzing::frame(&bytes);
                 let _ = fuzzing::handshake(&bytes);
+                let _ = fuzzing::rma(&bytes);
                 let _ = run(&bytes);
                 count += 1;
             }
