@@ -152,7 +152,8 @@ pub enum NetError {
         #[source]
         source: HandshakeError,
     },
-    /// A deadline passed (`what` is `"bootstrap"` or `"handshake"`).
+    /// A deadline passed (`what` is `"bootstrap"`, `"handshake"`, `"request"` or
+    /// `"rendezvous"`).
     #[error("{what} timed out")]
     TimedOut {
         /// The step that timed out.
@@ -209,6 +210,41 @@ pub enum NetError {
         /// The wire error.
         #[source]
         source: crate::proto::WireError,
+    },
+    /// The payload is larger than [`crate::NetConfig::max_message_size`]; refused before
+    /// anything was allocated or sent.
+    #[error("message of {len} bytes exceeds the maximum of {max}")]
+    TooLarge {
+        /// The payload's length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The frame kind cannot be used for this operation (e.g. a control kind, or a reply kind
+    /// that does not answer the request's kind).
+    #[error("frame kind {kind:?} cannot be used to {op}")]
+    BadKind {
+        /// The kind given.
+        kind: crate::proto::FrameKind,
+        /// The operation.
+        op: &'static str,
+    },
+    /// The buffer chosen for rendezvous data is smaller than the data.
+    #[error("rendezvous buffer of {got} bytes is too small for {need} bytes")]
+    BufferTooSmall {
+        /// Bytes of data.
+        need: usize,
+        /// Bytes of the buffer.
+        got: usize,
+    },
+    /// Pulling rendezvous data from the node failed.
+    #[error("receiving rendezvous data from node {node}: {source}")]
+    Receive {
+        /// The sending node.
+        node: NodeId,
+        /// The UCX error.
+        #[source]
+        source: crate::ucx::Error,
     },
     /// UCX refused to create an endpoint.
     #[error("ucx: {source}")]

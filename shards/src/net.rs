@@ -38,7 +38,7 @@
 //!
 //! ## Frames
 //!
-//! Every frame travels as one eager active message [`FRAME_AM`] whose UCX AM header is
+//! A frame travels as one eager active message [`FRAME_AM`] whose UCX AM header is
 //! [`AM_HEADER_LEN`] = 16 bytes, little-endian:
 //!
 //! ```text
@@ -52,9 +52,48 @@
 //! *net task* decodes them, finds the connection by node id and feeds
 //! [`Connection::handle_frame`]. A frame from a node with no connection that is not a
 //! well-formed `Hello` from that same node, and any non-handshake frame of a connection that is
-//! not `Ready`, is dropped and counted ([`NetStats::dropped_unauthenticated`]). Application
-//! frames ([`FrameKind::Am`]) of a ready connection go to the handler registered for their
-//! [`AmId`] ([`ShardCtx::set_net_handler`]); [`ShardCtx::send_am`] sends one from any shard.
+//! not `Ready`, is dropped and counted ([`NetStats::dropped_unauthenticated`]).
+//!
+//! An application frame whose payload is longer than [`NetConfig::rndv_threshold`] (8 KiB by
+//! default) travels instead as [`FRAME_RNDV_AM`], sent with UCX rendezvous: its UCX AM header
+//! is [`RNDV_AM_HEADER_LEN`] = 64 bytes, the 16 bytes above (`addr_len` zero) then the
+//! 48-byte [`FrameHeader`] (with [`FrameFlags::RNDV`]), and its UCX payload is the application
+//! payload itself, not copied on the sending side. The receiver's AM handler keeps UCX's
+//! descriptor and queues it with the header; the net task checks the header (size limit
+//! first, then `payload_len` against UCX's length, then the connection as for any frame), and
+//! only then is a buffer chosen and the data pulled. Data nobody takes is declined, which
+//! completes the sender's operation. The sender posts rendezvous frames in queue order, but
+//! waits for their completion (the peer has pulled the data) in a task of its own, so that
+//! heartbeats and small frames do not queue behind a large transfer; a transfer not done
+//! within [`NetConfig::rndv_timeout`] fails the connection.
+//!
+//! Application frames of a ready connection are dispatched by kind:
+//!
+//! - [`FrameKind::Am`]: to the handler of their [`AmId`] ([`ShardCtx::set_net_handler`],
+//!   which gets a `Vec<u8>`; for rendezvous data, [`ShardCtx::set_net_handler_rndv`] chooses
+//!   the destination buffer, else the data is pulled into a vector for the plain handler).
+//!   [`ShardCtx::send_am`] sends one from any shard.
+//! - Requests ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`], [`FrameKind::RmaGet`]) and
+//!   [`FrameKind::RpcCancel`]: to the handler of their kind ([`ShardCtx::set_frame_handler`]),
+//!   with the frame header (`id`, `req_id`, `ttl_ns`). A request whose `ttl_ns` is zero had no
+//!   time left when sent and is dropped ([`NetStats::dropped_expired`]). The handler answers
+//!   with [`ShardCtx::reply`].
+//! - Replies ([`FrameKind::RpcResponse`], [`FrameKind::RpcError`], [`FrameKind::RmaReply`]):
+//!   complete the pending request with their `req_id` on this shard, if it was sent to that
+//!   node with a kind the reply answers; others are dropped
+//!   ([`NetStats::dropped_unmatched`]).
+//!
+//! ## Requests
+//!
+//! [`ShardCtx::request`] runs on the shard that owns the peer (forwarded there from other
+//! shards, and its result forwarded back). The owner keeps one [`PendingTable`] of requests
+//! for all its peers, so request ids are never reused on a connection, even across sessions.
+//! The request's deadline (`now + timeout`) travels as the frame's `ttl_ns`. The request ends
+//! with the first of: a matching reply; its deadline ([`NetError::TimedOut`]); the failure or
+//! close of the connection, which fails every request pending for that node with the
+//! connection's error ([`NetError::PeerDead`], [`NetError::Transport`], [`NetError::Closed`]);
+//! a restart of the peer (its old incarnation's requests fail with [`NetError::Closed`]); this
+//! node's shutdown ([`NetError::ShuttingDown`]). A dropped request future removes its entry.
 //!
 //! The net task also follows proto's calling order: after each input it drains
 //! `poll_transmit` (into the connection's sender task, which owns the endpoint and sends frames
@@ -78,7 +117,20 @@
 //! - Two nodes connecting to each other at the same moment are not reconciled: the shard that
 //!   owns both directions holds one connection per peer node, and the second handshake fails.
 //!   Connecting to a node that is already connected (either way) returns the existing session.
-//! - Frames are sent eager; a large payload is not yet carried by rendezvous.
+//! - Payloads are capped by [`NetConfig::max_message_size`] (16 MiB by default) on both
+//!   sides: a sender refuses a larger one with [`NetError::TooLarge`] before forwarding it; a
+//!   receiver checks the announced length before it allocates or pulls anything (an eager
+//!   message is refused before it is copied out of UCX's buffer) and counts it in
+//!   [`NetStats::dropped_too_large`]. Nodes with different limits can talk, but a frame over
+//!   the receiver's limit is dropped silently (a request then times out).
+//! - A request nobody handles is dropped, not answered with an error: its sender times out.
+//! - There is no retry and no at-most-once window here: that is the RPC layer's, on top.
+//! - No flow control: the number of requests in flight is bounded only by the mesh's lane
+//!   capacity (from other shards) and by memory; rendezvous transfers in flight are not
+//!   capped, and a receiver's pull of rendezvous data cannot hand its buffer back on timeout
+//!   (UCX may still write it; it is dropped once UCX lets go).
+//! - Rendezvous data arrives in order of its headers, but a rendezvous handler's `on_data`
+//!   may run after handlers of frames that arrived later.
 //! - Half-open handshakes from unauthenticated nodes are not capped in number.
 
 use std::cell::{Cell, RefCell};
@@ -97,15 +149,19 @@ use glommio::Task;
 
 use crate::boot::ShardCtx;
 use crate::error::NetError;
-use crate::proto::conn::{FailReason, Received};
+use crate::proto::conn::{DropReason, FailReason, Received};
 use crate::proto::handshake::{HandshakeError, HandshakeMessage, RejectReason};
-use crate::proto::wire::{decode_frame, encode_frame, frame_len};
-use crate::proto::{
-    AmId, ConnConfig, Connection, Event, FrameHeader, FrameKind, HandshakeConfig, Incarnation,
-    Limits, NodeId, PreSharedKey, Seeds, ShardId, ShardMap, State, Timestamp,
+use crate::proto::wire::{
+    decode_frame, encode_frame, frame_len, payload_offset, ttl_from_deadline, HEADER_LEN,
+    NO_DEADLINE_TTL,
 };
-use crate::ucx::{AmIdRaw, AmPayload, AmProto, Endpoint, EpOptions, ErrorMode, Listener};
-use crate::ucx::{Worker, WorkerAddress};
+use crate::proto::{
+    AmId, ConnConfig, Connection, Event, FrameFlags, FrameHeader, FrameKind, HandshakeConfig,
+    Incarnation, Limits, NodeId, PendingTable, PreSharedKey, ReqId, Seeds, ShardId, ShardMap,
+    State, Timestamp, WireError,
+};
+use crate::ucx::{AmIdRaw, AmPayload, AmProto, AmRndv, Endpoint, EpOptions, ErrorMode, IoBufMut};
+use crate::ucx::{Listener, Worker, WorkerAddress};
 
 /// UCX active-message id of the bootstrap directory (listener → client).
 pub const DIRECTORY_AM: AmIdRaw = 0x5C00;
@@ -113,6 +169,13 @@ pub const DIRECTORY_AM: AmIdRaw = 0x5C00;
 pub const FRAME_AM: AmIdRaw = 0x5C01;
 /// Bytes of the UCX AM header of a [`FRAME_AM`] message (see the module docs).
 pub const AM_HEADER_LEN: usize = 16;
+/// UCX active-message id of application frames whose payload follows by rendezvous.
+pub const FRAME_RNDV_AM: AmIdRaw = 0x5C02;
+/// Bytes of the UCX AM header of a [`FRAME_RNDV_AM`] message: the [`AM_HEADER_LEN`]-byte header
+/// of [`FRAME_AM`] (with `addr_len` zero) followed by the 48-byte [`FrameHeader`].
+pub const RNDV_AM_HEADER_LEN: usize = AM_HEADER_LEN + HEADER_LEN;
+/// Longest timeout a [`ShardCtx::request`] may wait (longer ones are cut to this).
+pub const MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 const DIRECTORY_MAGIC: u32 = u32::from_le_bytes(*b"SCXD");
 /// Largest worker address accepted in a directory or a hello.
@@ -135,6 +198,16 @@ pub struct NetConfig {
     pub linger: Duration,
     /// Endpoint error mode; `None` picks it from the transport list (see the module docs).
     pub error_mode: Option<ErrorMode>,
+    /// Application payloads longer than this many bytes travel by rendezvous
+    /// ([`FRAME_RNDV_AM`]); shorter ones eager. Default 8 KiB.
+    pub rndv_threshold: usize,
+    /// Largest application payload this node sends or accepts, checked before anything is
+    /// allocated for it. Default [`Limits::DEFAULT_MAX_MESSAGE_SIZE`] (16 MiB).
+    pub max_message_size: u64,
+    /// Time allowed for one rendezvous transfer, on either side, default 10 s. A sender whose
+    /// payload is not pulled in time fails the connection; a receiver that has not received
+    /// the data in time gives up on it ([`NetError::TimedOut`]).
+    pub rndv_timeout: Duration,
 }
 
 /// A node's bootstrap directory: who it is and where each of its shards' workers are.
@@ -180,6 +253,17 @@ pub struct NetStats {
     pub dropped_no_handler: u64,
     /// Other frames dropped by the connection state machine (stale incarnation, unexpected).
     pub dropped_other: u64,
+    /// Application frames received by rendezvous (whatever became of them).
+    pub rendezvous: u64,
+    /// Frames dropped because their payload exceeds [`NetConfig::max_message_size`]
+    /// (nothing was allocated for them; rendezvous data was declined).
+    pub dropped_too_large: u64,
+    /// Requests dropped because their deadline (`ttl_ns`) had already passed when sent.
+    pub dropped_expired: u64,
+    /// Replies that match no pending request of this shard (late, or from another node).
+    pub dropped_unmatched: u64,
+    /// Rendezvous frames declined by the handler's buffer choice, or whose pull failed.
+    pub declined: u64,
 }
 
 /// Node identity and settings, resolved once in [`crate::ShardsBuilder::run`]; `Send`.
@@ -195,10 +279,41 @@ pub(crate) struct NodeSettings {
 }
 
 type Handler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, Vec<u8>)>;
+type FrameHandler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Vec<u8>)>;
+type RndvHandler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, FrameHeader, AmRndv)>;
 type Waiter = Rc<Queue<Result<RemoteNode, NetError>>>;
+/// What a [`ShardCtx::request`] resolves with.
+type Reply = Result<(FrameHeader, Vec<u8>), NetError>;
+
+/// A request in flight on the shard that owns its node.
+struct Pending {
+    node: NodeId,
+    kind: FrameKind,
+    waiter: Rc<Queue<Reply>>,
+}
 
 /// A frame for a sender task: UCX AM header and payload.
-type Outbound = ([u8; AM_HEADER_LEN], Vec<u8>);
+enum Outbound {
+    /// A [`FRAME_AM`] message: the payload is the (address and) encoded frame.
+    Eager([u8; AM_HEADER_LEN], Vec<u8>),
+    /// A [`FRAME_RNDV_AM`] message: the header carries the frame header, the payload is the
+    /// application payload itself (not copied).
+    Rndv(Box<[u8; RNDV_AM_HEADER_LEN]>, Vec<u8>),
+}
+
+/// An application frame of a ready connection, for [`dispatch`].
+enum Delivery {
+    Eager {
+        node: NodeId,
+        header: FrameHeader,
+        payload: Vec<u8>,
+    },
+    Rndv {
+        node: NodeId,
+        header: FrameHeader,
+        data: AmPayload,
+    },
+}
 
 enum Inbound {
     Frame {
@@ -206,6 +321,12 @@ enum Inbound {
         addr_len: usize,
         bytes: Vec<u8>,
     },
+    Rndv {
+        node: NodeId,
+        header: [u8; HEADER_LEN],
+        data: AmPayload,
+    },
+    TooLarge,
     Malformed,
     TransportError {
         node: NodeId,
@@ -238,6 +359,10 @@ pub(crate) struct NetState {
     bootstrap_lock: Semaphore,
     peers: RefCell<HashMap<NodeId, Peer>>,
     handlers: RefCell<HashMap<AmId, Handler>>,
+    rndv_handlers: RefCell<HashMap<AmId, RndvHandler>>,
+    frame_handlers: RefCell<HashMap<FrameKind, FrameHandler>>,
+    pending: RefCell<PendingTable<Pending>>,
+    limits: Limits,
     stats: Cell<NetStats>,
     generation: Cell<u64>,
     tasks: RefCell<Vec<Task<()>>>,
@@ -274,6 +399,9 @@ impl Default for NetConfig {
             dead_after: 10,
             linger: Duration::from_secs(1),
             error_mode: None,
+            rndv_threshold: 8 << 10,
+            max_message_size: Limits::DEFAULT_MAX_MESSAGE_SIZE,
+            rndv_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -374,6 +502,20 @@ fn parse_am_header(h: &[u8]) -> Option<(NodeId, usize)> {
     (addr_len <= MAX_ADDR_LEN).then_some((node, addr_len))
 }
 
+/// Parses the UCX AM header of a [`FRAME_RNDV_AM`] message: the sender and the raw frame header.
+fn parse_rndv_header(h: &[u8]) -> Option<(NodeId, [u8; HEADER_LEN])> {
+    if h.len() != RNDV_AM_HEADER_LEN {
+        return None;
+    }
+    let (node, addr_len) = parse_am_header(&h[..AM_HEADER_LEN])?;
+    if addr_len != 0 {
+        return None;
+    }
+    let mut frame = [0u8; HEADER_LEN];
+    frame.copy_from_slice(&h[AM_HEADER_LEN..]);
+    Some((node, frame))
+}
+
 impl<T> Queue<T> {
     fn new() -> Rc<Self> {
         Rc::new(Self {
@@ -430,6 +572,9 @@ impl Drop for Peer {
 
 impl NetState {
     pub(crate) fn new(settings: NodeSettings, worker: &Worker) -> Result<Self, crate::ucx::Error> {
+        let limits = Limits {
+            max_message_size: settings.cfg.max_message_size,
+        };
         Ok(Self {
             settings,
             epoch: Instant::now(),
@@ -437,8 +582,12 @@ impl NetState {
             inbox: Queue::new(),
             directories: Queue::new(),
             bootstrap_lock: Semaphore::new(1),
+            limits,
             peers: RefCell::new(HashMap::new()),
             handlers: RefCell::new(HashMap::new()),
+            rndv_handlers: RefCell::new(HashMap::new()),
+            frame_handlers: RefCell::new(HashMap::new()),
+            pending: RefCell::new(PendingTable::new()),
             stats: Cell::new(NetStats::default()),
             generation: Cell::new(0),
             tasks: RefCell::new(Vec::new()),
@@ -471,15 +620,33 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
     let ucx = |source| crate::BootError::Ucx { shard, source };
     let net = ctx.net();
     let inbox = net.inbox.clone();
+    // Largest eager message that can be valid: a hello's address and a frame at the limit.
+    let cap = usize::try_from(net.settings.cfg.max_message_size)
+        .unwrap_or(usize::MAX)
+        .saturating_add(payload_offset() + MAX_ADDR_LEN);
     ctx.worker()
         .set_am_handler(FRAME_AM, move |header, payload| {
             let item = match (parse_am_header(header), payload) {
+                // Refused before it is copied out of UCX's buffer.
+                (Some(_), AmPayload::Data(d)) if d.len() > cap => Inbound::TooLarge,
                 (Some((node, addr_len)), AmPayload::Data(d)) => Inbound::Frame {
                     node,
                     addr_len,
                     bytes: d.into_vec(),
                 },
                 _ => Inbound::Malformed,
+            };
+            inbox.push(item);
+        })
+        .map_err(ucx)?;
+    let inbox = net.inbox.clone();
+    ctx.worker()
+        .set_am_handler(FRAME_RNDV_AM, move |header, data| {
+            // The data stays with UCX (rendezvous) or in its descriptor (eager) until the net
+            // task has checked the frame; dropping it declines it.
+            let item = match parse_rndv_header(header) {
+                Some((node, header)) => Inbound::Rndv { node, header, data },
+                None => Inbound::Malformed,
             };
             inbox.push(item);
         })
@@ -528,6 +695,10 @@ pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>) {
         }
         service(net, node);
         net.peers.borrow_mut().remove(&node);
+    }
+    let left = net.pending.borrow_mut().drain();
+    for (_, p) in left {
+        p.waiter.push(Err(NetError::ShuttingDown));
     }
     net.inbox.close();
     // Each sender ends within the linger time once its queue is closed.
@@ -637,17 +808,184 @@ async fn net_loop(ctx: Rc<ShardCtx>) {
             };
         }
         handle_timeouts(&net);
-        for (node, id, payload) in deliveries {
-            let h = net.handlers.borrow().get(&id).cloned();
-            match h {
-                Some(h) => {
-                    net.count(|s| s.delivered += 1);
-                    h(&ctx, node, payload);
-                }
-                None => net.count(|s| s.dropped_no_handler += 1),
+        for d in deliveries {
+            match d {
+                Delivery::Eager {
+                    node,
+                    header,
+                    payload,
+                } => dispatch(&ctx, node, &header, payload),
+                Delivery::Rndv { node, header, data } => deliver_rndv(&ctx, node, header, data),
             }
         }
     }
+}
+
+/// Whether some handler or pending request on this shard takes `header` from `node`; counts
+/// the frame as dropped when none does.
+fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
+    let want = match header.kind {
+        FrameKind::Am => {
+            let id = AmId::new(header.id);
+            net.handlers.borrow().contains_key(&id) || net.rndv_handlers.borrow().contains_key(&id)
+        }
+        k if is_reply_kind(k) => {
+            let fits = net
+                .pending
+                .borrow()
+                .get(header.req_id)
+                .is_some_and(|p| p.node == node && reply_fits(p.kind, k));
+            if !fits {
+                net.count(|s| s.dropped_unmatched += 1);
+                return false;
+            }
+            true
+        }
+        k => {
+            if is_request_kind(k) && header.ttl_ns == 0 {
+                net.count(|s| s.dropped_expired += 1);
+                return false;
+            }
+            net.frame_handlers.borrow().contains_key(&k)
+        }
+    };
+    if !want {
+        net.count(|s| s.dropped_no_handler += 1);
+    }
+    want
+}
+
+/// Hands an application frame (its whole payload here) to its handler or pending request.
+fn dispatch(ctx: &Rc<ShardCtx>, node: NodeId, header: &FrameHeader, payload: Vec<u8>) {
+    let net = ctx.net();
+    if !wanted(net, node, header) {
+        return;
+    }
+    match header.kind {
+        FrameKind::Am => {
+            let h = net.handlers.borrow().get(&AmId::new(header.id)).cloned();
+            match h {
+                Some(h) => {
+                    net.count(|s| s.delivered += 1);
+                    h(ctx, node, payload);
+                }
+                // Only a rendezvous handler: it cannot take eager data.
+                None => net.count(|s| s.dropped_no_handler += 1),
+            }
+        }
+        k if is_reply_kind(k) => {
+            let p = net.pending.borrow_mut().complete(header.req_id);
+            if let Some(p) = p {
+                net.count(|s| s.delivered += 1);
+                p.waiter.push(Ok((*header, payload)));
+            }
+        }
+        k => {
+            let h = net.frame_handlers.borrow().get(&k).cloned();
+            if let Some(h) = h {
+                net.count(|s| s.delivered += 1);
+                h(ctx, node, header, payload);
+            }
+        }
+    }
+}
+
+/// An application frame whose payload came by [`FRAME_RNDV_AM`]: to the AM id's rendezvous
+/// handler, which picks the buffer, or pulled into a vector (its length is checked against the
+/// limit already) for [`dispatch`]. Data nobody wants is declined without allocating.
+fn deliver_rndv(ctx: &Rc<ShardCtx>, node: NodeId, header: FrameHeader, data: AmPayload) {
+    let net = ctx.net();
+    let rndv = match data {
+        AmPayload::Data(d) => return dispatch(ctx, node, &header, d.into_vec()),
+        AmPayload::Rendezvous(r) => r,
+    };
+    net.count(|s| s.rendezvous += 1);
+    if !wanted(net, node, &header) {
+        return;
+    }
+    if header.kind == FrameKind::Am {
+        let h = net
+            .rndv_handlers
+            .borrow()
+            .get(&AmId::new(header.id))
+            .cloned();
+        if let Some(h) = h {
+            net.count(|s| s.delivered += 1);
+            h(ctx, node, header, rndv);
+            return;
+        }
+    }
+    let len = rndv.len();
+    let c = ctx.clone();
+    glommio::spawn_local(async move {
+        match pull(&c, node, rndv, vec![0u8; len]).await {
+            Ok(buf) => dispatch(&c, node, &header, buf),
+            Err(_) => c.net().count(|s| s.declined += 1),
+        }
+    })
+    .detach();
+}
+
+/// Pulls rendezvous data from `node` into `buf`, within [`NetConfig::rndv_timeout`].
+async fn pull<B: IoBufMut>(
+    ctx: &Rc<ShardCtx>,
+    node: NodeId,
+    rndv: AmRndv,
+    buf: B,
+) -> Result<B, NetError> {
+    let len = rndv.len();
+    if buf.bytes_total() < len {
+        return Err(NetError::BufferTooSmall {
+            need: len,
+            got: buf.bytes_total(),
+        });
+    }
+    let timeout = ctx.net().settings.cfg.rndv_timeout;
+    let recv = ctx.worker().am_recv_data(rndv, buf);
+    ctx.wake_driver();
+    // On timeout the receive is dropped: UCX's request is cancelled and the buffer parked with
+    // the worker until UCX lets go of it, then dropped.
+    let got = future::or(async { Some(recv.await) }, async {
+        sleep(timeout).await;
+        None
+    })
+    .await;
+    match got {
+        Some((Ok(n), buf)) if n == len => Ok(buf),
+        Some((Ok(_), _)) => Err(NetError::Receive {
+            node,
+            source: crate::ucx::Error::MessageTruncated,
+        }),
+        Some((Err(source), _)) => Err(NetError::Receive { node, source }),
+        None => Err(NetError::TimedOut { what: "rendezvous" }),
+    }
+}
+
+/// Kinds a [`ShardCtx::request`] may send.
+fn is_request_kind(k: FrameKind) -> bool {
+    matches!(
+        k,
+        FrameKind::RpcRequest | FrameKind::RmaPut | FrameKind::RmaGet
+    )
+}
+
+/// Kinds that answer a request (they complete a pending entry).
+fn is_reply_kind(k: FrameKind) -> bool {
+    matches!(
+        k,
+        FrameKind::RpcResponse | FrameKind::RpcError | FrameKind::RmaReply
+    )
+}
+
+/// Whether `reply` answers a request of kind `request`.
+fn reply_fits(request: FrameKind, reply: FrameKind) -> bool {
+    matches!(
+        (request, reply),
+        (
+            FrameKind::RpcRequest,
+            FrameKind::RpcResponse | FrameKind::RpcError
+        ) | (FrameKind::RmaPut | FrameKind::RmaGet, FrameKind::RmaReply)
+    )
 }
 
 fn next_timeout(net: &NetState) -> Option<Timestamp> {
@@ -675,18 +1013,66 @@ fn handle_timeouts(net: &NetState) {
     }
 }
 
+/// Counts a frame that could not be decoded.
+fn count_bad_frame(net: &NetState, e: &WireError) {
+    if matches!(e, WireError::MessageTooLarge { .. }) {
+        net.count(|s| s.dropped_too_large += 1);
+    } else {
+        net.count(|s| s.dropped_malformed += 1);
+    }
+}
+
+/// What the connection said about an application frame: whether to deliver it.
+fn count_received(net: &NetState, header: &FrameHeader, received: Received) -> bool {
+    match received {
+        Received::Deliver => !header.kind.is_control(),
+        Received::Consumed => false,
+        Received::Dropped(DropReason::NotReady) => {
+            net.count(|s| s.dropped_unauthenticated += 1);
+            false
+        }
+        Received::Dropped(_) => {
+            net.count(|s| s.dropped_other += 1);
+            false
+        }
+    }
+}
+
 /// Handles one input; returns an application frame to deliver.
-fn handle_inbound(
-    ctx: &Rc<ShardCtx>,
-    net: &NetState,
-    item: Inbound,
-) -> Option<(NodeId, AmId, Vec<u8>)> {
+fn handle_inbound(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound) -> Option<Delivery> {
     let now = net.now();
     match item {
         Inbound::Wake => None,
         Inbound::Malformed => {
             net.count(|s| s.dropped_malformed += 1);
             None
+        }
+        Inbound::TooLarge => {
+            net.count(|s| s.dropped_too_large += 1);
+            None
+        }
+        Inbound::Rndv { node, header, data } => {
+            let header = match FrameHeader::decode(&header, &net.limits) {
+                Ok(h) => h,
+                Err(e) => {
+                    count_bad_frame(net, &e);
+                    return None;
+                }
+            };
+            let len = match &data {
+                AmPayload::Data(d) => d.len(),
+                AmPayload::Rendezvous(r) => r.len(),
+            };
+            if header.kind.is_control() || header.payload_len != len as u64 {
+                net.count(|s| s.dropped_malformed += 1);
+                return None;
+            }
+            let received = match net.peers.borrow_mut().get_mut(&node) {
+                Some(p) => p.conn.handle_frame(now, &header, &[]),
+                None => Received::Dropped(DropReason::NotReady),
+            };
+            service(net, node);
+            count_received(net, &header, received).then_some(Delivery::Rndv { node, header, data })
         }
         Inbound::TransportError { node, generation } => {
             if let Some(p) = net.peers.borrow_mut().get_mut(&node) {
@@ -706,9 +1092,12 @@ fn handle_inbound(
                 net.count(|s| s.dropped_malformed += 1);
                 return None;
             };
-            let Ok((header, payload)) = decode_frame(frame, &Limits::default()) else {
-                net.count(|s| s.dropped_malformed += 1);
-                return None;
+            let (header, payload) = match decode_frame(frame, &net.limits) {
+                Ok(hp) => hp,
+                Err(e) => {
+                    count_bad_frame(net, &e);
+                    return None;
+                }
             };
             let known = net.peers.borrow().contains_key(&node);
             if !known && !accept_hello(ctx, net, node, addr, &header, payload) {
@@ -719,20 +1108,11 @@ fn handle_inbound(
                 None => return None,
             };
             service(net, node);
-            match received {
-                Received::Deliver if header.kind == FrameKind::Am => {
-                    Some((node, AmId::new(header.id), payload.to_vec()))
-                }
-                Received::Deliver | Received::Consumed => None,
-                Received::Dropped(crate::proto::conn::DropReason::NotReady) => {
-                    net.count(|s| s.dropped_unauthenticated += 1);
-                    None
-                }
-                Received::Dropped(_) => {
-                    net.count(|s| s.dropped_other += 1);
-                    None
-                }
-            }
+            count_received(net, &header, received).then(|| Delivery::Eager {
+                node,
+                header,
+                payload: payload.to_vec(),
+            })
         }
     }
 }
@@ -795,9 +1175,9 @@ fn insert_peer(ctx: &Rc<ShardCtx>, net: &NetState, node: NodeId, conn: Connectio
         ep,
         out.clone(),
         net.inbox.clone(),
-        node,
-        generation,
-        net.settings.cfg.linger,
+        (node, generation),
+        live.clone(),
+        (net.settings.cfg.linger, net.settings.cfg.rndv_timeout),
     );
     glommio::spawn_local(async move {
         send.await;
@@ -816,14 +1196,20 @@ fn insert_peer(ctx: &Rc<ShardCtx>, net: &NetState, node: NodeId, conn: Connectio
 }
 
 /// Owns a connection's endpoint: sends its frames in order; reports the endpoint's failure.
+///
+/// An eager frame is awaited before the next is posted. A rendezvous frame is posted in order
+/// too, but its completion (the peer has pulled the data) is awaited by a task of its own,
+/// within [`NetConfig::rndv_timeout`], so that heartbeats and small frames are not held up
+/// behind a large transfer. Those tasks count as live senders, so that shutdown waits for them
+/// within the linger time.
 async fn sender(
     ctx: Weak<ShardCtx>,
     ep: Endpoint,
     out: Rc<Queue<Outbound>>,
     inbox: Rc<Queue<Inbound>>,
-    node: NodeId,
-    generation: u64,
-    linger: Duration,
+    (node, generation): (NodeId, u64),
+    live: Rc<Cell<usize>>,
+    (linger, rndv_timeout): (Duration, Duration),
 ) {
     enum Next {
         Frame(Option<Outbound>),
@@ -836,7 +1222,41 @@ async fn sender(
         })
         .await;
         match next {
-            Next::Frame(Some((header, payload))) => {
+            Next::Frame(Some(Outbound::Rndv(header, payload))) => {
+                let mut send = ep.am_send(FRAME_RNDV_AM, &header[..], payload, AmProto::Rendezvous);
+                // The first poll posts the send, so frames leave in queue order.
+                let first = future::poll_once(&mut send).await;
+                if let Some(c) = ctx.upgrade() {
+                    c.wake_driver();
+                }
+                match first {
+                    Some((Ok(()), _)) => {}
+                    Some((Err(_), _)) => {
+                        inbox.push(Inbound::TransportError { node, generation });
+                        break;
+                    }
+                    None => {
+                        let inbox = inbox.clone();
+                        let live = live.clone();
+                        live.set(live.get() + 1);
+                        glommio::spawn_local(async move {
+                            // Dropping the send on timeout cancels it; UCX keeps the buffer
+                            // parked until it lets go of it.
+                            let done = future::or(async { send.await.0.is_ok() }, async {
+                                sleep(rndv_timeout).await;
+                                false
+                            })
+                            .await;
+                            if !done {
+                                inbox.push(Inbound::TransportError { node, generation });
+                            }
+                            live.set(live.get() - 1);
+                        })
+                        .detach();
+                    }
+                }
+            }
+            Next::Frame(Some(Outbound::Eager(header, payload))) => {
                 let send = ep.am_send(FRAME_AM, &header, payload, AmProto::Eager);
                 if let Some(c) = ctx.upgrade() {
                     c.wake_driver();
@@ -879,9 +1299,11 @@ fn service(net: &NetState, node: NodeId) {
         } else {
             (frame_am_header(net.settings.node_id, 0), frame)
         };
-        p.out.push((header, payload));
+        p.out.push(Outbound::Eager(header, payload));
     }
     let mut handshakes = 0;
+    // Why the requests pending for this node are lost, if they are.
+    let mut lost = None;
     while let Some(ev) = p.conn.poll_event() {
         match ev {
             Event::Connected(info) => {
@@ -902,6 +1324,11 @@ fn service(net: &NetState, node: NodeId) {
                 for w in p.waiters.drain(..) {
                     w.push(Err(err.clone()));
                 }
+                lost.get_or_insert(err);
+            }
+            // Requests sent to the old incarnation are void.
+            Event::PeerRestarted { .. } | Event::Closed { .. } => {
+                lost.get_or_insert(NetError::Closed { node });
             }
             _ => {}
         }
@@ -912,10 +1339,29 @@ fn service(net: &NetState, node: NodeId) {
             w.push(Err(NetError::Closed { node }));
         }
         peers.remove(&node);
+        lost.get_or_insert(NetError::Closed { node });
     }
     drop(peers);
     if handshakes > 0 {
         net.count(|s| s.handshakes += handshakes);
+    }
+    if let Some(err) = lost {
+        fail_pending(net, node, &err);
+    }
+}
+
+/// Fails every request pending on this shard for `node` with `err`.
+fn fail_pending(net: &NetState, node: NodeId, err: &NetError) {
+    let mut pending = net.pending.borrow_mut();
+    let ids: Vec<ReqId> = pending
+        .iter()
+        .filter(|(_, p)| p.node == node)
+        .map(|(id, _)| id)
+        .collect();
+    for id in ids {
+        if let Some(p) = pending.cancel(id) {
+            p.waiter.push(Err(err.clone()));
+        }
     }
 }
 
@@ -1021,29 +1467,126 @@ fn ready_remote(conn: &Connection) -> Option<RemoteNode> {
     })
 }
 
-/// Queues an application frame to `node` on this shard, its owner.
-fn send_local(ctx: &ShardCtx, node: NodeId, id: AmId, payload: &[u8]) -> Result<(), NetError> {
+/// The parts of an application frame's header that the caller chooses.
+#[derive(Clone, Copy)]
+struct FrameSpec {
+    kind: FrameKind,
+    id: u32,
+    req_id: ReqId,
+    ttl_ns: u64,
+}
+
+/// Queues an application frame to `node` on this shard, its owner: eager with its header in
+/// one buffer when the payload is at most [`NetConfig::rndv_threshold`], else by rendezvous
+/// with the payload as it is. The size is checked against the limit before anything else.
+fn queue_frame(
+    ctx: &ShardCtx,
+    node: NodeId,
+    spec: FrameSpec,
+    payload: Vec<u8>,
+) -> Result<(), NetError> {
     let net = ctx.net();
-    let limits = Limits::default();
+    let cfg = &net.settings.cfg;
+    let len = payload.len() as u64;
+    if len > cfg.max_message_size {
+        return Err(NetError::TooLarge {
+            len,
+            max: cfg.max_message_size,
+        });
+    }
+    if spec.kind.is_control() {
+        return Err(NetError::BadKind {
+            kind: spec.kind,
+            op: "send an application frame",
+        });
+    }
     let peers = net.peers.borrow();
     let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
-    let mut header = p
-        .conn
-        .frame_header(FrameKind::Am)
-        .map_err(|_| NetError::NotConnected { node })?;
-    header.id = id.get();
-    header.payload_len = payload.len() as u64;
-    let len = frame_len(header.payload_len, &limits).map_err(|source| NetError::Wire { source })?;
-    let mut frame = vec![0u8; len];
-    encode_frame(&header, payload, &mut frame, &limits)
-        .map_err(|source| NetError::Wire { source })?;
-    if p.out
-        .push((frame_am_header(net.settings.node_id, 0), frame))
-    {
+    let header = FrameHeader {
+        id: spec.id,
+        req_id: spec.req_id,
+        ttl_ns: spec.ttl_ns,
+        payload_len: len,
+        ..p.conn
+            .frame_header(spec.kind)
+            .map_err(|_| NetError::NotConnected { node })?
+    };
+    let item = if payload.len() > cfg.rndv_threshold {
+        let header = FrameHeader {
+            flags: FrameFlags::RNDV,
+            ..header
+        };
+        let mut am = Box::new([0u8; RNDV_AM_HEADER_LEN]);
+        am[..AM_HEADER_LEN].copy_from_slice(&frame_am_header(net.settings.node_id, 0));
+        am[AM_HEADER_LEN..].copy_from_slice(&header.to_bytes());
+        Outbound::Rndv(am, payload)
+    } else {
+        let flen = frame_len(len, &net.limits).map_err(|source| NetError::Wire { source })?;
+        let mut frame = vec![0u8; flen];
+        encode_frame(&header, &payload, &mut frame, &net.limits)
+            .map_err(|source| NetError::Wire { source })?;
+        Outbound::Eager(frame_am_header(net.settings.node_id, 0), frame)
+    };
+    if p.out.push(item) {
         Ok(())
     } else {
         Err(NetError::NotConnected { node })
     }
+}
+
+/// Cancels a pending request when its future ends or is dropped (no-op once completed).
+struct PendingGuard<'a> {
+    net: &'a NetState,
+    req_id: ReqId,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.net.pending.borrow_mut().cancel(self.req_id);
+    }
+}
+
+/// Sends a request to `node` on this shard, its owner, and waits for the reply.
+async fn request_local(
+    ctx: &Rc<ShardCtx>,
+    node: NodeId,
+    (kind, id): (FrameKind, u32),
+    payload: Vec<u8>,
+    timeout: Duration,
+) -> Reply {
+    if !is_request_kind(kind) {
+        return Err(NetError::BadKind {
+            kind,
+            op: "send a request",
+        });
+    }
+    let net = ctx.net();
+    let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
+    let now = net.now();
+    let deadline = now.saturating_add(timeout);
+    let waiter = Queue::new();
+    let req_id = net.pending.borrow_mut().insert(
+        deadline,
+        Pending {
+            node,
+            kind,
+            waiter: waiter.clone(),
+        },
+    );
+    let _guard = PendingGuard { net, req_id };
+    let spec = FrameSpec {
+        kind,
+        id,
+        req_id,
+        ttl_ns: ttl_from_deadline(now, deadline),
+    };
+    queue_frame(ctx, node, spec, payload)?;
+    let got = future::or(async { waiter.next().await }, async {
+        sleep(deadline.saturating_duration_since(net.now())).await;
+        None
+    })
+    .await;
+    got.unwrap_or(Err(NetError::TimedOut { what: "request" }))
 }
 
 impl ShardCtx {
@@ -1169,22 +1712,218 @@ impl ShardCtx {
 
     /// Sends application frame `id` with `payload` to the connected `node`, from any shard
     /// (forwarded to the owner). Resolves once the frame is queued on the owner's endpoint.
+    /// Payloads over [`NetConfig::rndv_threshold`] go by rendezvous (see
+    /// [`ShardCtx::set_net_handler_rndv`]); over [`NetConfig::max_message_size`] they are
+    /// refused with [`NetError::TooLarge`].
     pub async fn send_am(
         self: &Rc<Self>,
         node: NodeId,
         id: AmId,
         payload: Vec<u8>,
     ) -> Result<(), NetError> {
+        let spec = FrameSpec {
+            kind: FrameKind::Am,
+            id: id.get(),
+            req_id: ReqId::NONE,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        self.send_spec(node, spec, payload).await
+    }
+
+    /// Sends `spec` with `payload` from this shard, through the owner shard of `node`.
+    async fn send_spec(
+        self: &Rc<Self>,
+        node: NodeId,
+        spec: FrameSpec,
+        payload: Vec<u8>,
+    ) -> Result<(), NetError> {
+        let max = self.net().settings.cfg.max_message_size;
+        if payload.len() as u64 > max {
+            // Refused here, before the payload crosses to the owner.
+            return Err(NetError::TooLarge {
+                len: payload.len() as u64,
+                max,
+            });
+        }
         let owner = self.owner_of(node);
         if owner == self.id() {
-            send_local(self, node, id, &payload)
+            queue_frame(self, node, spec, payload)
         } else {
-            self.forward(
-                owner,
-                move |c| async move { send_local(&c, node, id, &payload) },
-            )
+            self.forward(owner, move |c| async move {
+                queue_frame(&c, node, spec, payload)
+            })
             .await?
         }
+    }
+
+    /// Registers, on this shard, the rendezvous handler of application frames with `id`: for
+    /// a frame whose payload came by rendezvous (longer than the sender's
+    /// [`NetConfig::rndv_threshold`]), `choose` picks the buffer the data is pulled into
+    /// (a [`crate::PoolBuf`], a `Vec<u8>`, an aligned or device buffer...) before any byte is
+    /// received, and `on_data` gets the buffer once the data is in it.
+    ///
+    /// `choose` sees the frame header (`payload_len` is the data's length, already checked
+    /// against [`NetConfig::max_message_size`]); returning `None` declines the data (the sender
+    /// completes, nothing is received). `on_data` gets `Ok(buf)` with the data in its first
+    /// `payload_len` bytes, or an error ([`NetError::BufferTooSmall`], [`NetError::Receive`],
+    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`]); on error the buffer is
+    /// dropped once UCX no longer uses it. Both run on this shard and must not block;
+    /// `on_data` may run after handlers of frames that arrived later.
+    ///
+    /// Frames of `id` that arrive eager still go to the handler of
+    /// [`ShardCtx::set_net_handler`]; when `id` has no rendezvous handler, rendezvous data is
+    /// pulled into a `Vec<u8>` for that handler. Register both on every shard that may own a
+    /// peer.
+    pub fn set_net_handler_rndv<B, C, D>(&self, id: AmId, choose: C, on_data: D)
+    where
+        B: IoBufMut,
+        C: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader) -> Option<B> + 'static,
+        D: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Result<B, NetError>) + 'static,
+    {
+        let on_data = Rc::new(on_data);
+        let handler: RndvHandler = Rc::new(move |ctx, node, header, rndv| {
+            let Some(buf) = choose(ctx, node, &header) else {
+                // Dropping `rndv` declines the data.
+                ctx.net().count(|s| s.declined += 1);
+                return;
+            };
+            let (c, on_data) = (ctx.clone(), on_data.clone());
+            glommio::spawn_local(async move {
+                let res = pull(&c, node, rndv, buf).await;
+                if res.is_err() {
+                    c.net().count(|s| s.declined += 1);
+                }
+                on_data(&c, node, &header, res);
+            })
+            .detach();
+        });
+        self.net().rndv_handlers.borrow_mut().insert(id, handler);
+    }
+
+    /// Registers, on this shard, the handler of incoming frames of `kind` (replacing any
+    /// previous one): [`FrameKind::RpcRequest`], [`FrameKind::RpcCancel`],
+    /// [`FrameKind::RmaPut`] or [`FrameKind::RmaGet`]; other kinds are refused with
+    /// [`NetError::BadKind`] (active messages have [`ShardCtx::set_net_handler`], replies
+    /// complete [`ShardCtx::request`]).
+    ///
+    /// The handler gets the sending node, the frame header (`id`, `req_id`, and `ttl_ns`: the
+    /// request's remaining time when it was sent; requests sent with none left are dropped and
+    /// counted in [`NetStats::dropped_expired`]) and the payload (pulled into a vector first
+    /// when it came by rendezvous). It runs on the shard's net task, must not block, and may
+    /// spawn tasks, e.g. to answer with [`ShardCtx::reply`]. Register it on every shard that
+    /// may own a peer; a request with no handler is dropped (and its sender times out).
+    pub fn set_frame_handler<F>(&self, kind: FrameKind, handler: F) -> Result<(), NetError>
+    where
+        F: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Vec<u8>) + 'static,
+    {
+        if !matches!(
+            kind,
+            FrameKind::RpcRequest | FrameKind::RpcCancel | FrameKind::RmaPut | FrameKind::RmaGet
+        ) {
+            return Err(NetError::BadKind {
+                kind,
+                op: "register a frame handler",
+            });
+        }
+        self.net()
+            .frame_handlers
+            .borrow_mut()
+            .insert(kind, Rc::new(handler));
+        Ok(())
+    }
+
+    /// Sends one application frame of `kind` with `id` and `req_id` (no deadline) to the
+    /// connected `node`, from any shard (forwarded to the owner). Resolves once the frame is
+    /// queued on the owner's endpoint. Payloads over [`NetConfig::rndv_threshold`] go by
+    /// rendezvous; over [`NetConfig::max_message_size`] they are refused
+    /// ([`NetError::TooLarge`]). Control kinds are refused ([`NetError::BadKind`]).
+    pub async fn send_frame(
+        self: &Rc<Self>,
+        node: NodeId,
+        kind: FrameKind,
+        id: u32,
+        req_id: ReqId,
+        payload: Vec<u8>,
+    ) -> Result<(), NetError> {
+        let spec = FrameSpec {
+            kind,
+            id,
+            req_id,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        self.send_spec(node, spec, payload).await
+    }
+
+    /// Sends a request of `kind` ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`] or
+    /// [`FrameKind::RmaGet`]) with `id` and `payload` to the connected `node`, from any shard,
+    /// and resolves with the reply's header and payload: an [`FrameKind::RpcResponse`] or
+    /// [`FrameKind::RpcError`] for an RPC request, an [`FrameKind::RmaReply`] for RMA.
+    ///
+    /// The request runs on the shard that owns `node` (forwarded there from other shards): it
+    /// takes a fresh [`ReqId`] from that shard's pending table, sends the frame with the
+    /// deadline in its `ttl_ns`, and waits. Errors: [`NetError::TimedOut`] (`"request"`) when
+    /// no reply came within `timeout` (at most [`MAX_REQUEST_TIMEOUT`]);
+    /// [`NetError::PeerDead`], [`NetError::Transport`] or [`NetError::Closed`] when the
+    /// connection fails or closes first (every pending request of the node fails then);
+    /// [`NetError::ShuttingDown`] when this node stops; [`NetError::NotConnected`],
+    /// [`NetError::TooLarge`], [`NetError::BadKind`] before sending. Dropping the future
+    /// forgets the request (a late reply is dropped and counted).
+    pub async fn request(
+        self: &Rc<Self>,
+        node: NodeId,
+        kind: FrameKind,
+        id: u32,
+        payload: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(FrameHeader, Vec<u8>), NetError> {
+        let max = self.net().settings.cfg.max_message_size;
+        if payload.len() as u64 > max {
+            return Err(NetError::TooLarge {
+                len: payload.len() as u64,
+                max,
+            });
+        }
+        let owner = self.owner_of(node);
+        if owner == self.id() {
+            request_local(self, node, (kind, id), payload, timeout).await
+        } else {
+            self.forward(owner, move |c| async move {
+                request_local(&c, node, (kind, id), payload, timeout).await
+            })
+            .await?
+        }
+    }
+
+    /// Answers `request` (a frame header given to a [`ShardCtx::set_frame_handler`] handler)
+    /// from `node` with a reply of `kind`, from any shard: [`FrameKind::RpcResponse`] or
+    /// [`FrameKind::RpcError`] for an [`FrameKind::RpcRequest`], [`FrameKind::RmaReply`] for
+    /// [`FrameKind::RmaPut`] and [`FrameKind::RmaGet`] (else [`NetError::BadKind`]). The reply
+    /// carries the request's `id` and `req_id`.
+    pub async fn reply(
+        self: &Rc<Self>,
+        node: NodeId,
+        request: &FrameHeader,
+        kind: FrameKind,
+        payload: Vec<u8>,
+    ) -> Result<(), NetError> {
+        if !reply_fits(request.kind, kind) {
+            return Err(NetError::BadKind {
+                kind,
+                op: "answer this request",
+            });
+        }
+        let spec = FrameSpec {
+            kind,
+            id: request.id,
+            req_id: request.req_id,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        self.send_spec(node, spec, payload).await
+    }
+
+    /// Requests of this shard waiting for a reply.
+    pub fn pending_requests(&self) -> usize {
+        self.net().pending.borrow().len()
     }
 }
 
