@@ -315,3 +315,97 @@ fn public_types_auto_traits() {
     // Compiles only if `Node` is NOT Send: it holds the shard's state.
     let _ = <Node as AmbiguousIfSend<_>>::some_item;
 }
+
+/// The server half of `across_two_processes`, run in a child process (see there).
+#[test]
+#[ignore = "run by across_two_processes in a child process"]
+fn child_server() {
+    let (addr, stop, server) = start_server(KEY);
+    println!("ADDR {addr}");
+    // Serve until the parent closes our stdin (or LIMIT passes).
+    let stop2 = stop.clone();
+    std::thread::spawn(move || {
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+        stop2.store(true, Ordering::Release);
+    });
+    let reports = server.join().expect("server panicked");
+    let received: u64 = reports.iter().map(|r| r.received).sum();
+    let bad: u64 = reports.iter().map(|r| r.bad + r.malformed).sum();
+    println!("RECEIVED {received} BAD {bad}");
+}
+
+#[test]
+fn across_two_processes() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    const N: u32 = 2_000;
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_server", "--nocapture"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the server process");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr: SocketAddr = loop {
+        let line = lines.next().expect("server process ended early").unwrap();
+        if let Some(a) = line.strip_prefix("ADDR ") {
+            break a.parse().unwrap();
+        }
+    };
+    let answers = within(move || {
+        node(5, KEY)
+            .shards(1)
+            .on_am(DONE, || {
+                |_node: &Node, msg: AmMsg| {
+                    let h = msg.header();
+                    let seq = u32::from_le_bytes([h[2], h[3], h[4], h[5]]);
+                    let sum = u64::from_le_bytes(msg.payload().try_into().expect("8-byte sum"));
+                    ack(seq, sum);
+                }
+            })
+            .run(move |node: Node| async move {
+                let (tx, rx) = local_channel::new_unbounded();
+                ACKS.with(|a| *a.borrow_mut() = Some(tx));
+                let server = node.connect(addr).await.expect("connect");
+                let mut ok = 0;
+                for s in 0..N {
+                    let mut header = 0u16.to_le_bytes().to_vec();
+                    header.extend_from_slice(&s.to_le_bytes());
+                    server
+                        .am_send(WORK, &header, &payload(0, s))
+                        .await
+                        .expect("send");
+                    let (got, sum) = futures_lite::future::or(rx.recv(), async {
+                        sleep(Duration::from_secs(10)).await;
+                        None
+                    })
+                    .await
+                    .expect("an answer within 10 s");
+                    assert_eq!(got, s);
+                    assert_eq!(
+                        sum,
+                        payload(0, s).iter().map(|&b| u64::from(b)).sum::<u64>()
+                    );
+                    ok += 1;
+                }
+                ACKS.with(|a| a.borrow_mut().take());
+                ok
+            })
+            .expect("client node")
+    });
+    assert_eq!(answers, vec![N]);
+    drop(child.stdin.take());
+    let report = within(move || {
+        let mut out = String::new();
+        for line in lines {
+            let line = line.unwrap();
+            if line.starts_with("RECEIVED") {
+                out = line;
+            }
+        }
+        out
+    });
+    let status = child.wait().unwrap();
+    assert!(status.success(), "server process: {status}");
+    assert_eq!(report, format!("RECEIVED {N} BAD 0"));
+}

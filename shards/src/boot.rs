@@ -59,7 +59,9 @@ pub struct ShardsBuilder {
 
 /// A hook run on every shard once its state is built (see [`ShardsBuilder::on_start`]).
 #[derive(Clone)]
-struct StartHook(Arc<dyn Fn(&Rc<ShardCtx>) + Send + Sync>);
+struct StartHook(Arc<StartFn>);
+
+type StartFn = dyn Fn(&Rc<ShardCtx>) + Send + Sync;
 
 impl std::fmt::Debug for StartHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
