@@ -28,6 +28,12 @@ pub enum Error {
     /// The call was made outside a shard thread of a running [`crate::Node`].
     #[error("not called on a shard of a running node")]
     NotOnShard,
+    /// A handler was registered for an active-message id the runtime reserves.
+    #[error("active-message id {id} is reserved for the runtime")]
+    ReservedAmId {
+        /// The id.
+        id: shardcx_shards::proto::AmId,
+    },
     /// An active-message header longer than [`crate::MAX_AM_HEADER`].
     #[error("active-message header of {len} bytes is over the limit")]
     HeaderTooLarge {

@@ -4,7 +4,9 @@ mod error;
 pub mod node;
 
 pub use error::Error;
-pub use node::{AmMsg, Node, NodeBuilder, Peer, DEFAULT_DEADLINE, MAX_AM_HEADER};
+pub use node::{
+    AmMsg, Node, NodeBuilder, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID, MAX_AM_HEADER,
+};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
 pub use shardcx_shards::{proto, ucx};
 

@@ -58,6 +58,10 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
 /// Longest active-message header.
 pub const MAX_AM_HEADER: usize = 64 << 10;
 
+/// Active-message ids from this one up are reserved for the runtime (tag messages and what
+/// comes later); [`NodeBuilder::run`] refuses handlers for them.
+pub const FIRST_RESERVED_AM_ID: u32 = 0xFFFF_0000;
+
 /// Bytes before the header in an active message's frame payload (the header length).
 const AM_PREFIX: usize = 4;
 
@@ -258,7 +262,8 @@ impl NodeBuilder {
 
     /// Registers the handler of active message `id`: `factory` runs once on every shard and
     /// returns that shard's handler, which runs for every message `id` from a peer this shard
-    /// owns. Replaces an earlier registration of `id`.
+    /// owns. Replaces an earlier registration of `id`. Ids from [`FIRST_RESERVED_AM_ID`] up
+    /// belong to the runtime: [`NodeBuilder::run`] then fails with [`Error::ReservedAmId`].
     pub fn on_am<F, H>(mut self, id: AmId, factory: F) -> Self
     where
         F: Fn() -> H + Send + Sync + 'static,
@@ -283,6 +288,12 @@ impl NodeBuilder {
             handlers,
             deadline,
         } = self;
+        if let Some((id, _)) = handlers
+            .iter()
+            .find(|(id, _)| id.get() >= FIRST_RESERVED_AM_ID)
+        {
+            return Err(Error::ReservedAmId { id: *id });
+        }
         let handlers = Arc::new(handlers);
         let shards = shards.on_start(move |ctx| install(ctx, deadline, &handlers));
         let ended = Arc::new(AtomicUsize::new(0));

@@ -409,3 +409,17 @@ fn across_two_processes() {
     assert!(status.success(), "server process: {status}");
     assert_eq!(report, format!("RECEIVED {N} BAD 0"));
 }
+
+#[test]
+fn reserved_am_ids_are_refused() {
+    let id = AmId::new(shardcx::FIRST_RESERVED_AM_ID);
+    let r = Node::builder()
+        .shards(1)
+        .placement(Placement::Unpinned)
+        .on_am(id, || |_: &Node, _: AmMsg| {})
+        .run(|_node: Node| async {});
+    assert!(
+        matches!(r, Err(Error::ReservedAmId { id: got }) if got == id),
+        "{r:?}"
+    );
+}
