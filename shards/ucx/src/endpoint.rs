@@ -48,7 +48,12 @@ pub enum CloseMode {
 /// State the error callback writes; boxed so its address stays fixed for UCX.
 pub(crate) struct EpShared {
     error: Cell<Option<RawStatus>>,
-    wakers: RefCell<Vec<Waker>>,
+    /// Wakers of the live [`EpFailed`] futures, keyed by future: one entry per future, removed
+    /// when it is dropped, so a task that polls `failed()` again and again (racing it against
+    /// other events) does not pile up clones of its waker (glommio counts them in an `i16` and
+    /// panics at 32767).
+    wakers: RefCell<Vec<(u64, Waker)>>,
+    next_waiter: Cell<u64>,
 }
 
 pub(crate) struct EpInner {
@@ -86,7 +91,7 @@ unsafe extern "C" fn ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: RawS
             shared.error.set(Some(status));
         }
         let wakers = std::mem::take(&mut *shared.wakers.borrow_mut());
-        for w in wakers {
+        for (_, w) in wakers {
             w.wake();
         }
     })
@@ -186,6 +191,7 @@ impl Endpoint {
         let shared = Box::new(EpShared {
             error: Cell::new(None),
             wakers: RefCell::new(Vec::new()),
+            next_waiter: Cell::new(0),
         });
         let shared_ptr: *const EpShared = &*shared;
         let (storage, socklen) = match &target {
@@ -268,6 +274,7 @@ impl Endpoint {
     pub fn failed(&self) -> EpFailed {
         EpFailed {
             ep: self.inner.clone(),
+            key: None,
         }
     }
 
@@ -295,10 +302,13 @@ impl Endpoint {
 
 impl EpInner {
     pub(crate) fn error(&self) -> Option<Error> {
+        self.shared().error.get().map(Error::from_raw)
+    }
+
+    fn shared(&self) -> &EpShared {
         // SAFETY: `shared_ptr` points to the boxed `EpShared`, alive as long as `self` (and
-        // longer, until the close completes).
-        let shared = unsafe { &*self.shared_ptr };
-        shared.error.get().map(Error::from_raw)
+        // longer, until the close completes, after which UCX calls no error handler of it).
+        unsafe { &*self.shared_ptr }
     }
 
     /// Whether operations may be posted: not closed, not failed.
@@ -365,19 +375,49 @@ impl Drop for EpInner {
 /// Future of [`Endpoint::failed`].
 pub struct EpFailed {
     ep: Rc<EpInner>,
+    /// This future's entry in the endpoint's waker list, once polled.
+    key: Option<u64>,
 }
 
 impl Future for EpFailed {
     type Output = Error;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Error> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Error> {
         if let Some(e) = self.ep.error() {
             return Poll::Ready(e);
         }
-        // SAFETY: as in `EpInner::error`.
-        let shared = unsafe { &*self.ep.shared_ptr };
-        shared.wakers.borrow_mut().push(cx.waker().clone());
+        let shared = self.ep.shared();
+        let mut wakers = shared.wakers.borrow_mut();
+        let entry = self
+            .key
+            .and_then(|k| wakers.iter_mut().find(|(key, _)| *key == k));
+        match entry {
+            Some((_, w)) => {
+                if !w.will_wake(cx.waker()) {
+                    *w = cx.waker().clone();
+                }
+            }
+            None => {
+                let k = shared.next_waiter.get();
+                shared.next_waiter.set(k.wrapping_add(1));
+                wakers.push((k, cx.waker().clone()));
+                drop(wakers);
+                self.key = Some(k);
+            }
+        }
         Poll::Pending
+    }
+}
+
+impl Drop for EpFailed {
+    fn drop(&mut self) {
+        if let Some(k) = self.key {
+            self.ep
+                .shared()
+                .wakers
+                .borrow_mut()
+                .retain(|(key, _)| *key != k);
+        }
     }
 }
 

@@ -141,6 +141,35 @@ fn endpoint_error_is_delivered_when_the_peer_worker_goes_away() {
 }
 
 #[test]
+fn polling_failed_again_and_again_keeps_one_waker_per_future() {
+    use std::future::Future;
+    use std::sync::Arc;
+    use std::task::{Context, Wake, Waker};
+    struct Count;
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {}
+    }
+    let p = pair("tcp");
+    let counter = Arc::new(Count);
+    let waker = Waker::from(counter.clone());
+    let mut cx = Context::from_waker(&waker);
+    // One future polled many times (a task woken for other reasons), then many short-lived
+    // futures (a loop racing `failed()` against other events): neither may pile up wakers.
+    let mut kept = Box::pin(p.ab.failed());
+    for _ in 0..1000 {
+        assert!(kept.as_mut().poll(&mut cx).is_pending());
+    }
+    for _ in 0..1000 {
+        let mut f = Box::pin(p.ab.failed());
+        assert!(f.as_mut().poll(&mut cx).is_pending());
+    }
+    // The test's own `waker`, plus the one kept by `kept`.
+    assert_eq!(Arc::strong_count(&counter), 3);
+    drop(kept);
+    assert_eq!(Arc::strong_count(&counter), 2);
+}
+
+#[test]
 fn invalid_arguments_are_refused_without_reaching_ucx() {
     let ctx = context("tcp", Features::all());
     assert!(matches!(
