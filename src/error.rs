@@ -17,6 +17,11 @@ pub enum Error {
     /// Forwarding to the owner shard failed.
     #[error(transparent)]
     Forward(#[from] ForwardError),
+    /// A remote-memory operation, or a region's registration, failed (refused by the
+    /// descriptor or by the node holding the region, a malformed reply, ...). Its timeouts are
+    /// [`Error::TimedOut`] and its connection errors [`Error::Net`].
+    #[error(transparent)]
+    Rma(#[from] shardcx_shards::RmaOpError),
     /// The operation's deadline passed before it completed.
     #[error("{what} timed out after {after:?}")]
     TimedOut {

@@ -2,11 +2,13 @@
 
 mod error;
 pub mod node;
+pub mod rma;
 
 pub use error::Error;
 pub use node::{
     AmMsg, Node, NodeBuilder, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID, MAX_AM_HEADER,
 };
+pub use rma::{Region, RemoteRegion};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
 pub use shardcx_shards::{proto, ucx};
 

@@ -332,6 +332,8 @@ fn install(ctx: &Rc<ShardCtx>, deadline: Duration, handlers: &[(AmId, Factory)])
         malformed: Cell::new(0),
     });
     CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), shared.clone())));
+    // Checked remote memory: this shard's region table and its put/get handlers.
+    shardcx_shards::rma::install(ctx);
     for (id, factory) in handlers {
         let handler = factory();
         let id = *id;

@@ -68,6 +68,7 @@ mod error;
 pub mod mesh;
 pub mod net;
 pub mod pool;
+pub mod rma;
 
 pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};
 pub use driver::DriverConfig;
@@ -75,6 +76,7 @@ pub use error::{BootError, ForwardError, NetError};
 pub use mesh::MeshConfig;
 pub use net::{Directory, NetConfig, NetStats, RemoteNode};
 pub use pool::{PoolBuf, ShardPool};
+pub use rma::{RemoteRegion, RmaOpError, RmaStats};
 
 pub use shardcx_proto as proto;
 pub use shardcx_ucx as ucx;

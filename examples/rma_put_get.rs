@@ -1,0 +1,454 @@
+//! Checked remote memory between two nodes: the server registers a region on each of its shards
+//! and hands the descriptors to the client by active message; every client shard puts to and
+//! gets from each region, checks what it reads back, and prints put and get latency
+//! percentiles by route. Then the client shows refusals: an out-of-bounds put, and a put with
+//! a descriptor the server has revoked; the server shows its memory unchanged by them.
+//!
+//! ```text
+//! cargo run --release --example rma_put_get                      # both nodes in this process
+//! cargo run --release --example rma_put_get -- --listen 127.0.0.1:13338 [--for 60]   # server
+//! cargo run --release --example rma_put_get -- --connect 127.0.0.1:13338             # client
+//! ```
+//!
+//! Options: `--count N` puts and gets per client shard and region (default 10000), `--size B`
+//! bytes per access (default 8), `--shards N` per node (default 2), `--tls LIST` (default
+//! `tcp`; listening and connecting need tcp in UCX 1.12). The key is fixed: it is an example.
+//!
+//! Routes: a client shard that owns the server's connection sends itself ("owner"), another one
+//! forwards to it ("forwarded"); on the server, the request arrives on its owner shard of the
+//! client, which serves a region it holds itself ("local") or forwards to the region's shard
+//! ("forwarded").
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // An example may panic: a panic is a failure it reports.
+
+use std::cell::{Cell, RefCell};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
+use glommio::timer::sleep;
+use hdrhistogram::Histogram;
+use shardcx::rma::{Permissions, Region, RemoteRegion};
+use shardcx::{AmId, AmMsg, Node, NodeId, Peer, ShardId};
+
+const KEY: &[u8] = b"rma_put_get example pre-shared key";
+/// Client → server: send me the descriptor of your region on shard `want`.
+const ASK: AmId = AmId::new(1);
+/// Client → server: revoke your region on shard `want`, send me the new descriptor.
+const REVOKE: AmId = AmId::new(2);
+/// Client → server: print and send me the checksum of your region on shard `want`.
+const CHECK: AmId = AmId::new(3);
+/// Server → client: a descriptor (answers `ASK` and `REVOKE`).
+const DESC: AmId = AmId::new(4);
+/// Server → client: a checksum (answers `CHECK`).
+const SUM: AmId = AmId::new(5);
+/// Bytes of each server region.
+const REGION_LEN: usize = 64 << 10;
+/// Longest wait for an answer from the other node.
+const ANSWER_LIMIT: Duration = Duration::from_secs(5);
+
+struct Opts {
+    listen: Option<SocketAddr>,
+    connect: Option<SocketAddr>,
+    serve_for: Duration,
+    count: u32,
+    size: usize,
+    shards: usize,
+    tls: String,
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        listen: None,
+        connect: None,
+        serve_for: Duration::from_secs(60),
+        count: 10_000,
+        size: 8,
+        shards: 2,
+        tls: "tcp".into(),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut v = || args.next().unwrap_or_else(|| usage());
+        match a.as_str() {
+            "--listen" => o.listen = Some(v().parse().unwrap_or_else(|_| usage())),
+            "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
+            "--for" => o.serve_for = Duration::from_secs(v().parse().unwrap_or_else(|_| usage())),
+            "--count" => o.count = v().parse().unwrap_or_else(|_| usage()),
+            "--size" => o.size = v().parse().unwrap_or_else(|_| usage()),
+            "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
+            "--tls" => o.tls = v(),
+            _ => usage(),
+        }
+    }
+    if o.shards == 0 || o.size == 0 || o.size.saturating_mul(o.shards) > REGION_LEN {
+        eprintln!("--size × --shards must be within 1..={REGION_LEN}");
+        usage();
+    }
+    o
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: rma_put_get [--listen ADDR [--for SECS] | --connect ADDR] [--count N] \
+         [--size B] [--shards N] [--tls LIST]"
+    );
+    std::process::exit(2)
+}
+
+fn node(o: &Opts, id: u64) -> shardcx::NodeBuilder {
+    Node::builder()
+        .shards(o.shards)
+        .placement(shardcx::shards::Placement::Unpinned)
+        .transports(&o.tls)
+        .node_id(NodeId::new(id))
+        .psk(KEY)
+        // Two nodes may share this process: 1 MiB of io memory per shard fits 8 MiB memlock.
+        .io_memory(1 << 20)
+}
+
+/// A checksum (FNV-1a).
+fn checksum(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+thread_local! {
+    /// The server's region on this shard.
+    static REGION: RefCell<Option<Region>> = const { RefCell::new(None) };
+    /// The checksum the server reported last, on this shard.
+    static LAST_SUM: Cell<Option<u64>> = const { Cell::new(None) };
+    /// Answers for this client shard.
+    static ANSWERS: RefCell<Option<LocalSender<AmMsg>>> = const { RefCell::new(None) };
+}
+
+/// A control header: the client shard waiting for the answer, and the server shard meant.
+fn header(origin: ShardId, want: u16) -> [u8; 4] {
+    let mut h = [0u8; 4];
+    h[..2].copy_from_slice(&origin.get().to_le_bytes());
+    h[2..].copy_from_slice(&want.to_le_bytes());
+    h
+}
+
+/// The server's handler of `ASK`, `REVOKE` and `CHECK`: runs on the owner shard of the client,
+/// does the work on the shard holding the region, answers with its shard count and owner shard
+/// in the header so the client can name the routes.
+fn on_control(node: &Node, msg: AmMsg) {
+    let h = msg.header();
+    if h.len() != 4 {
+        return;
+    }
+    let want = u16::from_le_bytes([h[2], h[3]]) % node.shard_count() as u16;
+    let mut answer_header = h[..2].to_vec();
+    answer_header.extend_from_slice(&want.to_le_bytes());
+    answer_header.extend_from_slice(&(node.shard_count() as u16).to_le_bytes());
+    answer_header.extend_from_slice(&node.owner_of(msg.from()).get().to_le_bytes());
+    let (id, from, ctx) = (msg.id(), msg.from(), node.shard_ctx().clone());
+    glommio::spawn_local(async move {
+        let job = move |_| async move { on_region_shard(id) };
+        match ctx.forward(ShardId::new(want), job).await {
+            Ok(Some((answer, payload))) => {
+                if let Err(e) = from.am_send(answer, &answer_header, &payload).await {
+                    eprintln!("server: answer failed: {e}");
+                }
+            }
+            Ok(None) => eprintln!("server: no region on shard {want} yet"),
+            Err(e) => eprintln!("server: forward failed: {e}"),
+        }
+    })
+    .detach();
+}
+
+/// On the shard holding the region: the answer to control message `id`.
+fn on_region_shard(id: AmId) -> Option<(AmId, Vec<u8>)> {
+    REGION.with(|r| {
+        let r = r.borrow();
+        let region = r.as_ref()?;
+        let d = region.descriptor();
+        match id {
+            ASK => Some((DESC, d.to_bytes().to_vec())),
+            REVOKE => {
+                let new = region.revoke().expect("revoke");
+                println!(
+                    "server: revoked region {} on shard {}: generation {} -> {}",
+                    d.id(),
+                    d.shard(),
+                    d.generation(),
+                    new.generation()
+                );
+                Some((DESC, new.to_bytes().to_vec()))
+            }
+            CHECK => {
+                let sum = region.read(checksum).expect("read region");
+                let verdict = match LAST_SUM.with(|l| l.replace(Some(sum))) {
+                    None => "first check",
+                    Some(last) if last == sum => "unchanged since the last check",
+                    Some(_) => "changed since the last check",
+                };
+                println!(
+                    "server: region {} on shard {}: checksum {sum:016x} ({verdict})",
+                    d.id(),
+                    d.shard()
+                );
+                Some((SUM, sum.to_le_bytes().to_vec()))
+            }
+            _ => None,
+        }
+    })
+}
+
+/// The server: one region per shard, control messages answered until `stop` or `--for`.
+fn serve(o: &Opts, addr: SocketAddr, bound: mpsc::Sender<SocketAddr>, stop: Arc<AtomicBool>) {
+    let until = Instant::now() + o.serve_for;
+    node(o, 2)
+        .listen(addr)
+        .on_am(ASK, || on_control)
+        .on_am(REVOKE, || on_control)
+        .on_am(CHECK, || on_control)
+        .run(move |node: Node| {
+            let (bound, stop) = (bound.clone(), stop.clone());
+            async move {
+                let fill: Vec<u8> = (0..REGION_LEN).map(|i| (i % 251) as u8).collect();
+                let region = node
+                    .register_region(fill, Permissions::READ_WRITE, None)
+                    .expect("register region");
+                REGION.with(|r| *r.borrow_mut() = Some(region));
+                if node.shard() == ShardId::new(0) {
+                    let _ = bound.send(node.listen_addr().unwrap());
+                }
+                while !stop.load(Ordering::Acquire) && Instant::now() < until {
+                    sleep(Duration::from_millis(10)).await;
+                }
+                REGION.with(|r| r.borrow_mut().take());
+            }
+        })
+        .expect("server node");
+}
+
+fn deliver(msg: AmMsg) {
+    ANSWERS.with(|a| {
+        if let Some(tx) = a.borrow().as_ref() {
+            let _ = tx.try_send(msg);
+        }
+    });
+}
+
+/// The client's handler of `DESC` and `SUM`: to the shard named in the header.
+fn on_answer(node: &Node, msg: AmMsg) {
+    let Some(h) = msg.header().get(..2) else {
+        return;
+    };
+    let origin = ShardId::new(u16::from_le_bytes([h[0], h[1]]));
+    if origin == node.shard() {
+        deliver(msg);
+    } else {
+        let ctx = node.shard_ctx().clone();
+        glommio::spawn_local(async move {
+            let _ = ctx
+                .forward(origin, move |_| async move { deliver(msg) })
+                .await;
+        })
+        .detach();
+    }
+}
+
+/// Sends control message `id` about server shard `want` and waits for the answer.
+async fn call(peer: Peer, rx: &LocalReceiver<AmMsg>, me: ShardId, id: AmId, want: u16) -> AmMsg {
+    peer.am_send(id, &header(me, want), &[])
+        .await
+        .expect("send control message");
+    futures_lite::future::or(async { rx.recv().await }, async {
+        sleep(ANSWER_LIMIT).await;
+        None
+    })
+    .await
+    .expect("no answer from the server")
+}
+
+/// A region of the server, as the client learnt it.
+struct Remote {
+    desc: RemoteRegion,
+    /// Whether the server serves it on the shard that receives the client's requests.
+    local: bool,
+}
+
+/// The descriptor in a `DESC` answer, and what its header says about the server.
+fn remote_of(msg: &AmMsg) -> (Remote, u16) {
+    let h = msg.header();
+    let shard = u16::from_le_bytes([h[2], h[3]]);
+    let shards = u16::from_le_bytes([h[4], h[5]]);
+    let owner = u16::from_le_bytes([h[6], h[7]]);
+    let desc = RemoteRegion::from_bytes(msg.payload()).expect("descriptor");
+    (
+        Remote {
+            desc,
+            local: shard == owner,
+        },
+        shards,
+    )
+}
+
+/// Latencies of one client shard against one server region.
+struct Row {
+    me: ShardId,
+    owner: bool,
+    server_shard: ShardId,
+    local: bool,
+    put: Histogram<u64>,
+    get: Histogram<u64>,
+}
+
+/// The client: every shard puts and gets `count` times to each server region, then shard 0
+/// shows the refusals.
+fn client(o: &Opts, addr: SocketAddr) {
+    let (count, size) = (o.count, o.size);
+    let finished = Arc::new(AtomicUsize::new(0));
+    let out = node(o, 1)
+        .on_am(DESC, || on_answer)
+        .on_am(SUM, || on_answer)
+        .run(move |node: Node| {
+            let finished = finished.clone();
+            async move {
+                let (tx, rx) = local_channel::new_unbounded();
+                ANSWERS.with(|a| *a.borrow_mut() = Some(tx));
+                let peer = node.connect(addr).await.expect("connect");
+                let me = node.shard();
+                let (first, shards) = remote_of(&call(peer, &rx, me, ASK, 0).await);
+                let mut remotes = vec![first];
+                for want in 1..shards {
+                    remotes.push(remote_of(&call(peer, &rx, me, ASK, want).await).0);
+                }
+                let offset = (me.index() * size) as u64;
+                let mut rows = Vec::new();
+                for r in &remotes {
+                    let hist = || Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+                    let (mut put, mut get) = (hist(), hist());
+                    let mut data = vec![0u8; size];
+                    for i in 0..count {
+                        for (j, b) in data.iter_mut().enumerate() {
+                            *b = (i as usize).wrapping_mul(7).wrapping_add(j) as u8;
+                        }
+                        let t0 = Instant::now();
+                        peer.put(&r.desc, offset, &data).await.expect("put");
+                        put.record(t0.elapsed().as_nanos() as u64).unwrap();
+                        let t0 = Instant::now();
+                        let back = peer.get(&r.desc, offset, size as u64).await.expect("get");
+                        get.record(t0.elapsed().as_nanos() as u64).unwrap();
+                        assert_eq!(back, data, "get returned what was put");
+                    }
+                    rows.push(Row {
+                        me,
+                        owner: node.owner_of(peer) == me,
+                        server_shard: r.desc.shard(),
+                        local: r.local,
+                        put,
+                        get,
+                    });
+                }
+                finished.fetch_add(1, Ordering::AcqRel);
+                if me == ShardId::new(0) {
+                    // Once every shard's puts are done, the server's memory stays still.
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    while finished.load(Ordering::Acquire) < node.shard_count()
+                        && Instant::now() < deadline
+                    {
+                        sleep(Duration::from_millis(1)).await;
+                    }
+                    refusals(peer, &rx, me, remotes[0].desc).await;
+                }
+                ANSWERS.with(|a| a.borrow_mut().take());
+                rows
+            }
+        })
+        .expect("client node");
+    println!(
+        "{:<6} {:<9} {:<12} {:<4} {:>8} {:>9} {:>9} {:>9} {:>9}",
+        "shard", "route", "region", "op", "count", "p50 us", "p99 us", "p99.9 us", "max us"
+    );
+    for row in out.into_iter().flatten() {
+        for (op, hist) in [("put", &row.put), ("get", &row.get)] {
+            let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+            println!(
+                "{:<6} {:<9} {:<12} {:<4} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+                row.me.to_string(),
+                if row.owner { "owner" } else { "forwarded" },
+                format!(
+                    "{} {}",
+                    row.server_shard,
+                    if row.local { "local" } else { "forwarded" }
+                ),
+                op,
+                hist.len(),
+                us(0.5),
+                us(0.99),
+                us(0.999),
+                hist.max() as f64 / 1000.0
+            );
+        }
+    }
+    println!(
+        "{size}-byte puts and gets, one at a time; every get checked against the put before it"
+    );
+}
+
+/// Shows the refusals on the server's region of its shard 0, and that they changed nothing.
+async fn refusals(peer: Peer, rx: &LocalReceiver<AmMsg>, me: ShardId, old: RemoteRegion) {
+    let sum = |m: AmMsg| u64::from_le_bytes(m.payload().try_into().expect("8-byte checksum"));
+    let before = sum(call(peer, rx, me, CHECK, 0).await);
+    let junk = [0xFFu8; 8];
+    match peer.put(&old, old.len() - 4, &junk).await {
+        Err(e) => println!("client: out-of-bounds put refused: {e}"),
+        Ok(()) => panic!("an out-of-bounds put was accepted"),
+    }
+    let new = remote_of(&call(peer, rx, me, REVOKE, 0).await).0.desc;
+    match peer.put(&old, 0, &junk).await {
+        Err(e) => println!("client: put with the revoked descriptor refused: {e}"),
+        Ok(()) => panic!("a put with a revoked descriptor was accepted"),
+    }
+    let after = sum(call(peer, rx, me, CHECK, 0).await);
+    assert_eq!(before, after, "a refused put changed the server's memory");
+    println!("client: the server's memory is unchanged by the refused puts ({after:016x})");
+    let first = peer
+        .get(&new, 0, 8)
+        .await
+        .expect("get with the new descriptor");
+    println!(
+        "client: the new descriptor (generation {}) reads {first:?}",
+        new.generation()
+    );
+}
+
+fn main() {
+    let o = opts();
+    match (o.listen, o.connect) {
+        (Some(addr), None) => {
+            let (tx, rx) = mpsc::channel();
+            let stop = Arc::new(AtomicBool::new(false));
+            std::thread::scope(|s| {
+                s.spawn(|| serve(&o, addr, tx, stop.clone()));
+                if let Ok(a) = rx.recv_timeout(Duration::from_secs(30)) {
+                    println!("listening on {a} for {:?}", o.serve_for);
+                }
+            });
+        }
+        (None, Some(addr)) => client(&o, addr),
+        (None, None) => {
+            let (tx, rx) = mpsc::channel();
+            let stop = Arc::new(AtomicBool::new(false));
+            std::thread::scope(|s| {
+                let server_stop = stop.clone();
+                let o = &o;
+                s.spawn(move || serve(o, "127.0.0.1:0".parse().unwrap(), tx, server_stop));
+                let addr = rx
+                    .recv_timeout(Duration::from_secs(30))
+                    .expect("server did not start");
+                client(o, addr);
+                stop.store(true, Ordering::Release);
+            });
+        }
+        _ => usage(),
+    }
+}
