@@ -263,6 +263,12 @@ fn wrong_key_is_refused_and_deadlines_end_calls() {
         node(3, b"another key of 16+ bytes")
             .shards(1)
             .run(move |node: Node| async move {
+                // Checked mode is the only remote-memory mode here: UCX's RMA stays off
+                // (DESIGN.md: native RMA with rkeys only in an explicit trusted mode).
+                assert!(
+                    !node.shard_ctx().context().features().rma,
+                    "UCP_FEATURE_RMA is on"
+                );
                 let refused = node.connect(addr).await.map(|_| ());
                 // A deadline too short for any handshake ends the call with TimedOut.
                 let hurried = node
