@@ -3,6 +3,7 @@
 mod error;
 pub mod node;
 pub mod rma;
+pub mod tag;
 
 pub use error::Error;
 pub use node::{
@@ -10,6 +11,7 @@ pub use node::{
 };
 pub use rma::{Region, RemoteRegion};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
+pub use tag::{MAX_USER_TAG, TAG_MASK_ANY, TAG_MASK_EXACT};
 pub use shardcx_shards::{proto, ucx};
 
 /// The runtime inside a core: shards, their progress drivers, pools and cross-shard forwarding.

@@ -60,7 +60,7 @@ pub const MAX_AM_HEADER: usize = 64 << 10;
 
 /// Active-message ids from this one up are reserved for the runtime (tag messages and what
 /// comes later); [`NodeBuilder::run`] refuses handlers for them.
-pub const FIRST_RESERVED_AM_ID: u32 = 0xFFFF_0000;
+pub use shardcx_shards::tag::FIRST_RESERVED_AM_ID;
 
 /// Bytes before the header in an active message's frame payload (the header length).
 const AM_PREFIX: usize = 4;
@@ -334,6 +334,8 @@ fn install(ctx: &Rc<ShardCtx>, deadline: Duration, handlers: &[(AmId, Factory)])
     CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), shared.clone())));
     // Checked remote memory: this shard's region table and its put/get handlers.
     shardcx_shards::rma::install(ctx);
+    // Tag send/recv: this shard's matching state and its handler.
+    shardcx_shards::tag::install(ctx);
     for (id, factory) in handlers {
         let handler = factory();
         let id = *id;

@@ -69,6 +69,7 @@ pub mod mesh;
 pub mod net;
 pub mod pool;
 pub mod rma;
+pub mod tag;
 
 pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};
 pub use driver::DriverConfig;
@@ -77,6 +78,7 @@ pub use mesh::MeshConfig;
 pub use net::{Directory, NetConfig, NetStats, RemoteNode};
 pub use pool::{PoolBuf, ShardPool};
 pub use rma::{RemoteRegion, RmaOpError, RmaStats};
+pub use tag::{TagConfig, TagStats};
 
 pub use shardcx_proto as proto;
 pub use shardcx_ucx as ucx;

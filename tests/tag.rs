@@ -1,0 +1,186 @@
+//! The facade's tag send/recv: two nodes of two shards each in one process, over tcp on
+//! loopback (the runtime-level cases, caps and rendezvous included, are in
+//! `shards/tests/tag.rs`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use glommio::timer::sleep;
+use shardcx::shards::{NetError, Placement};
+use shardcx::{Error, Node, NodeBuilder, NodeId, Peer, MAX_USER_TAG, TAG_MASK_ANY, TAG_MASK_EXACT};
+
+/// Longest any one test may run.
+const LIMIT: Duration = Duration::from_secs(60);
+const KEY: &[u8] = b"facade tag test key, 16+ bytes";
+const A: NodeId = NodeId::new(0xA);
+const B: NodeId = NodeId::new(0xB);
+/// Messages per shard and stream.
+const N: u32 = 50;
+
+/// Two nodes of two shards each must fit the 8 MiB locked-memory limit: one test at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn node(id: NodeId) -> NodeBuilder {
+    Node::builder()
+        .shards(2)
+        .placement(Placement::Unpinned)
+        .transports("tcp")
+        .io_memory(1 << 20)
+        .node_id(id)
+        .psk(KEY)
+}
+
+/// Waits until every shard of the node has started its closure (the node's start hook
+/// installed the tag handlers on every shard before any served).
+async fn install_all(node: &Node, count: &AtomicU32) {
+    count.fetch_add(1, Ordering::AcqRel);
+    wait_for(|| count.load(Ordering::Acquire) >= node.shard_count() as u32).await;
+}
+
+async fn wait_for(mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < LIMIT, "timed out waiting");
+        sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn payload(stream: u64, seq: u32) -> Vec<u8> {
+    let len = (seq as usize * 13) % 300;
+    (0..len)
+        .map(|i| (i as u64 ^ stream ^ u64::from(seq) << 2) as u8)
+        .collect()
+}
+
+/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.
+fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(LIMIT).expect("still running after LIMIT")
+}
+
+#[test]
+fn tagged_messages_both_ways_from_every_shard() {
+    let _g = serial();
+    let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
+    let addr_a = addr.clone();
+    let b = std::thread::spawn(move || {
+        let ready = Arc::new(AtomicU32::new(0));
+        node(B)
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |node: Node| {
+                let (addr, ready) = (addr.clone(), ready.clone());
+                async move {
+                    install_all(&node, &ready).await;
+                    if let Some(a) = node.listen_addr() {
+                        let _ = addr.set(a);
+                    }
+                    let a = Peer::new(A);
+                    let me = u64::from(node.shard().get());
+                    // Exact: this shard's stream, in order.
+                    for seq in 0..N {
+                        let (t, d) = a.tag_recv(0x100 | me, TAG_MASK_EXACT).await.expect("exact");
+                        assert_eq!((t, d), (0x100 | me, payload(0x100 | me, seq)));
+                    }
+                    // Masked: tags 0x2?m with any middle nibble, in order; echoed back.
+                    for seq in 0..N {
+                        let (t, d) = a.tag_recv(0x200 | me, 0xF0F).await.expect("masked");
+                        assert_eq!(t, 0x200 | me | (u64::from(seq) % 16) << 4);
+                        assert_eq!(d, payload(0x200 | me, seq));
+                        a.tag_send(0x300 | me, &d).await.expect("echo");
+                    }
+                    // A receive that times out does not take the next message.
+                    let r = a
+                        .tag_recv_within(0x400 | me, TAG_MASK_EXACT, Duration::from_millis(30))
+                        .await;
+                    assert!(
+                        matches!(
+                            r,
+                            Err(Error::TimedOut {
+                                what: "tag_recv",
+                                ..
+                            })
+                        ),
+                        "{r:?}"
+                    );
+                    a.tag_send(0x500 | me, b"go").await.expect("go");
+                    let (t, d) = a.tag_recv(0x400 | me, TAG_MASK_EXACT).await.expect("last");
+                    assert_eq!((t, d.as_slice()), (0x400 | me, &b"last"[..]));
+                }
+            })
+            .expect("node B")
+    });
+    let a = std::thread::spawn(move || {
+        let ready = Arc::new(AtomicU32::new(0));
+        node(A)
+            .run(move |node: Node| {
+                let (addr, ready) = (addr_a.clone(), ready.clone());
+                async move {
+                    install_all(&node, &ready).await;
+                    wait_for(|| addr.get().is_some()).await;
+                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
+                    let me = u64::from(node.shard().get());
+                    for seq in 0..N {
+                        b.tag_send(0x100 | me, &payload(0x100 | me, seq))
+                            .await
+                            .expect("send");
+                    }
+                    for seq in 0..N {
+                        let t = 0x200 | me | (u64::from(seq) % 16) << 4;
+                        b.tag_send(t, &payload(0x200 | me, seq))
+                            .await
+                            .expect("send");
+                    }
+                    for seq in 0..N {
+                        let (t, d) = b.tag_recv(0x300 | me, TAG_MASK_EXACT).await.expect("echo");
+                        assert_eq!((t, d), (0x300 | me, payload(0x200 | me, seq)));
+                    }
+                    let (t, _) = b.tag_recv(0x500 | me, TAG_MASK_EXACT).await.expect("go");
+                    assert_eq!(t, 0x500 | me);
+                    b.tag_send(0x400 | me, b"last").await.expect("last");
+                    node.owner_of(b) == node.shard()
+                }
+            })
+            .expect("node A")
+    });
+    let routes = within(move || a.join().expect("node A panicked"));
+    within(move || b.join().expect("node B panicked"));
+    assert_eq!(routes.iter().filter(|&&own| own).count(), 1, "{routes:?}");
+}
+
+#[test]
+fn bad_calls_fail_cleanly() {
+    let r = futures_lite::future::block_on(Peer::new(A).tag_send(1, b"x"));
+    assert!(matches!(r, Err(Error::NotOnShard)), "{r:?}");
+    let r = futures_lite::future::block_on(Peer::new(A).tag_recv(1, TAG_MASK_EXACT));
+    assert!(matches!(r, Err(Error::NotOnShard)), "{r:?}");
+    let out = within(|| {
+        Node::builder()
+            .shards(1)
+            .placement(Placement::Unpinned)
+            .io_memory(1 << 20)
+            .run(|_node: Node| async {
+                let wide = Peer::new(B).tag_send(MAX_USER_TAG + 1, b"x").await;
+                let stranger = Peer::new(B).tag_send(1, b"x").await;
+                let nobody = Peer::new(B)
+                    .tag_recv_within(1, TAG_MASK_ANY, Duration::from_millis(20))
+                    .await;
+                (
+                    matches!(wide, Err(Error::Net(NetError::Wire { .. }))),
+                    matches!(stranger, Err(Error::Net(NetError::NotConnected { .. }))),
+                    matches!(nobody, Err(Error::TimedOut { .. })),
+                )
+            })
+            .expect("node")
+    });
+    assert_eq!(out, [(true, true, true)]);
+}
