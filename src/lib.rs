@@ -11,8 +11,8 @@ pub use node::{
 };
 pub use rma::{Region, RemoteRegion};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
-pub use tag::{MAX_USER_TAG, TAG_MASK_ANY, TAG_MASK_EXACT};
 pub use shardcx_shards::{proto, ucx};
+pub use tag::{MAX_USER_TAG, TAG_MASK_ANY, TAG_MASK_EXACT};
 
 /// The runtime inside a core: shards, their progress drivers, pools and cross-shard forwarding.
 pub use shardcx_shards as shards;

@@ -57,6 +57,33 @@ pub struct ShardsBuilder {
     settings: Option<NodeSettings>,
 }
 
+/// The executors' preempt timer: how long task queues may run before the executor looks at
+/// I/O, timers and cross-shard channels again. glommio's default is 100 ms, lowered only while a
+/// `Latency::Matters` queue is in its active list; the progress queue leaves that list each time
+/// it runs, and glommio then recomputes the timer without it, so a shard busy with UCX traffic
+/// saw cross-shard requests up to 100 ms late (`am_echo --shards 2`: the forwarding shard's max
+/// round trip was 100 ms in every run). Set for every queue, it bounds that delay.
+const PREEMPT_TIMER: Duration = Duration::from_millis(1);
+
+/// Latency of the progress driver's task queue: while the driver spins, the shard looks at
+/// cross-shard lanes (and timers) this often. A shorter one serves forwarded work sooner but
+/// preempts the spinning driver more often, which shows in the busy round trip's tail. Measured
+/// on the 2-core VM, with the 1 ms [`PREEMPT_TIMER`] (`idle_wake` busy 8-byte RTT p99;
+/// `am_echo --shards 2`, both nodes in one process: forwarded shard p50 / max, owner shard p99):
+///
+/// | latency | busy RTT p99 | forwarded p50 / max | owner p99 |
+/// | --- | --- | --- | --- |
+/// | 100 µs | 17 µs | 275 µs / 12–30 ms | 270–420 µs |
+/// | 300 µs | 10–24 µs | 320–330 µs / 6 ms | 180–340 µs |
+/// | 500 µs | 2.8–8 µs | 520–530 µs / 7–8.5 ms | 140–180 µs |
+/// | 1 ms | 2.4–2.6 µs | 1.2 ms / 9–47 ms | 150–250 µs |
+/// | 100 µs, glommio's 100 ms default timer (before) | 2.1 µs | 260 µs / 100 ms | 72–81 µs |
+///
+/// Forwarded work waiting for a spinning shard's preempt is the mesh's weak point: the fix is
+/// lanes the driver polls itself, with a doorbell for a sleeping shard (see the notes in
+/// `mesh`).
+const PROGRESS_LATENCY: Duration = Duration::from_micros(500);
+
 /// A hook run on every shard once its state is built (see [`ShardsBuilder::on_start`]).
 #[derive(Clone)]
 struct StartHook(Arc<StartFn>);
@@ -262,6 +289,7 @@ impl ShardsBuilder {
             let f = f.clone();
             let h = LocalExecutorBuilder::new(placement)
                 .name(&format!("shardcx-{shard}"))
+                .preempt_timer(PREEMPT_TIMER)
                 .io_memory(io_memory as usize)
                 .spawn(move || async move { me.shard_main(shard, ends, f).await })
                 .map_err(|e| BootError::Executor {
@@ -367,7 +395,7 @@ impl ShardsBuilder {
             .map_err(|source| BootError::Driver { shard, source })?;
         let tq = glommio::executor().create_task_queue(
             Shares::default(),
-            Latency::Matters(Duration::from_micros(100)),
+            Latency::Matters(PROGRESS_LATENCY),
             "shardcx-progress",
         );
         let progress =

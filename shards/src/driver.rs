@@ -39,7 +39,7 @@
 //!
 //! ## glommio 0.9 can park with the driver runnable: the backstop timer
 //!
-//! glommio's executor loop installs the task queues' preempt timer (here 100 µs, from the
+//! glommio's executor loop installs the task queues' preempt timer (here 500 µs, from the
 //! progress queue's `Latency::Matters`), then runs the task queues; if the preempt timer has
 //! already fired by the time it checks (the thread was descheduled for longer than that in
 //! between, which happens on a busy 2-core machine), it runs nothing, and then parks in

@@ -17,7 +17,13 @@
 //!
 //! A glommio shared channel wakes the receiving executor itself when it pushes into it (it
 //! writes the executor's sleep eventfd), so a forwarded request does not wait for the target's
-//! progress driver, even when that driver sleeps (`tests/mesh.rs` checks this).
+//! progress driver, even when that driver sleeps (`tests/mesh.rs` checks this). A target whose
+//! driver *spins* (busy with UCX traffic) is not asleep, and glommio looks at its channels only
+//! when its preempt timer fires: the progress queue's latency, 500 µs (see `boot.rs` for the
+//! measured trade-off). That is the mesh's weak point under load (a forwarded call to a busy
+//! shard costs about half a millisecond); the fix is lanes that the driver polls itself on
+//! every round, with a doorbell (`ucp_worker_signal` on the target's worker) for a sleeping
+//! target.
 //!
 //! ## Back-pressure, and why it never deadlocks
 //!
