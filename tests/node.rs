@@ -350,6 +350,7 @@ fn child_server() {
 
 #[test]
 fn across_two_processes() {
+    let _g = serial();
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     const N: u32 = 2_000;
@@ -501,4 +502,114 @@ fn shutdown_with_work_in_flight_ends_every_operation() {
     assert!(received <= sent, "received {received} of {sent}");
     assert_eq!(reports.iter().map(|r| r.bad).sum::<u64>(), 0);
     eprintln!("sent {sent}, received {received} before the server left; errors: {out:?}");
+}
+
+#[test]
+fn a_killed_peer_fails_pending_requests() {
+    let (r, waited) = pending_request_when_the_server(Fate::Killed);
+    // tcp sees the socket close at once; heartbeats would catch it otherwise.
+    assert!(
+        matches!(
+            r,
+            Err(NetError::PeerDead { .. } | NetError::Transport { .. } | NetError::Closed { .. })
+        ),
+        "{r:?}"
+    );
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+}
+
+#[test]
+fn a_silent_peer_is_declared_dead_by_heartbeats() {
+    let (r, waited) = pending_request_when_the_server(Fate::Stopped);
+    // A stopped process keeps its sockets open: only missed heartbeats tell (10 x 50 ms).
+    assert!(matches!(r, Err(NetError::PeerDead { .. })), "{r:?}");
+    assert!(
+        waited >= Duration::from_millis(400) && waited < Duration::from_secs(10),
+        "{waited:?}"
+    );
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fate {
+    /// SIGKILL.
+    Killed,
+    /// SIGSTOP: alive but silent (then killed at the end).
+    Stopped,
+}
+
+/// Starts the server in a child process, sends it a request it never answers, does `fate` to
+/// the child, and returns how the request ended and how long it waited.
+fn pending_request_when_the_server(fate: Fate) -> (Result<(), NetError>, Duration) {
+    let _g = serial();
+    use shardcx::proto::FrameKind;
+    use shardcx::shards::NetConfig;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_server", "--nocapture"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the server process");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let addr: SocketAddr = loop {
+        let line = lines.next().expect("server process ended early").unwrap();
+        if let Some(a) = line.strip_prefix("ADDR ") {
+            break a.parse().unwrap();
+        }
+    };
+    let (connected_tx, connected_rx) = mpsc::channel();
+    let client = std::thread::spawn(move || {
+        node(7, KEY)
+            .shards(1)
+            .net(NetConfig {
+                heartbeat_interval: Duration::from_millis(50),
+                ..NetConfig::default()
+            })
+            .run(move |node: Node| {
+                let connected_tx = connected_tx.clone();
+                async move {
+                    let server = node.connect(addr).await.expect("connect");
+                    let _ = connected_tx.send(());
+                    // The server has no handler for this kind: the request stays pending
+                    // until its connection ends (its own deadline is far away).
+                    let t0 = Instant::now();
+                    let r = node
+                        .shard_ctx()
+                        .request(
+                            server.node_id(),
+                            FrameKind::RpcRequest,
+                            1,
+                            vec![1, 2, 3],
+                            Duration::from_secs(50),
+                        )
+                        .await;
+                    (r.map(|_| ()), t0.elapsed())
+                }
+            })
+            .expect("client node")
+    });
+    connected_rx
+        .recv_timeout(LIMIT)
+        .expect("client did not connect");
+    std::thread::sleep(Duration::from_millis(200));
+    match fate {
+        Fate::Killed => child.kill().expect("kill -9 the server process"),
+        Fate::Stopped => {
+            let ok = Command::new("kill")
+                .args(["-STOP", &child.id().to_string()])
+                .status()
+                .expect("run kill -STOP");
+            assert!(ok.success(), "kill -STOP failed");
+        }
+    }
+    let at = Instant::now();
+    let out = within(move || client.join().expect("client panicked"));
+    let _ = child.kill();
+    let _ = child.wait();
+    let (r, waited) = out.into_iter().next().unwrap();
+    eprintln!(
+        "{fate:?}: the pending request ended {:?} after it ({waited:?} after it was sent): {r:?}",
+        at.elapsed()
+    );
+    (r, waited)
 }
