@@ -30,6 +30,16 @@ pub enum Error {
         /// Its deadline, from the call.
         after: Duration,
     },
+    /// The node listening at a peer's recorded address is another node.
+    #[error("{addr} is node {found}, not node {expected}")]
+    WrongPeer {
+        /// The address recorded for the peer.
+        addr: std::net::SocketAddr,
+        /// The peer the operation was for.
+        expected: shardcx_shards::proto::NodeId,
+        /// The node that answered there.
+        found: shardcx_shards::proto::NodeId,
+    },
     /// The call was made outside a shard thread of a running [`crate::Node`].
     #[error("not called on a shard of a running node")]
     NotOnShard,

@@ -10,6 +10,14 @@
 //! starts) and go to the shard that owns the peer (its connection lives there), over the
 //! cross-shard mesh when that is another shard.
 //!
+//! ## Connecting
+//!
+//! [`Node::connect`] connects to a listener explicitly. A peer whose address the node knows
+//! ([`NodeBuilder::peer_addr`], [`Node::add_peer_addr`]) is connected on first use instead: an
+//! operation through [`Peer::new`]`(id)` (active message, tag send, put/get) that finds no
+//! session connects to the address within its deadline, checks that the node there is `id`
+//! ([`Error::WrongPeer`] otherwise), and goes on.
+//!
 //! ## Active messages
 //!
 //! Handlers are registered by [`AmId`] on the builder, as a `Send` factory called once on every
@@ -39,16 +47,17 @@
 //! timeout), close their connections (sending `Close`) and stop.
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::rc::{Rc, Weak};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
 use shardcx_shards::proto::{AmId, Incarnation, NodeId, ShardId};
-use shardcx_shards::{NetConfig, Placement, RemoteNode, ShardCtx, ShardsBuilder};
+use shardcx_shards::{NetConfig, NetError, Placement, RemoteNode, ShardCtx, ShardsBuilder};
 
 use crate::Error;
 
@@ -74,6 +83,7 @@ pub struct NodeBuilder {
     shards: ShardsBuilder,
     handlers: Vec<(AmId, Factory)>,
     deadline: Duration,
+    book: Vec<(NodeId, SocketAddr)>,
 }
 
 /// This shard's handle on the running node. `!Send`: it belongs to the shard's thread; clone
@@ -88,7 +98,13 @@ pub struct Node {
 struct ShardLocal {
     deadline: Duration,
     malformed: Cell<u64>,
+    /// Where known peers listen, shared by the node's shards (see [`NodeBuilder::peer_addr`]).
+    book: AddressBook,
 }
+
+/// Listen addresses of peers, for connecting on first use. Read only when an operation finds
+/// no session, so a lock shared by the shards costs nothing on the fast path.
+type AddressBook = Arc<Mutex<HashMap<NodeId, SocketAddr>>>;
 
 /// A remote node: `Send + Copy`, usable from any shard of this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -118,6 +134,7 @@ impl Node {
             shards: ShardsBuilder::new(),
             handlers: Vec::new(),
             deadline: DEFAULT_DEADLINE,
+            book: Vec::new(),
         }
     }
 
@@ -177,6 +194,14 @@ impl Node {
     /// The shard of this node that owns `peer` (holds its connection).
     pub fn owner_of(&self, peer: Peer) -> ShardId {
         self.ctx.owner_of(peer.node)
+    }
+
+    /// Records where peer `node` listens, for every shard of this node (see
+    /// [`NodeBuilder::peer_addr`]).
+    pub fn add_peer_addr(&self, node: NodeId, addr: SocketAddr) {
+        if let Ok(mut book) = self.shared.book.lock() {
+            book.insert(node, addr);
+        }
     }
 
     /// Connects to the node listening at `addr` (handshake with the pre-shared key on both
@@ -248,6 +273,15 @@ impl NodeBuilder {
         self
     }
 
+    /// Where peer `node` listens: an operation through [`Peer::new`]`(node)` that finds no
+    /// session connects there first (lazy connect on first use, within the operation's
+    /// deadline). See also [`Node::add_peer_addr`].
+    pub fn peer_addr(mut self, node: NodeId, addr: SocketAddr) -> Self {
+        self.book.retain(|(n, _)| *n != node);
+        self.book.push((node, addr));
+        self
+    }
+
     /// The deadline of operations called without one.
     pub fn default_deadline(mut self, d: Duration) -> Self {
         self.deadline = d;
@@ -287,7 +321,9 @@ impl NodeBuilder {
             shards,
             handlers,
             deadline,
+            book,
         } = self;
+        let book: AddressBook = Arc::new(Mutex::new(book.into_iter().collect()));
         if let Some((id, _)) = handlers
             .iter()
             .find(|(id, _)| id.get() >= FIRST_RESERVED_AM_ID)
@@ -295,11 +331,13 @@ impl NodeBuilder {
             return Err(Error::ReservedAmId { id: *id });
         }
         let handlers = Arc::new(handlers);
-        let shards = shards.on_start(move |ctx| install(ctx, deadline, &handlers));
+        let start_book = book.clone();
+        let shards = shards.on_start(move |ctx| install(ctx, deadline, &start_book, &handlers));
         let ended = Arc::new(AtomicUsize::new(0));
         let out = shards.run(move |ctx: Rc<ShardCtx>| {
             let f = f.clone();
             let ended = ended.clone();
+            let book = book.clone();
             async move {
                 let node = Node::current()
                     .filter(|n| Rc::ptr_eq(&n.ctx, &ctx))
@@ -308,6 +346,7 @@ impl NodeBuilder {
                         shared: Rc::new(ShardLocal {
                             deadline,
                             malformed: Cell::new(0),
+                            book: book.clone(),
                         }),
                     });
                 let out = f(node).await;
@@ -326,10 +365,16 @@ impl NodeBuilder {
 }
 
 /// On every shard, before it serves: the thread-local node, and the AM handlers.
-fn install(ctx: &Rc<ShardCtx>, deadline: Duration, handlers: &[(AmId, Factory)]) {
+fn install(
+    ctx: &Rc<ShardCtx>,
+    deadline: Duration,
+    book: &AddressBook,
+    handlers: &[(AmId, Factory)],
+) {
     let shared = Rc::new(ShardLocal {
         deadline,
         malformed: Cell::new(0),
+        book: book.clone(),
     });
     CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), shared.clone())));
     // Checked remote memory: this shard's region table and its put/get handlers.
@@ -396,12 +441,54 @@ impl Peer {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(), Error> {
-        let bytes = AmMsg::encode(header, payload)?;
+        AmMsg::encode(header, payload)?;
         let peer = self.node;
         within("am_send", timeout, async {
-            Ok(node.ctx.send_am(peer, id, bytes).await?)
+            lazily(node, peer, timeout, || async {
+                let bytes = AmMsg::encode(header, payload)?;
+                Ok(node.ctx.send_am(peer, id, bytes).await?)
+            })
+            .await
         })
         .await
+    }
+}
+
+/// Runs `op`; if it finds no session with `peer` and this node knows where `peer` listens
+/// ([`NodeBuilder::peer_addr`]), connects there (checking that the node found is `peer`) and
+/// runs `op` once more. `op` rebuilds its request each time, so nothing is copied in advance.
+pub(crate) async fn lazily<T, F, Fut>(
+    node: &Node,
+    peer: NodeId,
+    timeout: Duration,
+    op: F,
+) -> Result<T, Error>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    match op().await {
+        Err(Error::Net(NetError::NotConnected { .. })) => {
+            let addr = node
+                .shared
+                .book
+                .lock()
+                .ok()
+                .and_then(|b| b.get(&peer).copied());
+            let Some(addr) = addr else {
+                return Err(Error::Net(NetError::NotConnected { node: peer }));
+            };
+            let found = node.connect_within(addr, timeout).await?;
+            if found.node != peer {
+                return Err(Error::WrongPeer {
+                    addr,
+                    expected: peer,
+                    found: found.node,
+                });
+            }
+            op().await
+        }
+        other => other,
     }
 }
 
@@ -460,8 +547,8 @@ impl AmMsg {
     }
 }
 
-/// Runs `fut` with a deadline.
-async fn within<T>(
+/// Runs `fut` with a deadline: [`Error::TimedOut`] once `timeout` has passed.
+pub(crate) async fn within<T>(
     what: &'static str,
     timeout: Duration,
     fut: impl Future<Output = Result<T, Error>>,

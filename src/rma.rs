@@ -39,17 +39,16 @@
 
 use std::cell::Cell;
 use std::fmt;
-use std::future::Future;
 use std::rc::{Rc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use glommio::timer::sleep;
 use shardcx_shards::{NetError, ShardCtx};
 
 pub use shardcx_shards::proto::region::{Access, Permissions, RmaErrorCode};
 pub use shardcx_shards::proto::RegionId;
 pub use shardcx_shards::rma::{DescriptorError, RemoteRegion, RmaOpError, RmaStats};
 
+use crate::node::{lazily, within};
 use crate::{Error, Node, Peer};
 
 /// A region of this shard's memory that remote nodes may access. `!Send`: it belongs to the
@@ -212,7 +211,16 @@ impl Peer {
     ) -> Result<(), Error> {
         self.owns(region)?;
         let ctx = node.shard_ctx();
-        within("put", timeout, ctx.rma_put(region, offset, data, timeout)).await
+        within(
+            "put",
+            timeout,
+            lazily(node, self.node_id(), timeout, || async {
+                ctx.rma_put(region, offset, data, timeout)
+                    .await
+                    .map_err(|e| facade_error(e, "put", timeout))
+            }),
+        )
+        .await
     }
 
     async fn get_on(
@@ -225,7 +233,16 @@ impl Peer {
     ) -> Result<Vec<u8>, Error> {
         self.owns(region)?;
         let ctx = node.shard_ctx();
-        within("get", timeout, ctx.rma_get(region, offset, len, timeout)).await
+        within(
+            "get",
+            timeout,
+            lazily(node, self.node_id(), timeout, || async {
+                ctx.rma_get(region, offset, len, timeout)
+                    .await
+                    .map_err(|e| facade_error(e, "get", timeout))
+            }),
+        )
+        .await
     }
 
     fn owns(&self, region: &RemoteRegion) -> Result<(), Error> {
@@ -260,33 +277,15 @@ impl fmt::Debug for Region {
     }
 }
 
-/// Runs a remote-memory operation with a deadline (the request has the same one; this one also
-/// bounds the hops between shards), mapping its errors to the facade's.
-async fn within<T>(
-    what: &'static str,
-    timeout: Duration,
-    fut: impl Future<Output = Result<T, RmaOpError>>,
-) -> Result<T, Error> {
-    let start = Instant::now();
-    let timed_out = Error::TimedOut {
-        what,
-        after: timeout,
-    };
-    futures_lite::future::or(
-        async {
-            fut.await.map_err(|e| match e {
-                RmaOpError::Net(NetError::TimedOut { .. }) => Error::TimedOut {
-                    what,
-                    after: timeout,
-                },
-                RmaOpError::Net(n) => Error::Net(n),
-                other => Error::Rma(other),
-            })
+/// A remote-memory error as the facade's: timeouts and connection errors as for every other
+/// operation, the rest as [`Error::Rma`].
+fn facade_error(e: RmaOpError, what: &'static str, timeout: Duration) -> Error {
+    match e {
+        RmaOpError::Net(NetError::TimedOut { .. }) => Error::TimedOut {
+            what,
+            after: timeout,
         },
-        async {
-            sleep(timeout.saturating_sub(start.elapsed())).await;
-            Err(timed_out)
-        },
-    )
-    .await
+        RmaOpError::Net(n) => Error::Net(n),
+        other => Error::Rma(other),
+    }
 }

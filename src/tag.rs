@@ -14,14 +14,14 @@
 //! [`shardcx_shards::tag`]; its handlers are installed on every shard when the node starts.
 
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use glommio::timer::sleep;
 use shardcx_shards::proto::wire::TagLayout;
 use shardcx_shards::proto::{ShardId, Tag, TagKind, TagMask};
 use shardcx_shards::tag::TAG_TRAILER_LEN;
 use shardcx_shards::NetError;
 
+use crate::node::{lazily, within};
 use crate::{Error, Node, Peer};
 
 /// Largest user tag: tags have 48 user bits.
@@ -88,13 +88,17 @@ impl Peer {
         timeout: Duration,
     ) -> Result<(), Error> {
         let tag = user(user_tag)?;
-        // Room for the tag trailer, so that it is not a second allocation.
-        let mut bytes = Vec::with_capacity(data.len() + TAG_TRAILER_LEN);
-        bytes.extend_from_slice(data);
         let (ctx, peer) = (node.shard_ctx(), self.node_id());
-        deadline("tag_send", timeout, async {
-            Ok(ctx.tag_send(peer, tag, bytes).await?)
-        })
+        deadline(
+            "tag_send",
+            timeout,
+            lazily(node, peer, timeout, || async {
+                // Room for the tag trailer, so that it is not a second allocation.
+                let mut bytes = Vec::with_capacity(data.len() + TAG_TRAILER_LEN);
+                bytes.extend_from_slice(data);
+                Ok(ctx.tag_send(peer, tag, bytes).await?)
+            }),
+        )
         .await
     }
 
@@ -130,22 +134,19 @@ fn user(user_tag: u64) -> Result<Tag, Error> {
         .map_err(|source| Error::Net(NetError::Wire { source }))
 }
 
-/// Runs `fut` with a deadline.
+/// Runs `fut` with a deadline a little after the operation's own, which it reports itself.
 async fn deadline<T>(
     what: &'static str,
     timeout: Duration,
     fut: impl Future<Output = Result<T, Error>>,
 ) -> Result<T, Error> {
-    let start = Instant::now();
-    futures_lite::future::or(fut, async {
-        // A little after the operation's own deadline, which it reports itself.
-        sleep((timeout + Duration::from_millis(5)).saturating_sub(start.elapsed())).await;
-        Err(Error::TimedOut {
+    match within(what, timeout + Duration::from_millis(5), fut).await {
+        Err(Error::TimedOut { what, .. }) => Err(Error::TimedOut {
             what,
             after: timeout,
-        })
-    })
-    .await
+        }),
+        other => other,
+    }
 }
 
 #[cfg(test)]

@@ -613,3 +613,38 @@ fn pending_request_when_the_server(fate: Fate) -> (Result<(), NetError>, Duratio
     );
     (r, waited)
 }
+
+#[test]
+fn peers_with_a_known_address_connect_on_first_use() {
+    let _g = serial();
+    let (addr, stop, server) = start_server(KEY);
+    let out = within(move || {
+        node(8, KEY)
+            .peer_addr(NodeId::new(2), addr)
+            .peer_addr(NodeId::new(99), addr)
+            .run(move |node: Node| async move {
+                // No connect: the first send finds no session and makes one (from each shard).
+                let me = node.shard().get();
+                let mut header = me.to_le_bytes().to_vec();
+                header.extend_from_slice(&0u32.to_le_bytes());
+                let first = Peer::new(NodeId::new(2))
+                    .am_send(WORK, &header, &payload(me, 0))
+                    .await;
+                // The address of "node 99" is node 2's: refused, not sent to the wrong node.
+                let wrong = Peer::new(NodeId::new(99)).am_send(WORK, b"", b"").await;
+                (first.map_err(|e| e.to_string()), wrong)
+            })
+            .expect("client node")
+    });
+    let reports = stop_server(&stop, server);
+    for (first, wrong) in &out {
+        assert_eq!(first, &Ok(()));
+        assert!(
+            matches!(wrong, Err(Error::WrongPeer { expected, found, .. })
+                if expected.get() == 99 && found.get() == 2),
+            "{wrong:?}"
+        );
+    }
+    assert_eq!(reports.iter().map(|r| r.received).sum::<u64>(), 2);
+    assert_eq!(reports.iter().map(|r| r.bad).sum::<u64>(), 0);
+}
