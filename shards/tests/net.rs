@@ -341,3 +341,79 @@ fn net_types_cross_threads() {
     send_sync::<shardcx_shards::RemoteNode>();
     send_sync::<shardcx_shards::Directory>();
 }
+
+/// A listener that hands out a directory whose only worker never answers: the connect
+/// bootstraps, then sends its Hello into silence.
+fn silent_listener(stop: Arc<AtomicBool>) -> (SocketAddr, std::thread::JoinHandle<usize>) {
+    use shardcx_shards::net::{Directory, DIRECTORY_AM};
+    use shardcx_shards::proto::Incarnation;
+    use shardcx_shards::ucx::{block_on, Config, Context, Features, Listener, Worker};
+    let (tx, rx) = mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let mut cfg = Config::from_env().unwrap();
+        cfg.set("TLS", "tcp").unwrap();
+        let ctx = Context::new(&cfg, Features::messaging()).unwrap();
+        let front = Worker::new(&ctx).unwrap();
+        // Never progressed, and without a frame handler anyway.
+        let silent = Worker::new(&ctx).unwrap();
+        let listener = Listener::bind(&front, "127.0.0.1:0".parse().unwrap()).unwrap();
+        tx.send(listener.local_addr().unwrap()).unwrap();
+        let dir = Directory {
+            node_id: NodeId::new(0x5113),
+            incarnation: Incarnation::new(1),
+            workers: vec![silent.address().unwrap()],
+        }
+        .encode();
+        let mut eps = Vec::new();
+        let deadline = Instant::now() + LIMIT;
+        while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
+            front.progress();
+            if let Some(req) = listener.try_accept() {
+                let opts = EpOptions {
+                    error_mode: ErrorMode::Peer,
+                };
+                let ep = Endpoint::accept(&front, req, opts).unwrap();
+                let (r, _) = block_on(
+                    &[&front],
+                    ep.am_send(DIRECTORY_AM, &[], dir.clone(), AmProto::Eager),
+                );
+                r.unwrap();
+                eps.push(ep);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let served = eps.len();
+        drop(eps);
+        drop(listener);
+        served
+    });
+    (rx.recv_timeout(LIMIT).expect("listener did not start"), h)
+}
+
+#[test]
+fn an_unanswered_hello_fails_at_the_handshake_deadline() {
+    let _g = serial();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (addr, listener) = silent_listener(stop.clone());
+    let got = run_a(KEY, move |ctx| async move {
+        if ctx.id().get() != 0 {
+            return None;
+        }
+        let t0 = Instant::now();
+        let r = ctx.connect(addr).await;
+        Some((r, t0.elapsed()))
+    });
+    stop.store(true, Ordering::Release);
+    let served = listener.join().expect("listener panicked");
+    let (r, took) = got.into_iter().flatten().next().unwrap();
+    assert_eq!(served, 1, "one bootstrap");
+    assert!(
+        matches!(r, Err(NetError::TimedOut { what: "handshake" })),
+        "{r:?}"
+    );
+    // The handshake timeout is 3 s.
+    assert!(
+        took >= Duration::from_millis(2900) && took < Duration::from_secs(5),
+        "took {took:?}"
+    );
+}
