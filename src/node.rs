@@ -50,11 +50,13 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::rc::{Rc, Weak};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures_lite::FutureExt;
 use glommio::timer::sleep;
 use shardcx_shards::proto::{AmId, Incarnation, NodeId, ShardId};
 use shardcx_shards::{NetConfig, NetError, Placement, RemoteNode, ShardCtx, ShardsBuilder};
@@ -349,10 +351,16 @@ impl NodeBuilder {
                             book: book.clone(),
                         }),
                     });
-                let out = f(node).await;
+                // A closure that panics still counts as ended (then its panic goes on), so the
+                // other shards do not wait for it for ever.
+                let out = AssertUnwindSafe(f(node)).catch_unwind().await;
+                ended.fetch_add(1, Ordering::AcqRel);
+                let out = match out {
+                    Ok(out) => out,
+                    Err(panic) => std::panic::resume_unwind(panic),
+                };
                 // Keep serving (handlers, forwards of the others' operations) until every
                 // shard's closure has ended.
-                ended.fetch_add(1, Ordering::AcqRel);
                 while ended.load(Ordering::Acquire) < ctx.shard_count() {
                     sleep(Duration::from_millis(2)).await;
                 }

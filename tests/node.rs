@@ -648,3 +648,31 @@ fn peers_with_a_known_address_connect_on_first_use() {
     assert_eq!(reports.iter().map(|r| r.received).sum::<u64>(), 2);
     assert_eq!(reports.iter().map(|r| r.bad).sum::<u64>(), 0);
 }
+
+#[test]
+fn a_shard_that_panics_does_not_hold_the_others() {
+    let _g = serial();
+    let r = within(|| {
+        Node::builder()
+            .shards(2)
+            .placement(Placement::Unpinned)
+            .transports("sm,self")
+            .io_memory(1 << 20)
+            .run(|node: Node| async move {
+                if node.shard() == ShardId::new(0) {
+                    panic!("shard 0 fails on purpose");
+                }
+                // Shard 1 ends at once and then waits for the others' closures.
+            })
+            .map(|_| ())
+    });
+    assert!(
+        matches!(
+            r,
+            Err(Error::Boot(shardcx::shards::BootError::Panicked {
+                shard: 0
+            }))
+        ),
+        "{r:?}"
+    );
+}
