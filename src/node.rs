@@ -73,6 +73,10 @@ pub const MAX_AM_HEADER: usize = 64 << 10;
 /// comes later); [`NodeBuilder::run`] refuses handlers for them.
 pub use shardcx_shards::tag::FIRST_RESERVED_AM_ID;
 
+/// How often a shard whose closure has ended looks whether the others' have (a shard that
+/// waits there should stay close to idle: this is 50 wake-ups a second, not 500).
+const END_POLL: Duration = Duration::from_millis(20);
+
 /// Bytes before the header in an active message's frame payload (the header length).
 const AM_PREFIX: usize = 4;
 
@@ -362,7 +366,7 @@ impl NodeBuilder {
                 // Keep serving (handlers, forwards of the others' operations) until every
                 // shard's closure has ended.
                 while ended.load(Ordering::Acquire) < ctx.shard_count() {
-                    sleep(Duration::from_millis(2)).await;
+                    sleep(END_POLL).await;
                 }
                 CURRENT.with(|c| c.borrow_mut().take());
                 out
@@ -449,7 +453,6 @@ impl Peer {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(), Error> {
-        AmMsg::encode(header, payload)?;
         let peer = self.node;
         within("am_send", timeout, async {
             lazily(node, peer, timeout, || async {

@@ -1730,6 +1730,16 @@ impl ShardCtx {
         self.send_spec(node, spec, payload).await
     }
 
+    /// [`NetError::TooLarge`] for a payload over [`NetConfig::max_message_size`].
+    fn check_len(&self, payload: &[u8]) -> Result<(), NetError> {
+        let max = self.net().settings.cfg.max_message_size;
+        let len = payload.len() as u64;
+        if len > max {
+            return Err(NetError::TooLarge { len, max });
+        }
+        Ok(())
+    }
+
     /// Sends `spec` with `payload` from this shard, through the owner shard of `node`.
     async fn send_spec(
         self: &Rc<Self>,
@@ -1737,14 +1747,8 @@ impl ShardCtx {
         spec: FrameSpec,
         payload: Vec<u8>,
     ) -> Result<(), NetError> {
-        let max = self.net().settings.cfg.max_message_size;
-        if payload.len() as u64 > max {
-            // Refused here, before the payload crosses to the owner.
-            return Err(NetError::TooLarge {
-                len: payload.len() as u64,
-                max,
-            });
-        }
+        // Refused here, before the payload crosses to the owner.
+        self.check_len(&payload)?;
         let owner = self.owner_of(node);
         if owner == self.id() {
             queue_frame(self, node, spec, payload)
@@ -1876,13 +1880,7 @@ impl ShardCtx {
         payload: Vec<u8>,
         timeout: Duration,
     ) -> Result<(FrameHeader, Vec<u8>), NetError> {
-        let max = self.net().settings.cfg.max_message_size;
-        if payload.len() as u64 > max {
-            return Err(NetError::TooLarge {
-                len: payload.len() as u64,
-                max,
-            });
-        }
+        self.check_len(&payload)?;
         let owner = self.owner_of(node);
         if owner == self.id() {
             request_local(self, node, (kind, id), payload, timeout).await
