@@ -3,6 +3,7 @@
 mod error;
 pub mod node;
 pub mod rma;
+pub mod shutdown;
 pub mod tag;
 
 pub use error::Error;
@@ -12,6 +13,7 @@ pub use node::{
 pub use rma::{Region, RemoteRegion};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
 pub use shardcx_shards::{proto, ucx};
+pub use shutdown::{Shutdown, Stopped, DEFAULT_DRAIN_DEADLINE};
 pub use tag::{MAX_USER_TAG, TAG_MASK_ANY, TAG_MASK_EXACT};
 
 /// The runtime inside a core: shards, their progress drivers, pools and cross-shard forwarding.

@@ -43,8 +43,10 @@
 //!
 //! [`NodeBuilder::run`] returns once the closure has returned on every shard: a shard whose
 //! closure ends first keeps serving (handlers, forwards for the others' peers) until the last
-//! one ends; then the shards drain the work in flight between them (bounded by the mesh's drain
-//! timeout), close their connections (sending `Close`) and stop.
+//! one ends; then the node stops accepting, the shards drain the work in flight (bounded by
+//! [`NodeBuilder::drain_deadline`]), close their connections (sending `Close`) and stop. A
+//! server runs [`NodeBuilder::serve`] (or a closure awaiting [`Node::stopped`]) and is stopped
+//! through its [`Shutdown`] switch, from any thread; see [`crate::shutdown`].
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -61,6 +63,8 @@ use glommio::timer::sleep;
 use shardcx_shards::proto::{AmId, Incarnation, NodeId, ShardId};
 use shardcx_shards::{NetConfig, NetError, Placement, RemoteNode, ShardCtx, ShardsBuilder};
 
+use crate::shutdown::{Shutdown, Stopped, DEFAULT_DRAIN_DEADLINE};
+use crate::tag::TagConfig;
 use crate::Error;
 
 /// Default deadline of every operation.
@@ -77,6 +81,9 @@ pub use shardcx_shards::tag::FIRST_RESERVED_AM_ID;
 /// waits there should stay close to idle: this is 50 wake-ups a second, not 500).
 const END_POLL: Duration = Duration::from_millis(20);
 
+/// How often a draining shard looks whether its requests have been answered.
+const DRAIN_POLL: Duration = Duration::from_millis(2);
+
 /// Bytes before the header in an active message's frame payload (the header length).
 const AM_PREFIX: usize = 4;
 
@@ -90,6 +97,9 @@ pub struct NodeBuilder {
     handlers: Vec<(AmId, Factory)>,
     deadline: Duration,
     book: Vec<(NodeId, SocketAddr)>,
+    shutdown: Shutdown,
+    drain: Duration,
+    tag: TagConfig,
 }
 
 /// This shard's handle on the running node. `!Send`: it belongs to the shard's thread; clone
@@ -103,6 +113,7 @@ pub struct Node {
 /// Per-shard facade state.
 struct ShardLocal {
     deadline: Duration,
+    shutdown: Shutdown,
     malformed: Cell<u64>,
     /// Where known peers listen, shared by the node's shards (see [`NodeBuilder::peer_addr`]).
     book: AddressBook,
@@ -141,7 +152,11 @@ impl Node {
             handlers: Vec::new(),
             deadline: DEFAULT_DEADLINE,
             book: Vec::new(),
+            shutdown: Shutdown::new(),
+            drain: DEFAULT_DRAIN_DEADLINE,
+            tag: TagConfig::default(),
         }
+        .drain_deadline(DEFAULT_DRAIN_DEADLINE)
     }
 
     /// The node of the shard running on this thread, if any.
@@ -190,6 +205,29 @@ impl Node {
     /// The default deadline of operations.
     pub fn default_deadline(&self) -> Duration {
         self.shared.deadline
+    }
+
+    /// Stops the node (every shard's [`Node::stopped`] resolves; see [`crate::shutdown`]).
+    /// Callable from a handler: the node stops once the closures have returned.
+    pub fn shutdown(&self) {
+        self.shared.shutdown.trigger();
+    }
+
+    /// The node's shutdown switch, to stop it from another thread.
+    pub fn shutdown_handle(&self) -> Shutdown {
+        self.shared.shutdown.clone()
+    }
+
+    /// Whether the node has been asked to stop.
+    pub fn is_stopping(&self) -> bool {
+        self.shared.shutdown.is_triggered()
+    }
+
+    /// Resolves once the node has been asked to stop ([`Shutdown::trigger`],
+    /// [`Node::shutdown`], or every shard's closure having returned). A serving node's closure
+    /// awaits it (see [`NodeBuilder::serve`]).
+    pub fn stopped(&self) -> Stopped {
+        self.shared.shutdown.wait()
     }
 
     /// Active messages dropped on this shard as malformed (shorter than their header length).
@@ -294,6 +332,39 @@ impl NodeBuilder {
         self
     }
 
+    /// The node's shutdown switch: [`Shutdown::trigger`] (from any thread, e.g. on a signal with
+    /// [`Shutdown::trigger_on_signals`]) makes every shard's [`Node::stopped`] resolve. Every
+    /// call returns the same switch, also after the builder has been consumed by
+    /// [`NodeBuilder::run`].
+    pub fn shutdown_handle(&self) -> Shutdown {
+        self.shutdown.clone()
+    }
+
+    /// Longest time each shard waits at shut-down for the work in flight to finish (its
+    /// requests' answers, work forwarded between shards) before it closes its connections
+    /// anyway (default [`DEFAULT_DRAIN_DEADLINE`]; see [`crate::shutdown`]). A node takes at
+    /// most about twice this to drain: once for the requests, once for the mesh.
+    pub fn drain_deadline(mut self, d: Duration) -> Self {
+        self.drain = d;
+        self.shards = self.shards.drain_timeout(d);
+        self
+    }
+
+    /// Runs the node as a server: every shard serves (handlers, forwarded work) until the
+    /// node is asked to stop ([`NodeBuilder::shutdown_handle`], [`Node::shutdown`]), then it
+    /// drains and closes (see [`crate::shutdown`]).
+    pub fn serve(self) -> Result<(), Error> {
+        self.run(|node| async move { node.stopped().await })
+            .map(|_| ())
+    }
+
+    /// Bounds of the queue of tag messages that arrive before their receive, per remote node
+    /// (default: [`TagConfig::default`]); messages over them are dropped and counted.
+    pub fn tag_config(mut self, cfg: TagConfig) -> Self {
+        self.tag = cfg;
+        self
+    }
+
     /// The underlying shard settings, for what the facade does not expose.
     pub fn with_shards(mut self, f: impl FnOnce(ShardsBuilder) -> ShardsBuilder) -> Self {
         self.shards = f(self.shards);
@@ -328,6 +399,9 @@ impl NodeBuilder {
             handlers,
             deadline,
             book,
+            shutdown,
+            drain,
+            tag,
         } = self;
         let book: AddressBook = Arc::new(Mutex::new(book.into_iter().collect()));
         if let Some((id, _)) = handlers
@@ -338,12 +412,16 @@ impl NodeBuilder {
         }
         let handlers = Arc::new(handlers);
         let start_book = book.clone();
-        let shards = shards.on_start(move |ctx| install(ctx, deadline, &start_book, &handlers));
+        let start_shutdown = shutdown.clone();
+        let shards = shards.on_start(move |ctx| {
+            install(ctx, deadline, tag, &start_shutdown, &start_book, &handlers)
+        });
         let ended = Arc::new(AtomicUsize::new(0));
         let out = shards.run(move |ctx: Rc<ShardCtx>| {
             let f = f.clone();
             let ended = ended.clone();
             let book = book.clone();
+            let shutdown = shutdown.clone();
             async move {
                 let node = Node::current()
                     .filter(|n| Rc::ptr_eq(&n.ctx, &ctx))
@@ -351,6 +429,7 @@ impl NodeBuilder {
                         ctx: ctx.clone(),
                         shared: Rc::new(ShardLocal {
                             deadline,
+                            shutdown: shutdown.clone(),
                             malformed: Cell::new(0),
                             book: book.clone(),
                         }),
@@ -368,6 +447,14 @@ impl NodeBuilder {
                 while ended.load(Ordering::Acquire) < ctx.shard_count() {
                     sleep(END_POLL).await;
                 }
+                // Every closure has returned: stop accepting, and let what is in flight
+                // finish (see `crate::shutdown`); the shards' run then closes and destroys.
+                shutdown.trigger();
+                ctx.stop_accepting().await;
+                let until = Instant::now() + drain;
+                while ctx.pending_requests() > 0 && Instant::now() < until {
+                    sleep(DRAIN_POLL).await;
+                }
                 CURRENT.with(|c| c.borrow_mut().take());
                 out
             }
@@ -380,11 +467,14 @@ impl NodeBuilder {
 fn install(
     ctx: &Rc<ShardCtx>,
     deadline: Duration,
+    tag: TagConfig,
+    shutdown: &Shutdown,
     book: &AddressBook,
     handlers: &[(AmId, Factory)],
 ) {
     let shared = Rc::new(ShardLocal {
         deadline,
+        shutdown: shutdown.clone(),
         malformed: Cell::new(0),
         book: book.clone(),
     });
@@ -392,7 +482,7 @@ fn install(
     // Checked remote memory: this shard's region table and its put/get handlers.
     shardcx_shards::rma::install(ctx);
     // Tag send/recv: this shard's matching state and its handler.
-    shardcx_shards::tag::install(ctx);
+    shardcx_shards::tag::install_with(ctx, tag);
     for (id, factory) in handlers {
         let handler = factory();
         let id = *id;

@@ -21,6 +21,8 @@ use shardcx_shards::proto::{ShardId, Tag, TagKind, TagMask};
 use shardcx_shards::tag::TAG_TRAILER_LEN;
 use shardcx_shards::NetError;
 
+pub use shardcx_shards::tag::{TagConfig, TagStats};
+
 use crate::node::{lazily, within};
 use crate::{Error, Node, Peer};
 

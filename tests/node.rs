@@ -321,6 +321,8 @@ fn public_types_auto_traits() {
     send::<NodeBuilder>();
     send_sync::<Error>();
     send::<AmMsg>();
+    send_sync::<shardcx::Shutdown>();
+    send_sync::<shardcx::Stopped>();
     trait AmbiguousIfSend<A> {
         fn some_item() {}
     }
@@ -675,4 +677,93 @@ fn a_shard_that_panics_does_not_hold_the_others() {
         ),
         "{r:?}"
     );
+}
+
+/// A free loopback port (bound then released; good enough for a test).
+fn free_port() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+#[test]
+fn a_serving_node_stops_on_its_switch_and_stops_accepting() {
+    const STOP: AmId = AmId::new(12);
+    let _g = serial();
+    // Server A stops when a peer asks it to (`Node::shutdown` from a handler); server B when
+    // another thread triggers its switch.
+    let (addr_a, addr_b) = (free_port(), free_port());
+    let a = node(20, KEY)
+        .listen(addr_a)
+        .drain_deadline(Duration::from_secs(2))
+        .on_am(STOP, || |node: &Node, _msg: AmMsg| node.shutdown());
+    let switch_a = a.shutdown_handle();
+    let b = node(22, KEY).listen(addr_b);
+    let switch_b = b.shutdown_handle();
+    let (done_tx, done_rx) = mpsc::channel();
+    for (name, builder) in [("a", a), ("b", b)] {
+        let done = done_tx.clone();
+        std::thread::spawn(move || {
+            let r = builder.serve();
+            let _ = done.send((name, r.map_err(|e| e.to_string()), Instant::now()));
+        });
+    }
+    let out = within(move || {
+        node(21, KEY)
+            .run(move |node: Node| async move {
+                if node.shard() != ShardId::new(0) {
+                    return None;
+                }
+                // Both serve (the listener may take a moment to come up).
+                let mut peers = Vec::new();
+                for addr in [addr_a, addr_b] {
+                    let t0 = Instant::now();
+                    loop {
+                        match node.connect_within(addr, Duration::from_secs(2)).await {
+                            Ok(p) => break peers.push(p),
+                            Err(e) if t0.elapsed() > Duration::from_secs(10) => {
+                                panic!("cannot connect to {addr}: {e}")
+                            }
+                            Err(_) => sleep(Duration::from_millis(50)).await,
+                        }
+                    }
+                }
+                peers[0]
+                    .am_send(STOP, b"", b"")
+                    .await
+                    .expect("stop message");
+                let asked = Instant::now();
+                // Once A has stopped, a new connection to its address is refused.
+                let mut refused = None;
+                while asked.elapsed() < Duration::from_secs(20) {
+                    if let Err(e) = node.connect_within(addr_a, Duration::from_secs(1)).await {
+                        eprintln!("connect to A after its stop: {e}");
+                        refused = Some(asked.elapsed());
+                        break;
+                    }
+                    sleep(Duration::from_millis(20)).await;
+                }
+                Some((asked, refused))
+            })
+            .expect("client node")
+    });
+    let (asked, refused) = out[0].expect("shard 0 reports");
+    assert!(
+        refused.is_some(),
+        "A still accepts connections 20 s after its stop"
+    );
+    let (name, r, at) = done_rx.recv_timeout(LIMIT).expect("A did not stop");
+    assert_eq!((name, r), ("a", Ok(())));
+    assert!(switch_a.is_triggered());
+    eprintln!(
+        "A stopped {:?} after the stop message; connects refused after {:?}",
+        at.duration_since(asked),
+        refused.unwrap()
+    );
+    // B serves on until its switch is triggered from this thread.
+    assert!(done_rx.recv_timeout(Duration::from_millis(200)).is_err());
+    let t0 = Instant::now();
+    switch_b.trigger();
+    let (name, r, at) = done_rx.recv_timeout(LIMIT).expect("B did not stop");
+    assert_eq!((name, r), ("b", Ok(())));
+    eprintln!("B stopped {:?} after its trigger", at.duration_since(t0));
 }

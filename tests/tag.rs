@@ -184,3 +184,65 @@ fn bad_calls_fail_cleanly() {
     });
     assert_eq!(out, [(true, true, true)]);
 }
+
+#[test]
+fn the_unexpected_queue_bound_is_configurable() {
+    let _g = serial();
+    const SENT: u32 = 8;
+    const CAP: usize = 3;
+    let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
+    let addr_a = addr.clone();
+    let b = std::thread::spawn(move || {
+        node(B)
+            .shards(1)
+            .tag_config(shardcx::tag::TagConfig {
+                max_unexpected_count: CAP,
+                ..Default::default()
+            })
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |node: Node| {
+                let addr = addr.clone();
+                async move {
+                    let _ = addr.set(node.listen_addr().unwrap());
+                    let ctx = node.shard_ctx().clone();
+                    // Nothing is posted while A's messages arrive: CAP wait, the rest drop.
+                    wait_for(|| ctx.tag_stats().arrived >= u64::from(SENT)).await;
+                    let stats = ctx.tag_stats();
+                    let a = Peer::new(A);
+                    let mut got = Vec::new();
+                    while let Ok((_, d)) = a
+                        .tag_recv_within(7, TAG_MASK_EXACT, Duration::from_millis(50))
+                        .await
+                    {
+                        got.push(d);
+                    }
+                    a.tag_send(8, b"done").await.expect("done");
+                    (stats.dropped_unexpected, got)
+                }
+            })
+            .expect("node B")
+    });
+    let a = std::thread::spawn(move || {
+        node(A)
+            .shards(1)
+            .run(move |node: Node| {
+                let addr = addr_a.clone();
+                async move {
+                    wait_for(|| addr.get().is_some()).await;
+                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
+                    for seq in 0..SENT {
+                        b.tag_send(7, &payload(7, seq)).await.expect("send");
+                    }
+                    b.tag_recv(8, TAG_MASK_EXACT).await.expect("done");
+                }
+            })
+            .expect("node A")
+    });
+    within(move || a.join().expect("node A panicked"));
+    let out = within(move || b.join().expect("node B panicked"));
+    let (dropped, got) = &out[0];
+    assert_eq!(*dropped, u64::from(SENT) - CAP as u64);
+    // The first CAP messages were kept, in order.
+    let want: Vec<_> = (0..CAP as u32).map(|s| payload(7, s)).collect();
+    assert_eq!(got, &want);
+}

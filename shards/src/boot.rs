@@ -199,6 +199,14 @@ impl ShardsBuilder {
         self
     }
 
+    /// Longest wait, once every shard's user future has ended, for the work in flight between
+    /// shards to finish before the shards close their connections anyway (default
+    /// [`mesh::DEFAULT_DRAIN_TIMEOUT`]).
+    pub fn drain_timeout(mut self, d: Duration) -> Self {
+        self.mesh.drain_timeout = d;
+        self
+    }
+
     /// io memory of each executor, in bytes, instead of the automatic sizing (which assumes one
     /// shard set per process): set it when several sets share a process, so that all of them
     /// fit `RLIMIT_MEMLOCK`.

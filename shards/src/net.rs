@@ -366,6 +366,8 @@ pub(crate) struct NetState {
     stats: Cell<NetStats>,
     generation: Cell<u64>,
     tasks: RefCell<Vec<Task<()>>>,
+    /// The listener's accept loop (shard 0 of a listening node), until it stops accepting.
+    acceptor: RefCell<Option<Task<()>>>,
     live_senders: Rc<Cell<usize>>,
 }
 
@@ -591,6 +593,7 @@ impl NetState {
             stats: Cell::new(NetStats::default()),
             generation: Cell::new(0),
             tasks: RefCell::new(Vec::new()),
+            acceptor: RefCell::new(None),
             live_senders: Rc::new(Cell::new(0)),
         })
     }
@@ -677,7 +680,7 @@ pub(crate) async fn listen(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
             let local = listener.local_addr().map_err(ucx)?;
             let _ = net.settings.listen_addr.set(local);
             let task = glommio::spawn_local(accept_loop(Rc::downgrade(ctx), listener, dir));
-            net.tasks.borrow_mut().push(task);
+            *net.acceptor.borrow_mut() = Some(task);
         }
     }
     Ok(())
@@ -710,6 +713,7 @@ pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>) {
     for t in tasks {
         t.cancel().await;
     }
+    ctx.stop_accepting().await;
 }
 
 async fn gather_directory(ctx: &Rc<ShardCtx>) -> Result<Rc<Vec<u8>>, crate::BootError> {
@@ -1922,6 +1926,25 @@ impl ShardCtx {
     /// Requests of this shard waiting for a reply.
     pub fn pending_requests(&self) -> usize {
         self.net().pending.borrow().len()
+    }
+
+    /// Stops the node's listener, if it runs on this shard (shard 0 of a listening node): new
+    /// clients can no longer fetch the directory, and a `connect` to this node's address fails
+    /// from then on. Connections already made are not touched, and a client that already holds
+    /// the directory may still complete its handshake. Does nothing on other shards or when
+    /// called again. [`crate::ShardsBuilder::run`] calls it at shut-down; a node that drains
+    /// before it closes calls it first.
+    pub async fn stop_accepting(&self) {
+        let task = self.net().acceptor.borrow_mut().take();
+        if let Some(t) = task {
+            // Cancelling the accept loop drops the listener, which closes it in UCX.
+            t.cancel().await;
+        }
+    }
+
+    /// Whether this shard still runs the node's listener.
+    pub fn is_accepting(&self) -> bool {
+        self.net().acceptor.borrow().is_some()
     }
 }
 
