@@ -246,3 +246,59 @@ fn the_unexpected_queue_bound_is_configurable() {
     let want: Vec<_> = (0..CAP as u32).map(|s| payload(7, s)).collect();
     assert_eq!(got, &want);
 }
+
+#[test]
+fn a_receive_for_a_peer_that_leaves_fails_at_once() {
+    let _g = serial();
+    let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
+    let addr_a = addr.clone();
+    let b = std::thread::spawn(move || {
+        node(B)
+            .shards(1)
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |node: Node| {
+                let addr = addr.clone();
+                async move {
+                    let _ = addr.set(node.listen_addr().unwrap());
+                    let a = Peer::new(A);
+                    // Posted before A connects: it waits for A's message.
+                    let first = a.tag_recv(1, TAG_MASK_EXACT).await;
+                    // Posted while A is connected; A then leaves (its node closes the
+                    // connection): this one fails then, not at its 30 s deadline. The message
+                    // A sent just before leaving is still received first.
+                    let t0 = Instant::now();
+                    let second = a.tag_recv(2, TAG_MASK_EXACT).await;
+                    let third = a
+                        .tag_recv_within(3, TAG_MASK_EXACT, Duration::from_secs(30))
+                        .await;
+                    (first, second, third, t0.elapsed())
+                }
+            })
+            .expect("node B")
+    });
+    let a = std::thread::spawn(move || {
+        node(A)
+            .shards(1)
+            .run(move |node: Node| {
+                let addr = addr_a.clone();
+                async move {
+                    wait_for(|| addr.get().is_some()).await;
+                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
+                    b.tag_send(1, b"first").await.expect("send");
+                    sleep(Duration::from_millis(200)).await;
+                    b.tag_send(2, b"last words").await.expect("send");
+                }
+            })
+            .expect("node A")
+    });
+    within(move || a.join().expect("node A panicked"));
+    let out = within(move || b.join().expect("node B panicked"));
+    let (first, second, third, elapsed) = &out[0];
+    assert_eq!(first.as_ref().unwrap(), &(1, b"first".to_vec()));
+    assert_eq!(second.as_ref().unwrap(), &(2, b"last words".to_vec()));
+    assert!(
+        matches!(third, Err(Error::Net(NetError::Closed { node })) if *node == A),
+        "{third:?}"
+    );
+    assert!(*elapsed < Duration::from_secs(10), "{elapsed:?}");
+}

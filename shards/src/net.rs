@@ -281,6 +281,7 @@ pub(crate) struct NodeSettings {
 type Handler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, Vec<u8>)>;
 type FrameHandler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Vec<u8>)>;
 type RndvHandler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, FrameHeader, AmRndv)>;
+type LostHook = Rc<dyn Fn(Option<NodeId>, &NetError)>;
 type Waiter = Rc<Queue<Result<RemoteNode, NetError>>>;
 /// What a [`ShardCtx::request`] resolves with.
 type Reply = Result<(FrameHeader, Vec<u8>), NetError>;
@@ -366,6 +367,8 @@ pub(crate) struct NetState {
     stats: Cell<NetStats>,
     generation: Cell<u64>,
     tasks: RefCell<Vec<Task<()>>>,
+    /// Called when a connection ends (see [`ShardCtx::on_peer_lost`]).
+    lost_hooks: RefCell<Vec<LostHook>>,
     /// The listener's accept loop (shard 0 of a listening node), until it stops accepting.
     acceptor: RefCell<Option<Task<()>>>,
     live_senders: Rc<Cell<usize>>,
@@ -594,6 +597,7 @@ impl NetState {
             generation: Cell::new(0),
             tasks: RefCell::new(Vec::new()),
             acceptor: RefCell::new(None),
+            lost_hooks: RefCell::new(Vec::new()),
             live_senders: Rc::new(Cell::new(0)),
         })
     }
@@ -703,6 +707,10 @@ pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>) {
     for (_, p) in left {
         p.waiter.push(Err(NetError::ShuttingDown));
     }
+    let hooks = net.lost_hooks.borrow().clone();
+    for hook in hooks {
+        hook(None, &NetError::ShuttingDown);
+    }
     net.inbox.close();
     // Each sender ends within the linger time once its queue is closed.
     let deadline = Instant::now() + net.settings.cfg.linger + Duration::from_millis(100);
@@ -798,12 +806,22 @@ async fn net_loop(ctx: Rc<ShardCtx>) {
             None => net.inbox.next().await.map(Some),
         };
         let Some(first) = first else { return };
-        let mut deliveries = Vec::new();
         let mut item = first;
         loop {
+            // Each frame reaches its handler before the next input is handled: a `Close` (or
+            // an endpoint error) that follows data frames must not fail the requests and
+            // receives those frames answer.
             if let Some(i) = item {
-                if let Some(d) = handle_inbound(&ctx, &net, i) {
-                    deliveries.push(d);
+                match handle_inbound(&ctx, &net, i) {
+                    Some(Delivery::Eager {
+                        node,
+                        header,
+                        payload,
+                    }) => dispatch(&ctx, node, &header, payload),
+                    Some(Delivery::Rndv { node, header, data }) => {
+                        deliver_rndv(&ctx, node, header, data)
+                    }
+                    None => {}
                 }
             }
             item = match net.inbox.try_next() {
@@ -812,16 +830,6 @@ async fn net_loop(ctx: Rc<ShardCtx>) {
             };
         }
         handle_timeouts(&net);
-        for d in deliveries {
-            match d {
-                Delivery::Eager {
-                    node,
-                    header,
-                    payload,
-                } => dispatch(&ctx, node, &header, payload),
-                Delivery::Rndv { node, header, data } => deliver_rndv(&ctx, node, header, data),
-            }
-        }
     }
 }
 
@@ -1351,6 +1359,10 @@ fn service(net: &NetState, node: NodeId) {
     }
     if let Some(err) = lost {
         fail_pending(net, node, &err);
+        let hooks = net.lost_hooks.borrow().clone();
+        for hook in hooks {
+            hook(Some(node), &err);
+        }
     }
 }
 
@@ -1618,6 +1630,15 @@ impl ShardCtx {
     /// This shard's connection counters.
     pub fn net_stats(&self) -> NetStats {
         self.net().stats.get()
+    }
+
+    /// Whether this shard holds a ready connection to `node`.
+    pub fn is_connected(&self, node: NodeId) -> bool {
+        self.net()
+            .peers
+            .borrow()
+            .get(&node)
+            .is_some_and(|p| ready_remote(&p.conn).is_some())
     }
 
     /// Remote nodes with a ready connection on this shard.
@@ -1940,6 +1961,16 @@ impl ShardCtx {
             // Cancelling the accept loop drops the listener, which closes it in UCX.
             t.cancel().await;
         }
+    }
+
+    /// Registers, on this shard, `hook` to run when a connection this shard owns ends: with
+    /// the remote node and the error its pending requests failed with
+    /// ([`NetError::PeerDead`], [`NetError::Transport`], [`NetError::Closed`]), after every
+    /// frame that arrived before the end has been handled. At shut-down it runs once with
+    /// [`NetError::ShuttingDown`] and no node, meaning every node. For modules that keep
+    /// per-peer operations of their own (tag receives); it must not block.
+    pub fn on_peer_lost(&self, hook: impl Fn(Option<NodeId>, &NetError) + 'static) {
+        self.net().lost_hooks.borrow_mut().push(Rc::new(hook));
     }
 
     /// Whether this shard still runs the node's listener.

@@ -37,6 +37,12 @@
 //!   [`TagConfig::max_unexpected_bytes`] and [`TagConfig::max_unexpected_count`]. A message
 //!   that would exceed either is dropped and counted ([`TagStats::dropped_unexpected`]); memory
 //!   never grows without bound;
+//! - a receive posted for a node whose connection then ends fails at once with the
+//!   connection's error ([`NetError::PeerDead`], [`NetError::Transport`], [`NetError::Closed`];
+//!   [`NetError::ShuttingDown`] when this node stops), after every frame that arrived before
+//!   the end has been matched. So does a receive posted later that finds no queued message,
+//!   until the node connects again. A receive for a node that has never been connected waits
+//!   (the peer may be about to connect) until a message or its deadline;
 //! - a receive ends at its deadline with [`NetError::TimedOut`] (`"tag receive"`). A receive
 //!   that times out or is dropped is taken off the posted list, so it never swallows a later
 //!   message; one that had been matched but not yet handed over gives its message back to the
@@ -128,6 +134,8 @@ pub struct TagStats {
     pub malformed: u64,
     /// Rendezvous pulls that failed.
     pub pull_failed: u64,
+    /// Posted receives failed because their node's connection ended (or the node shut down).
+    pub failed_on_loss: u64,
     /// Messages now waiting in unexpected queues of this shard.
     pub unexpected_now: u64,
     /// Payload bytes now waiting in them.
@@ -196,6 +204,10 @@ struct TagState {
     next_id: Cell<u64>,
     next_seq: Cell<u64>,
     stats: Cell<TagStats>,
+    /// Nodes whose connection ended, with its error, until they connect again.
+    gone: RefCell<HashMap<NodeId, NetError>>,
+    /// The shard is shutting down: receives fail at once.
+    shut: Cell<bool>,
 }
 
 thread_local! {
@@ -288,6 +300,8 @@ impl TagState {
             next_id: Cell::new(1),
             next_seq: Cell::new(0),
             stats: Cell::new(TagStats::default()),
+            gone: RefCell::new(HashMap::new()),
+            shut: Cell::new(false),
         })
     }
 
@@ -429,6 +443,34 @@ impl TagState {
         }
     }
 
+    /// The connection to `node` ended (`None`: every node, at shut-down): its posted
+    /// receives fail with `err`. Messages already queued stay receivable; receives already
+    /// matched (rendezvous data on its way) end with their pull.
+    fn on_peer_lost(&self, node: Option<NodeId>, err: &NetError) {
+        match node {
+            Some(node) => {
+                self.gone.borrow_mut().insert(node, err.clone());
+            }
+            None => self.shut.set(true),
+        }
+        let mut failed = Vec::new();
+        {
+            let mut peers = self.peers.borrow_mut();
+            for (n, peer) in peers.iter_mut() {
+                if node.is_none_or(|node| *n == node) {
+                    failed.extend(peer.posted.drain(..).filter(|p| !p.is_cancelled()));
+                }
+            }
+            peers.retain(|_, p| !p.is_empty());
+        }
+        for p in failed {
+            self.count(|s| s.failed_on_loss += 1);
+            let slot = Slot::new(self.seq(), p.pattern, 0);
+            slot.fill(Err(err.clone()));
+            hand_over(&p, slot);
+        }
+    }
+
     fn snapshot(&self) -> TagStats {
         let mut s = self.stats.get();
         let peers = self.peers.borrow();
@@ -480,6 +522,8 @@ pub fn install_with(ctx: &Rc<ShardCtx>, cfg: TagConfig) {
     ctx.set_net_handler(TAG_AM, move |_ctx, node, payload| {
         eager.on_eager(node, payload);
     });
+    let lost = st.clone();
+    ctx.on_peer_lost(move |node, err| lost.on_peer_lost(node, err));
     let (choose, done) = (st.clone(), st);
     ctx.set_net_handler_rndv::<Vec<u8>, _, _>(
         TAG_AM,
@@ -594,6 +638,17 @@ async fn recv_local(
         done: false,
     };
     if matched.borrow().is_none() {
+        // Nothing queued: a node that has left (and not come back) sends nothing more.
+        if st.shut.get() {
+            return Err(NetError::ShuttingDown);
+        }
+        let gone = st.gone.borrow().get(&node).cloned();
+        if let Some(err) = gone {
+            if !ctx.is_connected(node) {
+                return Err(err);
+            }
+            st.gone.borrow_mut().remove(&node);
+        }
         st.peers
             .borrow_mut()
             .entry(node)
