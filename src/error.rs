@@ -40,6 +40,17 @@ pub enum Error {
         /// The node that answered there.
         found: shardcx_shards::proto::NodeId,
     },
+    /// Connecting to the peer on first use failed recently, and the operation's deadline ends
+    /// before the next attempt may start (see [`crate::node::RECONNECT_BACKOFF_MIN`]).
+    #[error("connecting to node {node} failed {failures} time(s) in a row; next attempt in {retry_in:?}")]
+    BackingOff {
+        /// The peer.
+        node: shardcx_shards::proto::NodeId,
+        /// Connects to it that failed in a row.
+        failures: u32,
+        /// When the next connect may start.
+        retry_in: Duration,
+    },
     /// The call was made outside a shard thread of a running [`crate::Node`].
     #[error("not called on a shard of a running node")]
     NotOnShard,

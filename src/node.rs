@@ -16,7 +16,13 @@
 //! ([`NodeBuilder::peer_addr`], [`Node::add_peer_addr`]) is connected on first use instead: an
 //! operation through [`Peer::new`]`(id)` (active message, tag send, put/get) that finds no
 //! session connects to the address within its deadline, checks that the node there is `id`
-//! ([`Error::WrongPeer`] otherwise), and goes on.
+//! ([`Error::WrongPeer`] otherwise), and goes on. That is also how a peer is reached again after
+//! its connection ended (it failed, or restarted at the same address): the next operation
+//! reconnects. Failed connects back off: the next connect to that peer starts no sooner than
+//! [`RECONNECT_BACKOFF_MIN`] later, doubling with each failure in a row up to
+//! [`RECONNECT_BACKOFF_MAX`] (less up to a quarter, spread by node id); an operation meanwhile
+//! waits for the back-off to end if its deadline allows, else fails at once with
+//! [`Error::BackingOff`]. A connect cut short by the operation's own deadline does not count.
 //!
 //! ## Active messages
 //!
@@ -119,9 +125,47 @@ struct ShardLocal {
     book: AddressBook,
 }
 
-/// Listen addresses of peers, for connecting on first use. Read only when an operation finds
-/// no session, so a lock shared by the shards costs nothing on the fast path.
-type AddressBook = Arc<Mutex<HashMap<NodeId, SocketAddr>>>;
+/// Listen addresses of peers, for connecting on first use, and the back-off state of each.
+/// Read only when an operation finds no session, so a lock shared by the shards costs nothing
+/// on the fast path.
+type AddressBook = Arc<Mutex<HashMap<NodeId, BookEntry>>>;
+
+/// A peer's address, and when the next connect to it may start.
+#[derive(Debug, Clone, Copy)]
+struct BookEntry {
+    addr: SocketAddr,
+    /// Connects that failed in a row.
+    failures: u32,
+    /// No connect starts before this (after a failure).
+    retry_at: Option<Instant>,
+}
+
+/// First wait after a failed connect on first use; it doubles with every failure in a row.
+pub const RECONNECT_BACKOFF_MIN: Duration = Duration::from_millis(50);
+/// Longest wait between two connects to one peer.
+pub const RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+impl BookEntry {
+    fn new(addr: SocketAddr) -> Self {
+        Self {
+            addr,
+            failures: 0,
+            retry_at: None,
+        }
+    }
+
+    /// Back-off after failure number `failures`: `MIN × 2^(failures-1)`, at most `MAX`, minus
+    /// up to a quarter (spread from the node id, so that many nodes do not retry in step).
+    fn backoff(&self, node: NodeId) -> Duration {
+        let exp = self.failures.saturating_sub(1).min(16);
+        let full = RECONNECT_BACKOFF_MIN
+            .saturating_mul(1 << exp)
+            .min(RECONNECT_BACKOFF_MAX);
+        let spread =
+            (node.get() ^ u64::from(self.failures)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 62;
+        full - full / 4 * u32::try_from(spread).unwrap_or(0) / 3
+    }
+}
 
 /// A remote node: `Send + Copy`, usable from any shard of this node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -244,7 +288,7 @@ impl Node {
     /// [`NodeBuilder::peer_addr`]).
     pub fn add_peer_addr(&self, node: NodeId, addr: SocketAddr) {
         if let Ok(mut book) = self.shared.book.lock() {
-            book.insert(node, addr);
+            book.insert(node, BookEntry::new(addr));
         }
     }
 
@@ -403,7 +447,11 @@ impl NodeBuilder {
             drain,
             tag,
         } = self;
-        let book: AddressBook = Arc::new(Mutex::new(book.into_iter().collect()));
+        let book: AddressBook = Arc::new(Mutex::new(
+            book.into_iter()
+                .map(|(n, a)| (n, BookEntry::new(a)))
+                .collect(),
+        ));
         if let Some((id, _)) = handlers
             .iter()
             .find(|(id, _)| id.get() >= FIRST_RESERVED_AM_ID)
@@ -558,6 +606,11 @@ impl Peer {
 /// Runs `op`; if it finds no session with `peer` and this node knows where `peer` listens
 /// ([`NodeBuilder::peer_addr`]), connects there (checking that the node found is `peer`) and
 /// runs `op` once more. `op` rebuilds its request each time, so nothing is copied in advance.
+///
+/// Connects back off: after a failed one, the next to that peer (from any shard) starts no
+/// sooner than [`BookEntry::backoff`] later. An operation that finds the peer backing off
+/// waits for the end of the back-off if its deadline allows, else fails at once with
+/// [`Error::BackingOff`].
 pub(crate) async fn lazily<T, F, Fut>(
     node: &Node,
     peer: NodeId,
@@ -570,16 +623,46 @@ where
 {
     match op().await {
         Err(Error::Net(NetError::NotConnected { .. })) => {
-            let addr = node
+            let start = Instant::now();
+            let entry = node
                 .shared
                 .book
                 .lock()
                 .ok()
                 .and_then(|b| b.get(&peer).copied());
-            let Some(addr) = addr else {
+            let Some(entry) = entry else {
                 return Err(Error::Net(NetError::NotConnected { node: peer }));
             };
-            let found = node.connect_within(addr, timeout).await?;
+            let addr = entry.addr;
+            if let Some(at) = entry.retry_at {
+                let wait = at.saturating_duration_since(start);
+                if wait >= timeout {
+                    return Err(Error::BackingOff {
+                        node: peer,
+                        failures: entry.failures,
+                        retry_in: wait,
+                    });
+                }
+                sleep(wait).await;
+            }
+            let connected = node
+                .connect_within(addr, timeout.saturating_sub(start.elapsed()))
+                .await;
+            if let Ok(mut book) = node.shared.book.lock() {
+                if let Some(e) = book.get_mut(&peer).filter(|e| e.addr == addr) {
+                    match &connected {
+                        Ok(_) => *e = BookEntry::new(addr),
+                        // The operation's own deadline cut the connect short: that says
+                        // nothing about the peer.
+                        Err(Error::TimedOut { .. }) => {}
+                        Err(_) => {
+                            e.failures = e.failures.saturating_add(1);
+                            e.retry_at = Some(Instant::now() + e.backoff(peer));
+                        }
+                    }
+                }
+            }
+            let found = connected?;
             if found.node != peer {
                 return Err(Error::WrongPeer {
                     addr,

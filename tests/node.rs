@@ -767,3 +767,103 @@ fn a_serving_node_stops_on_its_switch_and_stops_accepting() {
     assert_eq!((name, r), ("b", Ok(())));
     eprintln!("B stopped {:?} after its trigger", at.duration_since(t0));
 }
+
+#[test]
+fn a_restarted_peer_is_reached_again_with_back_off() {
+    let _g = serial();
+    let addr = free_port();
+    let server_id = NodeId::new(30);
+    // A server at `addr` that stops when told through its switch.
+    let start = move || {
+        let b = node(30, KEY).shards(1).listen(addr);
+        let switch = b.shutdown_handle();
+        let h = std::thread::spawn(move || {
+            let r = b.serve();
+            if let Err(e) = &r {
+                eprintln!("server at {addr}: {e}");
+            }
+            r
+        });
+        (switch, h)
+    };
+    let (switch, h) = start();
+    let (phase_tx, phase_rx) = mpsc::channel::<&'static str>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let go_rx = Arc::new(Mutex::new(go_rx));
+    let client = std::thread::spawn(move || {
+        node(31, KEY)
+            .shards(1)
+            .peer_addr(server_id, addr)
+            .run(move |_node: Node| {
+                let (phase_tx, go_rx) = (phase_tx.clone(), go_rx.clone());
+                async move {
+                    let peer = Peer::new(server_id);
+                    let send = || peer.am_send_within(WORK, b"", b"", Duration::from_millis(300));
+                    // Connected on first use (the server may still be starting).
+                    let t0 = Instant::now();
+                    while send().await.is_err() {
+                        assert!(t0.elapsed() < Duration::from_secs(10), "never connected");
+                        sleep(Duration::from_millis(20)).await;
+                    }
+                    phase_tx.send("up").unwrap();
+                    wait_go(&go_rx).await;
+                    // The server is gone: sends fail, and connects back off.
+                    let mut errors = Vec::new();
+                    let t0 = Instant::now();
+                    while t0.elapsed() < Duration::from_millis(1500) {
+                        if let Err(e) = send().await {
+                            errors.push(e);
+                        }
+                        sleep(Duration::from_millis(10)).await;
+                    }
+                    let backing_off = errors
+                        .iter()
+                        .filter(|e| matches!(e, Error::BackingOff { .. }))
+                        .count();
+                    phase_tx.send("down").unwrap();
+                    wait_go(&go_rx).await;
+                    // A new server at the same address: reached again, within the back-off.
+                    let t0 = Instant::now();
+                    while let Err(e) = send().await {
+                        assert!(
+                            t0.elapsed() < Duration::from_secs(10),
+                            "never reconnected: {e:?}"
+                        );
+                        sleep(Duration::from_millis(10)).await;
+                    }
+                    (errors.len(), backing_off, t0.elapsed())
+                }
+            })
+            .expect("client node")
+    });
+    assert_eq!(phase_rx.recv_timeout(LIMIT), Ok("up"));
+    switch.trigger();
+    within(move || h.join().expect("server panicked")).expect("server");
+    go_tx.send(()).unwrap();
+    assert_eq!(phase_rx.recv_timeout(LIMIT), Ok("down"));
+    let (switch, h) = start();
+    go_tx.send(()).unwrap();
+    let out = within(move || client.join().expect("client panicked"));
+    switch.trigger();
+    within(move || h.join().expect("server panicked")).expect("server");
+    let (errors, backing_off, back_after) = out[0];
+    eprintln!(
+        "{errors} failed sends while down ({backing_off} backing off); back after {back_after:?}"
+    );
+    assert!(errors > 0);
+    // Most failures were answered from the back-off, without a connect attempt.
+    assert!(backing_off > 0, "{errors} errors, none backing off");
+    assert!(back_after < Duration::from_secs(5), "{back_after:?}");
+}
+
+/// Waits (polling) for the test thread's go-ahead.
+async fn wait_go(rx: &Mutex<mpsc::Receiver<()>>) {
+    let t0 = Instant::now();
+    loop {
+        if rx.lock().unwrap().try_recv().is_ok() {
+            return;
+        }
+        assert!(t0.elapsed() < LIMIT, "no go-ahead");
+        sleep(Duration::from_millis(5)).await;
+    }
+}
