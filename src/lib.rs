@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod bench;
 mod error;
 pub mod node;
 pub mod rma;

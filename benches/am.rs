@@ -1,0 +1,78 @@
+//! `cargo bench --bench am`: the messaging tests of `shardcx bench` (am-lat, am-rate, am-bw,
+//! tag-lat, put-bw, get-bw) with the server in this process, over shared memory, one client
+//! shard. The same code as the command (`shardcx::bench`); `shardcx bench` runs the server in
+//! a process of its own and has every option.
+//!
+//! Extra arguments after `--` are test names (e.g. `cargo bench --bench am -- am-lat`).
+
+use std::net::SocketAddr;
+use std::sync::mpsc;
+
+use shardcx::bench::client::{self, ClientConfig};
+use shardcx::bench::server::{self, ServeConfig};
+use shardcx::bench::{report, Test, Transport, DEFAULT_PSK};
+use shardcx::Shutdown;
+
+fn main() {
+    // `cargo bench` passes `--bench`; anything else names tests.
+    let tests: Vec<Test> = std::env::args()
+        .skip(1)
+        .filter_map(|a| Test::parse(&a))
+        .collect();
+    let tests = if tests.is_empty() {
+        Test::ALL.into_iter().filter(|t| *t != Test::Hop).collect()
+    } else {
+        tests
+    };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let stop = Shutdown::new();
+    let (tx, rx) = mpsc::channel::<SocketAddr>();
+    let cfg = ServeConfig {
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        shards: 1,
+        peers: 1,
+        transport: Transport::Shm,
+        psk: DEFAULT_PSK.to_vec(),
+        // The server on the last CPU, the client on the first.
+        cores: (cpus >= 2).then(|| vec![cpus - 1]),
+    };
+    let server_stop = stop.clone();
+    let server = std::thread::spawn(move || {
+        server::serve(&cfg, &server_stop, |s| {
+            let _ = tx.send(s.addr);
+        })
+    });
+    let addr = match rx.recv() {
+        Ok(a) => a,
+        Err(_) => {
+            eprintln!("bench server failed: {:?}", server.join().map(|r| r.err()));
+            std::process::exit(1);
+        }
+    };
+    let r = client::run(&ClientConfig {
+        addr,
+        shards: 1,
+        transport: Transport::Shm,
+        tests,
+        sizes: None,
+        budget: None,
+        warmup: None,
+        window: 64,
+        cores: Some(vec![0]),
+        psk: DEFAULT_PSK.to_vec(),
+        progress: true,
+        io_memory: Some(1 << 20),
+    });
+    stop.trigger();
+    let served = server.join();
+    match r {
+        Ok(results) => print!("{}", report::table(&results)),
+        Err(e) => {
+            eprintln!("bench failed: {e}");
+            std::process::exit(1);
+        }
+    }
+    if let Ok(Err(e)) = served {
+        eprintln!("bench server: {e}");
+    }
+}

@@ -1,0 +1,569 @@
+//! The per-core benchmark suite behind `shardcx bench`, `shardcx node` and `cargo bench`.
+//!
+//! A benchmark run has two sides. The **server** ([`server::serve`], `shardcx node`) hosts a
+//! main node at its listen address and, beside it, `K` *bench peers*: 1-shard nodes in the same
+//! process, on ports of their own, each pinned to a core. The **client**
+//! ([`client::run`], `shardcx bench`) is one node with `N` pinned shards; every client shard runs
+//! the same test at the same time against its own bench peer, and the figures are reported per
+//! shard and merged.
+//!
+//! ## Why bench peers: one connection per client shard
+//!
+//! Between two nodes there is one session, held on each side by the shard that owns the other
+//! node (`ShardMap`, rendezvous hashing of the peer's node id). A client with `N` shards talking
+//! to a single server node would run every message through one client shard, the others
+//! forwarding to it: that measures forwarding, not scaling. So the server hosts `K` nodes whose
+//! ids are chosen ([`peer_ids`]) so that, on a client with `K` shards, bench peer `j` is owned
+//! by shard `j`. Rendezvous hashing makes the choice hold for every client with `N <= K`
+//! shards too: the owner is the argmax of per-shard weights, and the argmax over shards `0..K`
+//! stays the argmax over `0..N` when it lies below `N`. The client learns the peers with one
+//! active message to the main node ([`PEERS`]); client shard `j` uses peer `j % K`, and the
+//! table says `owner` when the shard holds the connection itself and `forwarded` otherwise.
+//!
+//! ## Tests
+//!
+//! | test | what one iteration is | latency columns |
+//! | --- | --- | --- |
+//! | `am-lat` | an active message of `size` bytes to the peer, echoed back with the same size | round trip |
+//! | `am-rate` | one-way active messages, `window` in flight: the last of each window asks for an acknowledgement | one window (send `window` messages, get the ack) |
+//! | `am-bw` | as `am-rate`, for large sizes (window capped to 32 MiB in flight) | one window |
+//! | `tag-lat` | tag send of `size` bytes, the peer's tag receive sends it back | round trip |
+//! | `put-bw` | a checked-mode put of `size` bytes, `window` in flight | one put (its completion) |
+//! | `get-bw` | a checked-mode get of `size` bytes, `window` in flight | one get |
+//! | `hop` | forward an empty job to the next client shard and await it (needs 2 shards or more) | one hop |
+//!
+//! Checked mode is the only remote-memory mode so far (trusted mode, native UCX RMA, is not
+//! implemented in `shardcx-shards`), so `put-bw`/`get-bw` measure checked accesses. `rpc-lat`
+//! comes with RPC.
+//!
+//! Latencies are **round trips**, in microseconds, from hdrhistogram (3 significant digits),
+//! recorded after the warm-up. ucx_perftest's latency tests print half a round trip;
+//! `scripts/compare-perftest` doubles them. `msgs/s` counts the iterations' messages (one per
+//! iteration; `window` per window for `am-rate`/`am-bw`) over the measured time, `MB/s` is
+//! `msgs/s × size / 10^6` (one direction). The merged row adds the shards' histograms and counts,
+//! over the longest shard's time.
+//!
+//! ## Transports
+//!
+//! `shm` runs UCX with `sm,tcp` (tcp is needed for listening and connecting by address in UCX
+//! 1.12; UCX moves the data over shared memory between processes on one host when it picks
+//! it), `tcp` with `tcp` alone, `auto` with UCX's own choice (`UCX_TLS` or every transport).
+//!
+//! ## Placement
+//!
+//! Client shard `i` is pinned to the `i`-th CPU of the client core list, bench peer `j` to the
+//! `j`-th of the server list. With two CPUs or more the default puts the server on the last CPU
+//! and the client on the others first (`taskset` on each side of ucx_perftest); `--cores
+//! CLIENT/SERVER` overrides (`--cores 0/1`, `--cores 0,1/1`). When both sides end up on a single
+//! core the run says loudly that its latencies mean nothing.
+//!
+//! ## JSON
+//!
+//! `--json FILE` writes one array; each element is one (test, size, shards, transport):
+//!
+//! ```text
+//! {
+//!   "test": "am-lat",        // test name, as above
+//!   "size": 8,               // bytes per message (0 for hop)
+//!   "shards": 2,             // client shards
+//!   "transport": "shm",      // shm | tcp | auto
+//!   "iters": 40000,          // measured iterations, all shards
+//!   "p50_us": 4.1,           // merged histogram, microseconds (round trip or per window, see above)
+//!   "p99_us": 6.3,
+//!   "p999_us": 11.2,
+//!   "max_us": 80.5,
+//!   "msgs_per_s": 480000.0,  // all shards
+//!   "mb_per_s": 3.84,        // all shards, 10^6 bytes per second
+//!   "per_shard": [           // one object per client shard, same fields, plus:
+//!     {"shard": 0, "route": "owner", "iters": 20000, "p50_us": 4.0, ...}
+//!   ]
+//! }
+//! ```
+//!
+//! A skipped combination (e.g. `hop` with one shard) is not in the file; the table says why.
+
+pub mod client;
+pub mod plot;
+pub mod report;
+pub mod server;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use shardcx_shards::proto::{AmId, NodeId, ShardId, ShardMap};
+
+/// The pre-shared key of benchmark nodes started without `--psk-file`.
+pub const DEFAULT_PSK: &[u8] = b"shardcx bench default pre-shared key";
+
+/// Active message: the main node's list of bench peers, asked for by a client.
+pub const PEERS: AmId = AmId::new(0x5343_0001);
+/// Active message: the answer to [`PEERS`].
+pub const PEERS_REPLY: AmId = AmId::new(0x5343_0002);
+/// Active message: echo the header and payload back ([`ECHO_REPLY`]).
+pub const ECHO: AmId = AmId::new(0x5343_0003);
+/// Active message: the echo of an [`ECHO`].
+pub const ECHO_REPLY: AmId = AmId::new(0x5343_0004);
+/// Active message: one-way; acknowledged ([`ACK`]) when its header asks for it.
+pub const SINK: AmId = AmId::new(0x5343_0005);
+/// Active message: the acknowledgement of a [`SINK`] window.
+pub const ACK: AmId = AmId::new(0x5343_0006);
+/// Active message: start answering tag pings of one stream (see [`client`]).
+pub const TAG_START: AmId = AmId::new(0x5343_0007);
+/// Active message: make sure a region of at least the header's size exists on this shard.
+pub const REGION: AmId = AmId::new(0x5343_0008);
+/// Active message: the answer to [`REGION`], the region's descriptor.
+pub const REGION_REPLY: AmId = AmId::new(0x5343_0009);
+
+/// Largest message the benchmark nodes send or accept (16 MiB payloads plus headers).
+pub const MAX_MESSAGE: u64 = 17 << 20;
+
+/// Why a benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BenchError {
+    /// A node could not start, or an operation failed.
+    #[error(transparent)]
+    Node(#[from] crate::Error),
+    /// The other side answered something unexpected, or nothing in time.
+    #[error("{0}")]
+    Protocol(String),
+    /// Bad settings.
+    #[error("{0}")]
+    Config(String),
+    /// Starting or talking to the local peer process failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+/// One benchmark of the suite (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Test {
+    /// Active-message ping-pong.
+    AmLat,
+    /// One-way active messages with a window.
+    AmRate,
+    /// One-way large active messages with a window.
+    AmBw,
+    /// Tag send/recv ping-pong.
+    TagLat,
+    /// Checked-mode puts with a window.
+    PutBw,
+    /// Checked-mode gets with a window.
+    GetBw,
+    /// Cross-shard forwarding within the client node.
+    Hop,
+}
+
+/// A UCX transport choice (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// Shared memory for data (`sm,tcp`).
+    Shm,
+    /// TCP only.
+    Tcp,
+    /// UCX's choice.
+    Auto,
+}
+
+/// How long each test runs on each shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    /// This many measured iterations.
+    Iters(u64),
+    /// Measured iterations until this much time has passed.
+    Duration(Duration),
+}
+
+/// The figures of one shard, or of all shards merged, for one test and size.
+#[derive(Debug, Clone)]
+pub struct Figures {
+    /// Latencies in nanoseconds (round trip or per window, see the module docs).
+    pub hist: Histogram<u64>,
+    /// Messages counted for the rate.
+    pub msgs: u64,
+    /// Measured time (for a merged row, the longest shard's).
+    pub elapsed: Duration,
+    /// Bytes per message.
+    pub size: usize,
+}
+
+/// Which client shard holds the connection a shard's test used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The shard itself.
+    Owner,
+    /// Another shard: every operation was forwarded.
+    Forwarded,
+    /// No connection (the `hop` test).
+    Local,
+}
+
+/// One client shard's figures.
+#[derive(Debug, Clone)]
+pub struct ShardFigures {
+    /// The client shard.
+    pub shard: ShardId,
+    /// How it reached its peer.
+    pub route: Route,
+    /// Its figures.
+    pub figures: Figures,
+}
+
+/// The result of one (test, size, shard count, transport).
+#[derive(Debug, Clone)]
+pub struct Measurement {
+    /// The test.
+    pub test: Test,
+    /// Bytes per message (0 for `hop`).
+    pub size: usize,
+    /// Client shards.
+    pub shards: usize,
+    /// The transport.
+    pub transport: Transport,
+    /// Per client shard, in shard order (empty when skipped).
+    pub per_shard: Vec<ShardFigures>,
+    /// Why the combination was skipped, if it was.
+    pub skipped: Option<String>,
+}
+
+impl Test {
+    /// Every test, in the order the suite runs them.
+    pub const ALL: [Test; 7] = [
+        Test::AmLat,
+        Test::AmRate,
+        Test::AmBw,
+        Test::TagLat,
+        Test::PutBw,
+        Test::GetBw,
+        Test::Hop,
+    ];
+
+    /// The test's name on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Test::AmLat => "am-lat",
+            Test::AmRate => "am-rate",
+            Test::AmBw => "am-bw",
+            Test::TagLat => "tag-lat",
+            Test::PutBw => "put-bw",
+            Test::GetBw => "get-bw",
+            Test::Hop => "hop",
+        }
+    }
+
+    /// The test named `s`.
+    pub fn parse(s: &str) -> Option<Test> {
+        Test::ALL.into_iter().find(|t| t.name() == s)
+    }
+
+    /// Message sizes run when `--size` is not given.
+    pub fn default_sizes(self) -> &'static [usize] {
+        match self {
+            Test::AmLat => &[8, 4096],
+            Test::AmRate => &[64],
+            Test::AmBw => &[64 << 10, 1 << 20, 16 << 20],
+            Test::TagLat => &[8],
+            Test::PutBw | Test::GetBw => &[4096, 1 << 20],
+            Test::Hop => &[0],
+        }
+    }
+
+    /// Measured iterations when neither `--iters` nor `--duration` is given: enough for stable
+    /// percentiles, small enough that the default suite stays well under a minute on 2 cores.
+    pub fn default_iters(self, size: usize) -> u64 {
+        let by_bytes = |budget: u64, lo: u64, hi: u64| (budget / size.max(1) as u64).clamp(lo, hi);
+        match self {
+            Test::AmLat | Test::TagLat => by_bytes(64 << 20, 200, 10_000),
+            // Messages (not windows).
+            Test::AmRate => 100_000,
+            Test::AmBw => by_bytes(256 << 20, 16, 100_000),
+            Test::PutBw | Test::GetBw => by_bytes(64 << 20, 64, 10_000),
+            Test::Hop => 10_000,
+        }
+    }
+
+    /// Whether the test keeps several operations in flight (`--window`).
+    pub fn windowed(self) -> bool {
+        matches!(self, Test::AmRate | Test::AmBw | Test::PutBw | Test::GetBw)
+    }
+
+    /// What one latency sample is, for table headings.
+    pub fn sample(self) -> &'static str {
+        match self {
+            Test::AmLat | Test::TagLat => "round trip",
+            Test::AmRate | Test::AmBw => "per window",
+            Test::PutBw | Test::GetBw => "per operation, window in flight",
+            Test::Hop => "per hop",
+        }
+    }
+}
+
+impl fmt::Display for Test {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Transport {
+    /// The transport's name on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+            Transport::Auto => "auto",
+        }
+    }
+
+    /// The transport named `s`.
+    pub fn parse(s: &str) -> Option<Transport> {
+        [Transport::Shm, Transport::Tcp, Transport::Auto]
+            .into_iter()
+            .find(|t| t.name() == s)
+    }
+
+    /// The UCX transport list (`None`: UCX's choice).
+    pub fn tls(self) -> Option<&'static str> {
+        match self {
+            Transport::Shm => Some("sm,tcp"),
+            Transport::Tcp => Some("tcp"),
+            Transport::Auto => None,
+        }
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Figures {
+    /// Empty figures for messages of `size` bytes.
+    pub fn new(size: usize) -> Self {
+        Self {
+            hist: new_histogram(),
+            msgs: 0,
+            elapsed: Duration::ZERO,
+            size,
+        }
+    }
+
+    /// Latency at quantile `q`, in microseconds.
+    pub fn quantile_us(&self, q: f64) -> f64 {
+        self.hist.value_at_quantile(q) as f64 / 1000.0
+    }
+
+    /// Largest latency, in microseconds.
+    pub fn max_us(&self) -> f64 {
+        self.hist.max() as f64 / 1000.0
+    }
+
+    /// Messages per second.
+    pub fn msgs_per_s(&self) -> f64 {
+        let s = self.elapsed.as_secs_f64();
+        if s > 0.0 {
+            self.msgs as f64 / s
+        } else {
+            0.0
+        }
+    }
+
+    /// Megabytes (10^6 bytes) per second, one direction.
+    pub fn mb_per_s(&self) -> f64 {
+        self.msgs_per_s() * self.size as f64 / 1e6
+    }
+
+    /// The measured iterations (histogram samples).
+    pub fn iters(&self) -> u64 {
+        self.hist.len()
+    }
+}
+
+impl Route {
+    /// The route's name in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::Owner => "owner",
+            Route::Forwarded => "forwarded",
+            Route::Local => "local",
+        }
+    }
+}
+
+impl Measurement {
+    /// Every shard's figures merged (histograms added, counts summed, the longest time).
+    pub fn merged(&self) -> Figures {
+        let mut all = Figures::new(self.size);
+        for s in &self.per_shard {
+            // Same bounds and precision on both sides: adding cannot fail.
+            let _ = all.hist.add(&s.figures.hist);
+            all.msgs += s.figures.msgs;
+            all.elapsed = all.elapsed.max(s.figures.elapsed);
+        }
+        all
+    }
+}
+
+/// A histogram of nanoseconds from 1 ns to 100 s, 3 significant digits.
+pub fn new_histogram() -> Histogram<u64> {
+    // Valid bounds (low >= 1, high >= 2 * low, sigfig <= 5): cannot fail.
+    Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("valid histogram bounds")
+}
+
+/// Node ids for `k` bench peers such that a client with `k` shards owns peer `j` on shard `j`
+/// (and so does every client with `n <= k` shards, for `j < n`; see the module docs). The
+/// search is deterministic: both sides may compute it.
+pub fn peer_ids(k: usize) -> Result<Vec<NodeId>, BenchError> {
+    let count = u16::try_from(k)
+        .ok()
+        .filter(|&k| k > 0)
+        .ok_or_else(|| BenchError::Config(format!("bench peer count {k} out of range")))?;
+    let map = ShardMap::new(count).map_err(|e| BenchError::Config(e.to_string()))?;
+    let base = 0x5343_5842_0000_0000u64; // "SCXB"
+    let mut ids = Vec::with_capacity(k);
+    for j in 0..count {
+        // Each shard wins a fraction 1/k of the ids; 64 k tries fail with odds (1 - 1/k)^(64k).
+        let found = (0..64 * u64::from(count))
+            .map(|n| NodeId::new(base + (u64::from(j) << 24) + n))
+            .find(|&id| map.owner_of(id) == ShardId::new(j));
+        ids.push(found.ok_or_else(|| {
+            BenchError::Config(format!("no bench peer id found for shard {j} of {k}"))
+        })?);
+    }
+    Ok(ids)
+}
+
+/// Parses a size: `8`, `4k`, `64KiB`, `1m`, `16MiB` (powers of two).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let (digits, shift) = if let Some(d) = lower
+        .strip_suffix("kib")
+        .or_else(|| lower.strip_suffix("kb"))
+        .or_else(|| lower.strip_suffix('k'))
+    {
+        (d, 10)
+    } else if let Some(d) = lower
+        .strip_suffix("mib")
+        .or_else(|| lower.strip_suffix("mb"))
+        .or_else(|| lower.strip_suffix('m'))
+    {
+        (d, 20)
+    } else {
+        (lower.strip_suffix('b').unwrap_or(&lower), 0)
+    };
+    let n: usize = digits.trim().parse().ok()?;
+    n.checked_mul(1usize << shift)
+}
+
+/// Formats a size the way [`parse_size`] reads it (`8`, `4K`, `16M`).
+pub fn format_size(n: usize) -> String {
+    if n >= 1 << 20 && n % (1 << 20) == 0 {
+        format!("{}M", n >> 20)
+    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
+        format!("{}K", n >> 10)
+    } else {
+        n.to_string()
+    }
+}
+
+/// Where a bench peer listens, as the client can reach it: an unspecified address (the node
+/// listens on every interface) is replaced by the IP the client reached the main node at.
+pub fn reachable(addr: SocketAddr, main: SocketAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        SocketAddr::new(main.ip(), addr.port())
+    } else {
+        addr
+    }
+}
+
+/// Header flag of a [`SINK`]: acknowledge it.
+pub(crate) const FLAG_ACK: u8 = 1;
+/// Length of the header of every benchmark message.
+pub(crate) const HEADER_LEN: usize = 11;
+
+/// A benchmark message header: the client shard waiting for the answer, a sequence number (or
+/// a size, for [`REGION`]) and flags.
+pub(crate) fn header(origin: ShardId, seq: u64, flags: u8) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..2].copy_from_slice(&origin.get().to_le_bytes());
+    h[2..10].copy_from_slice(&seq.to_le_bytes());
+    h[10] = flags;
+    h
+}
+
+/// The fields of a [`header`], or `None` when it is too short.
+pub(crate) fn parse_header(h: &[u8]) -> Option<(ShardId, u64, u8)> {
+    let origin = u16::from_le_bytes(h.get(..2)?.try_into().ok()?);
+    let seq = u64::from_le_bytes(h.get(2..10)?.try_into().ok()?);
+    Some((ShardId::new(origin), seq, *h.get(10)?))
+}
+
+/// Connection settings of benchmark nodes: room for 16 MiB messages.
+pub(crate) fn net_config() -> shardcx_shards::NetConfig {
+    shardcx_shards::NetConfig {
+        max_message_size: MAX_MESSAGE,
+        rndv_timeout: Duration::from_secs(30),
+        ..Default::default()
+    }
+}
+
+/// Pins the calling thread to CPU `cpu`; false when the CPU cannot be used.
+pub(crate) fn pin_current(cpu: usize) -> bool {
+    core_affinity::set_for_current(core_affinity::CoreId { id: cpu })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_ids_are_owned_by_their_shard_for_every_smaller_client() {
+        for k in 1..=8usize {
+            let ids = peer_ids(k).unwrap();
+            for n in 1..=k {
+                let map = ShardMap::new(n as u16).unwrap();
+                for (j, id) in ids.iter().enumerate().take(n) {
+                    assert_eq!(map.owner_of(*id), ShardId::new(j as u16), "k {k} n {n}");
+                }
+            }
+        }
+        assert!(peer_ids(0).is_err());
+    }
+
+    #[test]
+    fn sizes_parse_and_print() {
+        for (s, n) in [
+            ("8", 8),
+            ("4k", 4096),
+            ("64KiB", 65536),
+            ("1m", 1 << 20),
+            ("16MiB", 16 << 20),
+            ("10b", 10),
+        ] {
+            assert_eq!(parse_size(s), Some(n), "{s}");
+            assert_eq!(parse_size(&format_size(n)), Some(n));
+        }
+        for bad in ["", "x", "-1", "1g", "k"] {
+            assert_eq!(parse_size(bad), None, "{bad}");
+        }
+        assert_eq!(parse_size("99999999999999999999m"), None);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for t in Test::ALL {
+            assert_eq!(Test::parse(t.name()), Some(t));
+        }
+        assert_eq!(Transport::parse("shm"), Some(Transport::Shm));
+        assert_eq!(Transport::parse("rdma"), None);
+    }
+}

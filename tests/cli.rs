@@ -1,0 +1,153 @@
+//! The `shardcx` binary: `info`, a tiny `bench` with `--json` (which starts its own local peer
+//! process), `node` start and stop, and clear errors on bad input.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn shardcx() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shardcx"))
+}
+
+#[test]
+fn info_reports_ucx_memlock_cores_and_no_cuda() {
+    let out = shardcx().arg("info").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "info failed: {out:?}");
+    for want in [
+        "UCX loaded:",
+        "UCX built with:",
+        "io_uring:",
+        "locked memory:",
+        "cores:",
+        "CUDA:             none",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+}
+
+#[test]
+fn a_tiny_bench_writes_the_documented_json() {
+    let dir = std::env::temp_dir().join(format!("shardcx-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, svg) = (dir.join("b.json"), dir.join("b.svg"));
+    let out = shardcx()
+        .args([
+            "bench",
+            "--test",
+            "am-lat,am-rate,tag-lat,put-bw,hop",
+            "--size",
+            "8,4k",
+        ])
+        .args([
+            "--iters", "50", "--warmup", "5", "--window", "4", "--shards", "1,2",
+        ])
+        .args(["--transport", "tcp", "--json"])
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("am-lat: latency in µs (round trip)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("skipped: needs --shards 2 or more"),
+        "{stdout}"
+    );
+    let j = std::fs::read_to_string(&json).unwrap();
+    // am-lat, am-rate, tag-lat, put-bw at 2 sizes and 2 shard counts, hop once (2 shards).
+    assert_eq!(j.matches("\"test\": ").count(), 4 * 2 * 2 + 1, "{j}");
+    for field in [
+        "\"test\": \"am-lat\"",
+        "\"test\": \"hop\"",
+        "\"size\": 4096",
+        "\"shards\": 2",
+        "\"transport\": \"tcp\"",
+        "\"iters\": 100",
+        "\"p50_us\": ",
+        "\"p99_us\": ",
+        "\"p999_us\": ",
+        "\"max_us\": ",
+        "\"msgs_per_s\": ",
+        "\"mb_per_s\": ",
+        "\"route\": \"owner\"",
+    ] {
+        assert!(j.contains(field), "{field} missing from {j}");
+    }
+    // Each client shard owned its own bench peer's connection: none was forwarded.
+    assert!(!j.contains("forwarded"), "{j}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<polyline"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_node_prints_its_address_and_stops_when_asked() {
+    let mut child = shardcx()
+        .args([
+            "node",
+            "--listen",
+            "127.0.0.1:0",
+            "--peers",
+            "1",
+            "--transport",
+            "tcp",
+        ])
+        .arg("--stop-on-stdin-eof")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let addr = first.strip_prefix("listening ").expect("listening ADDR");
+    assert!(addr.parse::<std::net::SocketAddr>().is_ok(), "{first}");
+    assert!(lines.next().unwrap().unwrap().starts_with("peer "));
+    drop(child.stdin.take());
+    let until = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "{status}");
+            break;
+        }
+        assert!(Instant::now() < until, "the node did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn bad_input_is_a_clear_error_not_a_panic() {
+    for (args, want) in [
+        (&["bench", "--test", "nope"][..], "unknown test"),
+        (&["bench", "--size", "1x"][..], "cannot read size"),
+        (&["bench", "--iters", "0"][..], "at least 1"),
+        (&["bench", "--cores", "999"][..], "not available"),
+        (&["bench", "--transport", "rdma"][..], "unknown transport"),
+        (&["bench", "--iters"][..], "needs a value"),
+        (&["node", "--listen", "nowhere"][..], "cannot read"),
+        (&["frobnicate"][..], "unknown command"),
+        (&[][..], "no command"),
+    ] {
+        let out = shardcx().args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    let out = shardcx()
+        .args(["bench", "--psk-file", "/nonexistent/key"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the key file"));
+}
