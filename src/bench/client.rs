@@ -142,7 +142,7 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
         .shards(cfg.shards)
         .placement(Placement::Unpinned)
         .psk(&cfg.psk)
-        .net(net_config())
+        .net(net_config(cfg.transport))
         .default_deadline(DEADLINE);
     if let Some(tls) = cfg.transport.tls() {
         b = b.transports(tls);

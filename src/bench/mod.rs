@@ -507,10 +507,19 @@ pub(crate) fn parse_header(h: &[u8]) -> Option<(ShardId, u64, u8)> {
 }
 
 /// Connection settings of benchmark nodes: room for 16 MiB messages.
-pub(crate) fn net_config() -> shardcx_shards::NetConfig {
+///
+/// Over shared memory, endpoints use UCX's error mode NONE: in UCX 1.12 the shared-memory
+/// transports cannot detect a failed peer, so error mode PEER (the default whenever `tcp` is in
+/// the list) makes UCX pick tcp for the node-to-node endpoints even between processes of one
+/// host. Heartbeats still detect a dead peer.
+pub(crate) fn net_config(transport: Transport) -> shardcx_shards::NetConfig {
     shardcx_shards::NetConfig {
         max_message_size: MAX_MESSAGE,
         rndv_timeout: Duration::from_secs(30),
+        error_mode: match transport {
+            Transport::Shm => Some(crate::ucx::ErrorMode::None),
+            Transport::Tcp | Transport::Auto => None,
+        },
         ..Default::default()
     }
 }

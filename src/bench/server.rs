@@ -152,7 +152,7 @@ fn node(cfg: &ServeConfig, shards: usize, io: u64) -> NodeBuilder {
         .placement(Placement::Unpinned)
         .psk(&cfg.psk)
         .io_memory(io)
-        .net(net_config());
+        .net(net_config(cfg.transport));
     if let Some(tls) = cfg.transport.tls() {
         b = b.transports(tls);
     }
