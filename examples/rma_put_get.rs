@@ -4,15 +4,29 @@
 //! percentiles by route. Then the client shows refusals: an out-of-bounds put, and a put with
 //! a descriptor the server has revoked; the server shows its memory unchanged by them.
 //!
+//! With `--trusted` (on both sides when they are two processes) both nodes also turn trusted
+//! mode on (`NodeBuilder::trusted_rma`: native UCX RMA with packed remote keys, **no
+//! protection of the target's memory**), the server registers a trusted region on each shard
+//! too, and the client measures both modes, checked and trusted, side by side, for 8-byte and
+//! 64 KiB accesses (or `--size` only, when given), then shows that an out-of-bounds trusted put
+//! is refused by the initiator. Trusted mode needs shared memory or RDMA between the nodes (it
+//! refuses peers only tcp reaches), so `--trusted` makes the default transports `sm,tcp`:
+//! sessions and checked mode run over tcp, trusted endpoints over shared memory.
+//!
 //! ```text
 //! cargo run --release --example rma_put_get                      # both nodes in this process
+//! cargo run --release --example rma_put_get -- --trusted         # checked vs trusted
 //! cargo run --release --example rma_put_get -- --listen 127.0.0.1:13338 [--for 60]   # server
 //! cargo run --release --example rma_put_get -- --connect 127.0.0.1:13338             # client
 //! ```
 //!
-//! Options: `--count N` puts and gets per client shard and region (default 10000), `--size B`
-//! bytes per access (default 8), `--shards N` per node (default 2), `--tls LIST` (default
-//! `tcp`; listening and connecting need tcp in UCX 1.12). The key is fixed: it is an example.
+//! Options: `--count N` puts and gets per client shard, region, mode and size (default 10000,
+//! or 1000 with `--trusted`), `--size B` bytes per access (default 8), `--shards N` per node
+//! (default 2), `--tls LIST` (default `tcp`, or `sm,tcp` with `--trusted`; listening and
+//! connecting need tcp in UCX 1.12), `--trusted`. The key is fixed: it is an example.
+//!
+//! Client shards measure one after the other (each waits for the previous one), so that their
+//! loops do not compete for the CPU; the server's shards serve all of them.
 //!
 //! Routes: a client shard that owns the server's connection sends itself ("owner"), another one
 //! forwards to it ("forwarded"); on the server, the request arrives on its owner shard of the
@@ -30,8 +44,10 @@ use std::time::{Duration, Instant};
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::timer::sleep;
 use hdrhistogram::Histogram;
-use shardcx::rma::{Permissions, Region, RemoteRegion};
-use shardcx::{AmId, AmMsg, Node, NodeId, Peer, ShardId};
+use shardcx::rma::{
+    Permissions, Region, RemoteRegion, RmaOpError, TrustedDescriptor, TrustedRegion,
+};
+use shardcx::{AmId, AmMsg, Error, Node, NodeId, Peer, ShardId};
 
 const KEY: &[u8] = b"rma_put_get example pre-shared key";
 /// Client → server: send me the descriptor of your region on shard `want`.
@@ -44,8 +60,14 @@ const CHECK: AmId = AmId::new(3);
 const DESC: AmId = AmId::new(4);
 /// Server → client: a checksum (answers `CHECK`).
 const SUM: AmId = AmId::new(5);
-/// Bytes of each server region.
+/// Client → server: send me the descriptor of your trusted region on shard `want`.
+const ASK_TRUSTED: AmId = AmId::new(6);
+/// Server → client: a trusted descriptor, or nothing if the server is not in trusted mode.
+const TRUSTED_DESC: AmId = AmId::new(7);
+/// Bytes of each server region (at least; see `region_len`).
 const REGION_LEN: usize = 64 << 10;
+/// The large access size measured with `--trusted`.
+const LARGE: usize = 64 << 10;
 /// Longest wait for an answer from the other node.
 const ANSWER_LIMIT: Duration = Duration::from_secs(5);
 
@@ -57,6 +79,9 @@ struct Opts {
     size: usize,
     shards: usize,
     tls: String,
+    /// Access sizes to measure.
+    sizes: Vec<usize>,
+    trusted: bool,
 }
 
 fn opts() -> Opts {
@@ -67,8 +92,11 @@ fn opts() -> Opts {
         count: 10_000,
         size: 8,
         shards: 2,
-        tls: "tcp".into(),
+        tls: String::new(),
+        sizes: Vec::new(),
+        trusted: false,
     };
+    let (mut count, mut size, mut tls) = (None, None, None);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut v = || args.next().unwrap_or_else(|| usage());
@@ -76,37 +104,58 @@ fn opts() -> Opts {
             "--listen" => o.listen = Some(v().parse().unwrap_or_else(|_| usage())),
             "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
             "--for" => o.serve_for = Duration::from_secs(v().parse().unwrap_or_else(|_| usage())),
-            "--count" => o.count = v().parse().unwrap_or_else(|_| usage()),
-            "--size" => o.size = v().parse().unwrap_or_else(|_| usage()),
+            "--count" => count = Some(v().parse().unwrap_or_else(|_| usage())),
+            "--size" => size = Some(v().parse().unwrap_or_else(|_| usage())),
             "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
-            "--tls" => o.tls = v(),
+            "--tls" => tls = Some(v()),
+            "--trusted" => o.trusted = true,
             _ => usage(),
         }
     }
-    if o.shards == 0 || o.size == 0 || o.size.saturating_mul(o.shards) > REGION_LEN {
-        eprintln!("--size × --shards must be within 1..={REGION_LEN}");
+    o.count = count.unwrap_or(if o.trusted { 1000 } else { 10_000 });
+    o.tls = tls.unwrap_or_else(|| if o.trusted { "sm,tcp" } else { "tcp" }.into());
+    o.size = size.unwrap_or(8);
+    o.sizes = match size {
+        None if o.trusted => vec![8, LARGE],
+        _ => vec![o.size],
+    };
+    if o.shards == 0 || o.size == 0 || o.size > 16 << 20 {
+        eprintln!("--size must be within 1..=16 MiB, --shards at least 1");
         usage();
     }
     o
 }
 
+/// Bytes of each server region: room for every client shard's largest access. Both sides of
+/// a two-process run compute it from the same options, and the client checks the descriptors.
+fn region_len(o: &Opts) -> usize {
+    let largest = o.sizes.iter().copied().max().unwrap_or(o.size);
+    REGION_LEN.max(largest.saturating_mul(o.shards))
+}
+
 fn usage() -> ! {
     eprintln!(
         "usage: rma_put_get [--listen ADDR [--for SECS] | --connect ADDR] [--count N] \
-         [--size B] [--shards N] [--tls LIST]"
+         [--size B] [--shards N] [--tls LIST] [--trusted]"
     );
     std::process::exit(2)
 }
 
 fn node(o: &Opts, id: u64) -> shardcx::NodeBuilder {
-    Node::builder()
+    let b = Node::builder()
         .shards(o.shards)
         .placement(shardcx::shards::Placement::Unpinned)
         .transports(&o.tls)
         .node_id(NodeId::new(id))
         .psk(KEY)
         // Two nodes may share this process: 1 MiB of io memory per shard fits 8 MiB memlock.
-        .io_memory(1 << 20)
+        .io_memory(1 << 20);
+    // Trusted mode only when asked: it lets the peer write anywhere in this process.
+    if o.trusted {
+        b.trusted_rma()
+    } else {
+        b
+    }
 }
 
 /// A checksum (FNV-1a).
@@ -119,6 +168,8 @@ fn checksum(bytes: &[u8]) -> u64 {
 thread_local! {
     /// The server's region on this shard.
     static REGION: RefCell<Option<Region>> = const { RefCell::new(None) };
+    /// The server's trusted region on this shard (with `--trusted`).
+    static TRUSTED: RefCell<Option<TrustedRegion>> = const { RefCell::new(None) };
     /// The checksum the server reported last, on this shard.
     static LAST_SUM: Cell<Option<u64>> = const { Cell::new(None) };
     /// Answers for this client shard.
@@ -164,6 +215,11 @@ fn on_control(node: &Node, msg: AmMsg) {
 
 /// On the shard holding the region: the answer to control message `id`.
 fn on_region_shard(id: AmId) -> Option<(AmId, Vec<u8>)> {
+    if id == ASK_TRUSTED {
+        // An empty answer: this server is not in trusted mode.
+        let bytes = TRUSTED.with(|t| t.borrow().as_ref().map(|t| t.descriptor().to_bytes()));
+        return Some((TRUSTED_DESC, bytes.unwrap_or_default()));
+    }
     REGION.with(|r| {
         let r = r.borrow();
         let region = r.as_ref()?;
@@ -203,15 +259,24 @@ fn on_region_shard(id: AmId) -> Option<(AmId, Vec<u8>)> {
 /// The server: one region per shard, control messages answered until `stop` or `--for`.
 fn serve(o: &Opts, addr: SocketAddr, bound: mpsc::Sender<SocketAddr>, stop: Arc<AtomicBool>) {
     let until = Instant::now() + o.serve_for;
+    let len = region_len(o);
     node(o, 2)
         .listen(addr)
         .on_am(ASK, || on_control)
         .on_am(REVOKE, || on_control)
         .on_am(CHECK, || on_control)
+        .on_am(ASK_TRUSTED, || on_control)
         .run(move |node: Node| {
             let (bound, stop) = (bound.clone(), stop.clone());
             async move {
-                let fill: Vec<u8> = (0..REGION_LEN).map(|i| (i % 251) as u8).collect();
+                let fill: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                if node.trusted_rma_enabled() {
+                    let t = node
+                        .register_trusted_region(len, Permissions::READ_WRITE)
+                        .expect("register trusted region");
+                    t.write_at(0, &fill).expect("fill trusted region");
+                    TRUSTED.with(|r| *r.borrow_mut() = Some(t));
+                }
                 let region = node
                     .register_region(fill, Permissions::READ_WRITE, None)
                     .expect("register region");
@@ -223,6 +288,9 @@ fn serve(o: &Opts, addr: SocketAddr, bound: mpsc::Sender<SocketAddr>, stop: Arc<
                     sleep(Duration::from_millis(10)).await;
                 }
                 REGION.with(|r| r.borrow_mut().take());
+                // Unmapped only now that no client will use its descriptor: in trusted mode
+                // nothing stops a peer from writing memory that was given back.
+                TRUSTED.with(|r| r.borrow_mut().take());
             }
         })
         .expect("server node");
@@ -273,6 +341,17 @@ struct Remote {
     desc: RemoteRegion,
     /// Whether the server serves it on the shard that receives the client's requests.
     local: bool,
+    /// The trusted region of the same server shard (with `--trusted`).
+    trusted: Option<TrustedDescriptor>,
+}
+
+/// Which way a put or get goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Carried as a request, checked by the holder.
+    Checked,
+    /// Native UCX RMA with the holder's remote key.
+    Trusted,
 }
 
 /// The descriptor in a `DESC` answer, and what its header says about the server.
@@ -286,9 +365,36 @@ fn remote_of(msg: &AmMsg) -> (Remote, u16) {
         Remote {
             desc,
             local: shard == owner,
+            trusted: None,
         },
         shards,
     )
+}
+
+/// One put and one get in `mode`; the get's bytes.
+async fn put_get(
+    peer: Peer,
+    mode: Mode,
+    r: &Remote,
+    offset: u64,
+    data: &[u8],
+    put: &mut Histogram<u64>,
+    get: &mut Histogram<u64>,
+) -> Vec<u8> {
+    let len = data.len() as u64;
+    let t0 = Instant::now();
+    match (mode, &r.trusted) {
+        (Mode::Trusted, Some(t)) => peer.put_trusted(t, offset, data).await.expect("put"),
+        _ => peer.put(&r.desc, offset, data).await.expect("put"),
+    }
+    put.record(t0.elapsed().as_nanos() as u64).unwrap();
+    let t0 = Instant::now();
+    let back = match (mode, &r.trusted) {
+        (Mode::Trusted, Some(t)) => peer.get_trusted(t, offset, len).await.expect("get"),
+        _ => peer.get(&r.desc, offset, len).await.expect("get"),
+    };
+    get.record(t0.elapsed().as_nanos() as u64).unwrap();
+    back
 }
 
 /// Latencies of one client shard against one server region.
@@ -297,20 +403,24 @@ struct Row {
     owner: bool,
     server_shard: ShardId,
     local: bool,
+    mode: Mode,
+    size: usize,
     put: Histogram<u64>,
     get: Histogram<u64>,
 }
 
-/// The client: every shard puts and gets `count` times to each server region, then shard 0
-/// shows the refusals.
+/// The client: every shard puts and gets `count` times to each server region, in each mode and
+/// size, then shard 0 shows the refusals.
 fn client(o: &Opts, addr: SocketAddr) {
-    let (count, size) = (o.count, o.size);
+    let (count, sizes, trusted) = (o.count, o.sizes.clone(), o.trusted);
+    let len = region_len(o) as u64;
     let finished = Arc::new(AtomicUsize::new(0));
     let out = node(o, 1)
         .on_am(DESC, || on_answer)
         .on_am(SUM, || on_answer)
+        .on_am(TRUSTED_DESC, || on_answer)
         .run(move |node: Node| {
-            let finished = finished.clone();
+            let (finished, sizes) = (finished.clone(), sizes.clone());
             async move {
                 let (tx, rx) = local_channel::new_unbounded();
                 ANSWERS.with(|a| *a.borrow_mut() = Some(tx));
@@ -321,32 +431,72 @@ fn client(o: &Opts, addr: SocketAddr) {
                 for want in 1..shards {
                     remotes.push(remote_of(&call(peer, &rx, me, ASK, want).await).0);
                 }
-                let offset = (me.index() * size) as u64;
+                for (want, r) in remotes.iter_mut().enumerate() {
+                    assert!(r.desc.len() >= len, "the server's regions are too small");
+                    if trusted {
+                        let msg = call(peer, &rx, me, ASK_TRUSTED, want as u16).await;
+                        if msg.payload().is_empty() {
+                            panic!("the server is not in trusted mode: start it with --trusted");
+                        }
+                        let t = TrustedDescriptor::from_bytes(msg.payload()).expect("descriptor");
+                        assert!(t.len() >= len, "the server's trusted regions are too small");
+                        // Trusted mode refuses a peer that only tcp reaches: say so, measure
+                        // checked mode only.
+                        match peer.get_trusted(&t, 0, 1).await {
+                            Err(Error::Rma(e @ RmaOpError::TrustedTransport { .. })) => {
+                                if me == ShardId::new(0) && want == 0 {
+                                    println!(
+                                        "client: trusted mode refused: {e} (try --tls sm,tcp)"
+                                    );
+                                }
+                            }
+                            other => {
+                                other.expect("trusted get");
+                                r.trusted = Some(t);
+                            }
+                        }
+                    }
+                }
+                // One client shard measures at a time: on a small machine, shards spinning through
+                // their own loops would otherwise take the CPU the others' peers need.
+                let deadline = Instant::now() + Duration::from_secs(600);
+                while finished.load(Ordering::Acquire) < me.index() && Instant::now() < deadline {
+                    sleep(Duration::from_millis(1)).await;
+                }
+                let modes: &[Mode] = if remotes.iter().all(|r| r.trusted.is_some()) && trusted {
+                    &[Mode::Checked, Mode::Trusted]
+                } else {
+                    &[Mode::Checked]
+                };
                 let mut rows = Vec::new();
                 for r in &remotes {
-                    let hist = || Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
-                    let (mut put, mut get) = (hist(), hist());
-                    let mut data = vec![0u8; size];
-                    for i in 0..count {
-                        for (j, b) in data.iter_mut().enumerate() {
-                            *b = (i as usize).wrapping_mul(7).wrapping_add(j) as u8;
+                    for &size in &sizes {
+                        let offset = (me.index() * size) as u64;
+                        for &mode in modes {
+                            let hist =
+                                || Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+                            let (mut put, mut get) = (hist(), hist());
+                            let mut data = vec![0u8; size];
+                            for i in 0..count {
+                                for (j, b) in data.iter_mut().enumerate() {
+                                    *b = (i as usize).wrapping_mul(7).wrapping_add(j) as u8;
+                                }
+                                let back =
+                                    put_get(peer, mode, r, offset, &data, &mut put, &mut get).await;
+                                assert_eq!(back, data, "get returned what was put");
+                            }
+                            rows.push(Row {
+                                me,
+                                owner: node.owner_of(peer) == me,
+                                server_shard: r.desc.shard(),
+                                local: r.local,
+                                mode,
+                                size,
+                                put,
+                                get,
+                            });
                         }
-                        let t0 = Instant::now();
-                        peer.put(&r.desc, offset, &data).await.expect("put");
-                        put.record(t0.elapsed().as_nanos() as u64).unwrap();
-                        let t0 = Instant::now();
-                        let back = peer.get(&r.desc, offset, size as u64).await.expect("get");
-                        get.record(t0.elapsed().as_nanos() as u64).unwrap();
-                        assert_eq!(back, data, "get returned what was put");
                     }
-                    rows.push(Row {
-                        me,
-                        owner: node.owner_of(peer) == me,
-                        server_shard: r.desc.shard(),
-                        local: r.local,
-                        put,
-                        get,
-                    });
                 }
                 finished.fetch_add(1, Ordering::AcqRel);
                 if me == ShardId::new(0) {
@@ -358,6 +508,12 @@ fn client(o: &Opts, addr: SocketAddr) {
                         sleep(Duration::from_millis(1)).await;
                     }
                     refusals(peer, &rx, me, remotes[0].desc).await;
+                    if let Some(t) = &remotes[0].trusted {
+                        match peer.put_trusted(t, t.len() - 4, &[0xFF; 8]).await {
+                            Err(e) => println!("client: out-of-bounds trusted put refused: {e}"),
+                            Ok(()) => panic!("an out-of-bounds trusted put was accepted"),
+                        }
+                    }
                 }
                 ANSWERS.with(|a| a.borrow_mut().take());
                 rows
@@ -365,14 +521,24 @@ fn client(o: &Opts, addr: SocketAddr) {
         })
         .expect("client node");
     println!(
-        "{:<6} {:<9} {:<12} {:<4} {:>8} {:>9} {:>9} {:>9} {:>9}",
-        "shard", "route", "region", "op", "count", "p50 us", "p99 us", "p99.9 us", "max us"
+        "{:<6} {:<9} {:<12} {:<8} {:>6} {:<4} {:>8} {:>9} {:>9} {:>9} {:>9}",
+        "shard",
+        "route",
+        "region",
+        "mode",
+        "size",
+        "op",
+        "count",
+        "p50 us",
+        "p99 us",
+        "p99.9 us",
+        "max us"
     );
     for row in out.into_iter().flatten() {
         for (op, hist) in [("put", &row.put), ("get", &row.get)] {
             let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
             println!(
-                "{:<6} {:<9} {:<12} {:<4} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+                "{:<6} {:<9} {:<12} {:<8} {:>6} {:<4} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
                 row.me.to_string(),
                 if row.owner { "owner" } else { "forwarded" },
                 format!(
@@ -380,6 +546,11 @@ fn client(o: &Opts, addr: SocketAddr) {
                     row.server_shard,
                     if row.local { "local" } else { "forwarded" }
                 ),
+                match row.mode {
+                    Mode::Checked => "checked",
+                    Mode::Trusted => "trusted",
+                },
+                size_name(row.size),
                 op,
                 hist.len(),
                 us(0.5),
@@ -390,8 +561,18 @@ fn client(o: &Opts, addr: SocketAddr) {
         }
     }
     println!(
-        "{size}-byte puts and gets, one at a time; every get checked against the put before it"
+        "puts and gets one at a time; every get checked against the put before it; a trusted \
+         put resolves once remotely complete (flushed)"
     );
+}
+
+/// `8`, `64K`, `1M`...
+fn size_name(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{}M", s >> 20),
+        s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{}K", s >> 10),
+        s => s.to_string(),
+    }
 }
 
 /// Shows the refusals on the server's region of its shard 0, and that they changed nothing.

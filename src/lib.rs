@@ -11,7 +11,7 @@ pub use error::Error;
 pub use node::{
     AmMsg, Node, NodeBuilder, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID, MAX_AM_HEADER,
 };
-pub use rma::{Region, RemoteRegion};
+pub use rma::{Region, RemoteRegion, TrustedDescriptor, TrustedRegion};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
 pub use shardcx_shards::{proto, ucx};
 pub use shutdown::{Shutdown, Stopped, DEFAULT_DRAIN_DEADLINE};

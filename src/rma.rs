@@ -1,4 +1,7 @@
-//! Remote memory through [`Node`] and [`Peer`], in checked mode.
+//! Remote memory through [`Node`] and [`Peer`]: checked mode (the default), and trusted mode
+//! (native UCX RMA, only when enabled with [`NodeBuilder::trusted_rma`]).
+//!
+//! ## Checked mode
 //!
 //! A shard registers a region of its own memory ([`Node::register_region`]) and gets a
 //! [`Region`] handle (`!Send`: the memory stays on that shard). The region's
@@ -9,8 +12,8 @@
 //!
 //! Every access travels as a request to the node holding the region, where the shard holding
 //! the memory checks it (region, grantee, generation, permission, overflow-safe bounds) before
-//! copying; no UCX remote key is ever handed out, and `UCP_FEATURE_RMA` stays off (see
-//! `shardcx_shards::rma` for the path of a request and the limits). The initiator checks
+//! copying; no UCX remote key is ever handed out, and `UCP_FEATURE_RMA` stays off unless trusted
+//! mode is enabled (see `shardcx_shards::rma` for the path of a request and the limits). The initiator checks
 //! permission and bounds against the descriptor first, so an access the descriptor already
 //! forbids fails without a round trip.
 //!
@@ -36,20 +39,68 @@
 //! assert_eq!(peer.get(&theirs, 0, 5).await?, b"hello");
 //! # Ok(()) }
 //! ```
+//!
+//! ## Trusted mode: native RMA, and no protection for the target
+//!
+//! **Over TCP and shared memory UCX does not enforce remote keys: a peer holding any remote key
+//! of a process can read and write anywhere in that process, and unmapping revokes nothing.**
+//! Trusted mode hands such keys out, so enable it only between processes that trust each other
+//! completely. It is off unless [`NodeBuilder::trusted_rma`] turns `UCP_FEATURE_RMA` on;
+//! without it every trusted call fails with [`Error::Rma`]([`RmaOpError::TrustedOff`]), and
+//! nothing reaches UCX. Both the node holding memory and the nodes accessing it need it.
+//!
+//! [`Node::register_trusted_region`] maps zeroed memory with UCX on the calling shard and packs
+//! its remote key; the [`TrustedRegion`] (`!Send`) owns the mapping, and its
+//! [`TrustedDescriptor`] (`Send + Sync`, [`TrustedDescriptor::to_bytes`]) carries the node, its
+//! incarnation, the shard, base address, length, permissions, packed key and the shard's worker
+//! address, for the application to hand to peers. [`Peer::put_trusted`] and
+//! [`Peer::get_trusted`] (and their `_within` forms) run on this node's owner shard of the peer
+//! (forwarded there from other shards), which checks that a session with the peer is ready and
+//! of the descriptor's incarnation, unpacks the key once per (endpoint, region) and caches it,
+//! and issues `ucp_put_nbx` + flush or `ucp_get_nbx` within the deadline. The only checks are
+//! the initiator's own: permission and overflow-safe bounds against the descriptor, before
+//! anything is sent ([`RmaOpError::Invalid`]). The target checks nothing, and runs no code for
+//! an access.
+//!
+//! Trusted operations run over shared memory (a peer on the same machine, with shared-memory
+//! transports in the node's list, e.g. `transports("sm,tcp")`) or RDMA; a peer that only tcp
+//! reaches is refused with [`RmaOpError::TrustedTransport`] (UCX 1.12 only emulates RMA over
+//! tcp, no faster than checked mode, and its tcp transport crashed the target with these
+//! endpoints). See `shardcx_shards::rma_trusted` for the endpoints, the key cache and its
+//! invalidation when a connection ends.
+//!
+//! ```no_run
+//! # use shardcx::{Node, Peer, rma::{Permissions, TrustedDescriptor}};
+//! # fn build() -> Result<(), shardcx::Error> {
+//! Node::builder().trusted_rma() // on every node that holds or accesses trusted regions
+//! # ; Ok(()) }
+//! # async fn demo(node: Node, peer: Peer, theirs: TrustedDescriptor) -> Result<(), shardcx::Error> {
+//! // On the node that holds the memory:
+//! let region = node.register_trusted_region(4096, Permissions::READ_WRITE)?;
+//! let bytes = region.descriptor().to_bytes(); // hand these to trusted peers only
+//! // On the peer, with a descriptor it received (TrustedDescriptor::from_bytes):
+//! peer.put_trusted(&theirs, 0, b"hello").await?;
+//! assert_eq!(peer.get_trusted(&theirs, 0, 5).await?, b"hello");
+//! # Ok(()) }
+//! ```
 
 use std::cell::Cell;
 use std::fmt;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
+use shardcx_shards::proto::NodeId;
 use shardcx_shards::{NetError, ShardCtx};
 
 pub use shardcx_shards::proto::region::{Access, Permissions, RmaErrorCode};
 pub use shardcx_shards::proto::RegionId;
 pub use shardcx_shards::rma::{DescriptorError, RemoteRegion, RmaOpError, RmaStats};
+pub use shardcx_shards::rma_trusted::{TrustedDescriptor, TrustedRegion, TrustedStats};
+
+use shardcx_shards::ucx::Features;
 
 use crate::node::{lazily, within};
-use crate::{Error, Node, Peer};
+use crate::{Error, Node, NodeBuilder, Peer};
 
 /// A region of this shard's memory that remote nodes may access. `!Send`: it belongs to the
 /// shard that registered it. Dropping it deregisters the region (and frees the memory).
@@ -86,6 +137,50 @@ impl Node {
     /// This shard's remote-memory counters (accesses served, refused, forwarded...).
     pub fn rma_stats(&self) -> RmaStats {
         self.shard_ctx().rma_stats()
+    }
+}
+
+impl NodeBuilder {
+    /// Turns trusted-mode remote memory on: every shard's UCX context gets `UCP_FEATURE_RMA`
+    /// (its features become [`Features::messaging`] plus RMA, replacing features set earlier
+    /// through [`NodeBuilder::with_shards`]). **Any peer that gets a trusted descriptor of this
+    /// node can then write anywhere in this process** (see the module docs); checked-mode
+    /// put/get work as before.
+    pub fn trusted_rma(self) -> Self {
+        self.with_shards(|s| {
+            s.features(Features {
+                rma: true,
+                ..Features::messaging()
+            })
+        })
+    }
+}
+
+impl Node {
+    /// Whether trusted mode is on ([`NodeBuilder::trusted_rma`]).
+    pub fn trusted_rma_enabled(&self) -> bool {
+        self.shard_ctx().trusted_rma_enabled()
+    }
+
+    /// Maps `len` zeroed bytes with UCX on this shard for trusted-mode access by peers, which
+    /// their initiators will limit to `permissions` (nothing on this side enforces them). Hand
+    /// the region's [`TrustedRegion::descriptor`] to trusted peers only; drop the region only
+    /// once none of them will use it any more.
+    ///
+    /// Errors: [`Error::Rma`] with [`RmaOpError::TrustedOff`] when trusted mode is off,
+    /// [`RmaOpError::Ucx`] when UCX cannot map the memory (or `len` is zero).
+    pub fn register_trusted_region(
+        &self,
+        len: usize,
+        permissions: Permissions,
+    ) -> Result<TrustedRegion, Error> {
+        Ok(self.shard_ctx().register_trusted_region(len, permissions)?)
+    }
+
+    /// This shard's trusted-mode counters (operations it ran as owner shard, keys unpacked and
+    /// found in the cache, invalidations).
+    pub fn trusted_rma_stats(&self) -> TrustedStats {
+        self.shard_ctx().trusted_rma_stats()
     }
 }
 
@@ -245,13 +340,125 @@ impl Peer {
         .await
     }
 
+    /// Writes `data` at `offset` of the trusted region `region` (a descriptor of this peer's)
+    /// with native RMA, from any shard of a running node, within the default deadline.
+    /// Resolves once the data is remotely complete.
+    ///
+    /// Errors: [`Error::Rma`] ([`RmaOpError::TrustedOff`] when this node's trusted mode is off;
+    /// [`RmaOpError::Invalid`] for an access the descriptor forbids or out of its bounds,
+    /// nothing sent; [`RmaOpError::WrongNode`]; [`RmaOpError::StaleIncarnation`] for a
+    /// descriptor of an earlier run of the peer; [`RmaOpError::TrustedTransport`] when only tcp
+    /// reaches the peer; [`RmaOpError::Ucx`]), [`Error::TimedOut`] (the
+    /// put may or may not have been applied), [`Error::Net`], [`Error::NotOnShard`].
+    pub async fn put_trusted(
+        &self,
+        region: &TrustedDescriptor,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        let timeout = node.default_deadline();
+        self.put_trusted_on(&node, region, offset, data, timeout)
+            .await
+    }
+
+    /// [`Peer::put_trusted`] with its own deadline.
+    pub async fn put_trusted_within(
+        &self,
+        region: &TrustedDescriptor,
+        offset: u64,
+        data: &[u8],
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        self.put_trusted_on(&node, region, offset, data, timeout)
+            .await
+    }
+
+    /// Reads `len` bytes at `offset` of the trusted region `region` (a descriptor of this
+    /// peer's) with native RMA, from any shard, within the default deadline. Errors as
+    /// [`Peer::put_trusted`].
+    pub async fn get_trusted(
+        &self,
+        region: &TrustedDescriptor,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        let timeout = node.default_deadline();
+        self.get_trusted_on(&node, region, offset, len, timeout)
+            .await
+    }
+
+    /// [`Peer::get_trusted`] with its own deadline.
+    pub async fn get_trusted_within(
+        &self,
+        region: &TrustedDescriptor,
+        offset: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        self.get_trusted_on(&node, region, offset, len, timeout)
+            .await
+    }
+
+    async fn put_trusted_on(
+        &self,
+        node: &Node,
+        region: &TrustedDescriptor,
+        offset: u64,
+        data: &[u8],
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        self.holds(region.node())?;
+        let ctx = node.shard_ctx();
+        within(
+            "put",
+            timeout,
+            lazily(node, self.node_id(), timeout, || async {
+                ctx.trusted_put(region, offset, data, timeout)
+                    .await
+                    .map_err(|e| facade_error(e, "put", timeout))
+            }),
+        )
+        .await
+    }
+
+    async fn get_trusted_on(
+        &self,
+        node: &Node,
+        region: &TrustedDescriptor,
+        offset: u64,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, Error> {
+        self.holds(region.node())?;
+        let ctx = node.shard_ctx();
+        within(
+            "get",
+            timeout,
+            lazily(node, self.node_id(), timeout, || async {
+                ctx.trusted_get(region, offset, len, timeout)
+                    .await
+                    .map_err(|e| facade_error(e, "get", timeout))
+            }),
+        )
+        .await
+    }
+
     fn owns(&self, region: &RemoteRegion) -> Result<(), Error> {
-        if region.node() == self.node_id() {
+        self.holds(region.node())
+    }
+
+    /// [`RmaOpError::WrongNode`] unless `region_node` is this peer.
+    fn holds(&self, region_node: NodeId) -> Result<(), Error> {
+        if region_node == self.node_id() {
             Ok(())
         } else {
             Err(Error::Rma(RmaOpError::WrongNode {
                 node: self.node_id(),
-                region_node: region.node(),
+                region_node,
             }))
         }
     }

@@ -152,8 +152,8 @@ pub enum NetError {
         #[source]
         source: HandshakeError,
     },
-    /// A deadline passed (`what` is `"bootstrap"`, `"handshake"`, `"request"` or
-    /// `"rendezvous"`).
+    /// A deadline passed (`what` is `"bootstrap"`, `"handshake"`, `"request"`,
+    /// `"rendezvous"`, `"tag receive"`, or `"put"`/`"get"` for trusted remote memory).
     #[error("{what} timed out")]
     TimedOut {
         /// The step that timed out.

@@ -69,6 +69,7 @@ pub mod mesh;
 pub mod net;
 pub mod pool;
 pub mod rma;
+pub mod rma_trusted;
 pub mod tag;
 
 pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};

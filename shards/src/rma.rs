@@ -9,9 +9,13 @@
 //! payloads are proto's ([`crate::proto::region`]); this module holds the memory, routes the
 //! requests and turns replies into typed errors ([`RmaOpError`]).
 //!
-//! Trusted mode (native UCX RMA with packed rkeys) is not implemented: shards start with
-//! [`crate::ucx::Features::messaging`], in which `UCP_FEATURE_RMA` is off, and nothing here
-//! turns it on.
+//! This is the default, and the only mode that protects the target. The other one, trusted
+//! mode ([`crate::rma_trusted`]: native UCX RMA with packed rkeys handed to peers, no target
+//! CPU on RDMA hardware), lets any peer holding a key write anywhere in the holder's process,
+//! and is on only when the shards were started with `UCP_FEATURE_RMA`
+//! ([`crate::ShardsBuilder::features`]); shards start with
+//! [`crate::ucx::Features::messaging`], in which it is off, and the trusted calls then fail with
+//! [`RmaOpError::TrustedOff`]. Checked put/get work the same in either mode.
 //!
 //! ## Regions and descriptors
 //!
@@ -108,7 +112,9 @@ use crate::proto::region::{
     RegionTable, RmaError, RmaErrorCode, RmaReply,
 };
 use crate::proto::wire::NO_DEADLINE_TTL;
-use crate::proto::{FrameHeader, FrameKind, Generation, Limits, NodeId, RegionId, ShardId};
+use crate::proto::{
+    FrameHeader, FrameKind, Generation, Incarnation, Limits, NodeId, RegionId, ShardId,
+};
 
 /// Bits of a region id that number the region within its shard (the bits above name the shard).
 pub const SLOT_BITS: u32 = 20;
@@ -137,7 +143,7 @@ pub struct RemoteRegion {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Error)]
 #[error("malformed region descriptor: {reason}")]
 pub struct DescriptorError {
-    reason: &'static str,
+    pub(crate) reason: &'static str,
 }
 
 /// Counters of one shard's remote-memory service.
@@ -246,6 +252,48 @@ pub enum RmaOpError {
     Reentrant {
         /// The shard.
         shard: ShardId,
+    },
+    /// A trusted-mode call ([`crate::rma_trusted`]) on a node whose shards were started
+    /// without `UCP_FEATURE_RMA`: trusted mode is off unless enabled explicitly.
+    #[error("trusted remote memory is off on shard {shard} (UCP_FEATURE_RMA not enabled)")]
+    TrustedOff {
+        /// The shard called.
+        shard: ShardId,
+    },
+    /// A trusted descriptor of another run of its node than the one connected now: its key and
+    /// addresses name memory of a process that is gone.
+    #[error(
+        "trusted descriptor of node {node} is for incarnation {descriptor}, \
+         the session is with incarnation {session}"
+    )]
+    StaleIncarnation {
+        /// The node.
+        node: NodeId,
+        /// The descriptor's incarnation.
+        descriptor: Incarnation,
+        /// The connected session's incarnation.
+        session: Incarnation,
+    },
+    /// A trusted-mode access to a node that only tcp reaches (no shared memory with it, no
+    /// RDMA transport): UCX 1.12 has no RMA over tcp, only an emulation served by the target's
+    /// CPU, and its tcp transport crashed the target with trusted endpoints (see
+    /// [`crate::rma_trusted`]). Checked put/get serve such peers.
+    #[error(
+        "trusted remote memory to node {node} would run over tcp (needs shared memory or RDMA)"
+    )]
+    TrustedTransport {
+        /// The node holding the region.
+        node: NodeId,
+    },
+    /// UCX failed a trusted-mode step (`op`: `"map"`, `"pack remote key"`, `"connect"`,
+    /// `"unpack remote key"`, `"put"`, `"get"`, ...).
+    #[error("trusted {op}: {source}")]
+    Ucx {
+        /// The step.
+        op: &'static str,
+        /// UCX's error.
+        #[source]
+        source: crate::ucx::Error,
     },
 }
 

@@ -1,5 +1,7 @@
 //! Tier 3: checked remote memory on the shards' own API, installed from
-//! `ShardsBuilder::on_start`, between two nodes of two shards each in one process over tcp.
+//! `ShardsBuilder::on_start`, between two nodes of two shards each in one process over tcp;
+//! and trusted-mode regions on one node (the facade's `tests/rma.rs` runs trusted put/get
+//! between nodes).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
 
@@ -156,4 +158,81 @@ fn shard_api_round_trip_and_deregistration() {
     assert_eq!(&mem1[100..102], b"ww");
     assert!(s0.puts == 2 && s1.puts == 2, "{s0:?} {s1:?}");
     assert_eq!(s0.refused + s1.refused + s0.malformed + s1.malformed, 0);
+}
+
+/// Trusted mode on the shards' own API, one node: off unless `UCP_FEATURE_RMA` is asked for;
+/// on, a region maps zeroed memory, its descriptor survives encoding, its bounds hold locally,
+/// and an access to a node with no session fails with a typed error before UCX is touched.
+#[test]
+fn trusted_regions_on_one_node() {
+    use shardcx_shards::proto::region::Access;
+    use shardcx_shards::rma_trusted::{host_id, TrustedDescriptor};
+    use shardcx_shards::ucx::Features;
+    let _g = serial();
+    // Off: the default features.
+    let off = node(A)
+        .run(|ctx: Rc<ShardCtx>| async move {
+            assert!(!ctx.trusted_rma_enabled());
+            let r = ctx.register_trusted_region(64, Permissions::READ_WRITE);
+            matches!(r, Err(RmaOpError::TrustedOff { shard }) if shard == ctx.id())
+        })
+        .unwrap();
+    assert_eq!(off, vec![true, true]);
+    // On.
+    let rma = Features {
+        rma: true,
+        ..Features::messaging()
+    };
+    let out = node(B)
+        .features(rma)
+        .run(|ctx: Rc<ShardCtx>| async move {
+            assert!(ctx.trusted_rma_enabled());
+            let r = ctx
+                .register_trusted_region(10_000, Permissions::READ)
+                .unwrap();
+            assert_eq!(r.to_vec(), vec![0; 10_000]);
+            r.write_at(9_990, b"0123456789").unwrap();
+            let mut back = [0u8; 10];
+            r.read_at(9_990, &mut back).unwrap();
+            assert_eq!(&back, b"0123456789");
+            assert!(matches!(
+                r.write_at(9_991, b"0123456789"),
+                Err(RmaOpError::Invalid { .. })
+            ));
+            assert!(matches!(
+                r.read_at(u64::MAX, &mut back),
+                Err(RmaOpError::Invalid { .. })
+            ));
+            let d = r.descriptor().clone();
+            assert_eq!((d.node(), d.shard(), d.len()), (B, ctx.id(), 10_000));
+            assert_eq!((d.incarnation(), d.host()), (ctx.incarnation(), host_id()));
+            assert_eq!(TrustedDescriptor::from_bytes(&d.to_bytes()), Ok(d.clone()));
+            // The holder's own permissions are the initiator's check.
+            let e = ctx.trusted_put(&d, 0, b"x", T).await.unwrap_err();
+            assert_eq!(e.code(), Some(RmaErrorCode::NotPermitted), "{e:?}");
+            assert!(d.check(0, 1, Access::Read).is_ok());
+            // No session with the holder (itself): typed, before any UCX call.
+            let e = ctx.trusted_get(&d, 0, 1, T).await.unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    RmaOpError::Net(shardcx_shards::NetError::NotConnected { .. })
+                ),
+                "{e:?}"
+            );
+            // An empty region is refused by UCX, as a typed error.
+            let e = ctx
+                .register_trusted_region(0, Permissions::READ)
+                .unwrap_err();
+            assert!(matches!(e, RmaOpError::Ucx { .. }), "{e:?}");
+            ctx.trusted_rma_stats()
+        })
+        .unwrap();
+    for s in out {
+        assert_eq!(
+            (s.regions, s.puts, s.gets, s.endpoints),
+            (1, 0, 0, 0),
+            "{s:?}"
+        );
+    }
 }
