@@ -58,15 +58,16 @@ pub struct ShardsBuilder {
 }
 
 /// The executors' preempt timer: how long task queues may run before the executor looks at
-/// I/O, timers and cross-shard channels again. glommio's default is 100 ms, lowered only while a
-/// `Latency::Matters` queue is in its active list; the progress queue leaves that list each time
-/// it runs, and glommio then recomputes the timer without it, so a shard busy with UCX traffic
-/// saw cross-shard requests up to 100 ms late (`am_echo --shards 2`: the forwarding shard's max
-/// round trip was 100 ms in every run). Set for every queue, it bounds that delay.
+/// I/O, timers and other threads' wake-ups again. glommio's default is 100 ms, lowered only
+/// while a `Latency::Matters` queue is in its active list; the progress queue leaves that list
+/// each time it runs, and glommio then recomputes the timer without it, so a shard busy with UCX
+/// traffic saw cross-shard requests up to 100 ms late (`am_echo --shards 2`: the forwarding
+/// shard's max round trip was 100 ms in every run). Set for every queue, it bounds that delay.
 const PREEMPT_TIMER: Duration = Duration::from_millis(1);
 
 /// Latency of the progress driver's task queue: while the driver spins, the shard looks at
-/// cross-shard lanes (and timers) this often. A shorter one serves forwarded work sooner but
+/// timers and other threads' wake-ups this often (it looked at cross-shard lanes this often
+/// too, before the driver polled them itself). A shorter one serves forwarded work sooner but
 /// preempts the spinning driver more often, which shows in the busy round trip's tail. Measured
 /// on the 2-core VM, with the 1 ms [`PREEMPT_TIMER`] (`idle_wake` busy 8-byte RTT p99;
 /// `am_echo --shards 2`, both nodes in one process: forwarded shard p50 / max, owner shard p99).
@@ -82,9 +83,13 @@ const PREEMPT_TIMER: Duration = Duration::from_millis(1);
 /// | 1 ms | 2.4–2.6 µs | 1.2 ms / 9–47 ms | 150–250 µs |
 /// | 100 µs, glommio's 100 ms default timer (before) | 2.1 µs | 260 µs / 100 ms | 72–81 µs |
 ///
-/// Forwarded work waiting for a spinning shard's preempt is the mesh's weak point: the fix is
-/// lanes the driver polls itself, with a doorbell for a sleeping shard (see the notes in
-/// `mesh`).
+/// The forwarded column was measured with the mesh's former lanes, glommio shared channels,
+/// which a spinning shard looked at only at this preempt. The driver now polls the lanes
+/// itself on every round (see `mesh`), so a forward no longer waits for the preempt: at
+/// 500 µs, `am_echo` forwarded p50 120–230 µs (owner 17–25 µs; the rest is the forwarding
+/// shard's wake-ups, its driver sleeping) and the `hop` example's hop to a spinning shard p50
+/// 1.1–2.7 µs, against 510–530 µs and 510 µs with the former lanes (same day, load 1–4).
+/// This latency now matters for timers and other threads' wake-ups only.
 const PROGRESS_LATENCY: Duration = Duration::from_micros(500);
 
 /// A hook run on every shard once its state is built (see [`ShardsBuilder::on_start`]).
@@ -383,9 +388,9 @@ impl ShardsBuilder {
         F: Fn(Rc<ShardCtx>) -> Fut,
         Fut: Future<Output = T>,
     {
-        // First, so that every shard's lanes are connected before any user future runs, and a
-        // shard that fails below leaves the mesh (its lanes close) instead of hanging the others.
-        let (mesh, receivers) = backstopped(ends.connect(self.mesh)).await;
+        // First, so that a shard that fails below leaves the mesh (its lanes close) instead of
+        // hanging the others.
+        let mesh = ends.connect(self.mesh);
         let _leave = mesh.leave_guard();
         let ucx = |source| BootError::Ucx { shard, source };
         let mut config = Config::from_env().map_err(ucx)?;
@@ -438,7 +443,10 @@ impl ShardsBuilder {
                 (hook.0)(&ctx);
             }
         }
-        let mesh_tasks = mesh.start(&ctx, receivers);
+        // The mesh's lanes are taken by the driver on every round while it runs, and by the
+        // mesh's inbox task while it sleeps (see `mesh` and `driver`).
+        let mesh_tasks = mesh.start(&ctx);
+        ctx.driver.set_poll_hook(mesh.poll_hook(&ctx));
         let started = match installed {
             Ok(()) => net::listen(&ctx).await,
             Err(e) => Err(e),

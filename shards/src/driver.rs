@@ -30,6 +30,22 @@
 //! [`crate::ShardCtx::wake_driver`], which signals the worker (`ucp_worker_signal`) and so makes
 //! the event fd readable.
 //!
+//! ## The mesh's hook: cross-shard lanes polled every round
+//!
+//! The cross-shard mesh registers a hook (`Driver::set_poll_hook`, a `RoundHook`) that the
+//! driver polls on every round, after `progress`: it takes whatever other shards have put in
+//! this shard's lanes (one atomic load when nothing came; see the module docs of
+//! [`crate::mesh`]). A spinning shard so sees a forwarded request or completion within one
+//! round, instead of when glommio next looks at other threads' wake-ups (the progress queue's
+//! preempt, 500 µs, see `boot.rs`). What the hook takes counts as an event, like a UCX one: the
+//! driver keeps spinning through an exchange of forwards.
+//!
+//! A sleeping driver does not poll it; the mesh's own inbox task, woken by the sender through
+//! the executor's eventfd, takes instead, and leaves the driver asleep (the mesh's docs say
+//! why). So that senders know which it is, the driver tells the hook when it goes to sleep,
+//! and then polls it once more before arming (a message that came in between is taken, and
+//! the driver spins on), and tells it again when it wakes.
+//!
 //! ## Shutdown
 //!
 //! Stopping the shard sets the stop flag and signals the worker: a sleeping driver is woken by its
@@ -74,7 +90,7 @@
 //! A shorter window saves CPU on bursty loads at the price of more wake-ups; measure with the
 //! `idle_wake` example and `DriverConfig::spin`.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
@@ -128,10 +144,25 @@ pub struct DriverStats {
     pub sleeps: Cell<u64>,
 }
 
+/// What the driver calls besides `progress` (see "The mesh's hook" in the module docs).
+pub(crate) trait RoundHook {
+    /// Called on every round while the driver is awake: take what has come; true if anything
+    /// had, which counts as an event for the spin window.
+    fn poll(&self) -> bool;
+
+    /// The driver is going to sleep (`true`; one more [`RoundHook::poll`] follows before it
+    /// arms the worker), or is awake again (`false`). Also `true` when the driver stops.
+    fn sleeping(&self, asleep: bool);
+}
+
+/// The hook as the driver holds it.
+pub(crate) type PollHook = Rc<dyn RoundHook>;
+
 /// A shard's running progress driver: the waker thread and the flags shared with it.
 pub(crate) struct Driver {
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
+    hook: Rc<RefCell<Option<PollHook>>>,
     waker: Option<JoinHandle<()>>,
     worker: Worker,
 }
@@ -142,6 +173,7 @@ pub(crate) struct DriverTask {
     stream: UnixStream,
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
+    hook: Rc<RefCell<Option<PollHook>>>,
     stats: Rc<DriverStats>,
     config: DriverConfig,
 }
@@ -178,10 +210,12 @@ impl Driver {
         let _ = std::fs::remove_file(&path);
         let stream = connected?;
         let sleeping = Rc::new(Cell::new(false));
+        let hook = Rc::new(RefCell::new(None));
         Ok((
             Driver {
                 stop: stop.clone(),
                 sleeping: sleeping.clone(),
+                hook: hook.clone(),
                 waker: Some(waker),
                 worker: worker.clone(),
             },
@@ -190,10 +224,16 @@ impl Driver {
                 stream,
                 stop,
                 sleeping,
+                hook,
                 stats,
                 config,
             },
         ))
+    }
+
+    /// Call `hook` on every round from now on, replacing any previous hook.
+    pub(crate) fn set_poll_hook(&self, hook: PollHook) {
+        *self.hook.borrow_mut() = Some(hook);
     }
 
     /// Wake the driver if it sleeps, so that it progresses the worker now.
@@ -264,11 +304,27 @@ pub(crate) async fn run(mut task: DriverTask) {
     let mut backstop = Backstop::new();
     while !task.stop.load(Ordering::Acquire) {
         let events = task.worker.progress();
+        // The mesh's lanes (see "The mesh's hook"). Cloned out of the cell, so that the hook
+        // may set another one.
+        let hook = task.hook.borrow().clone();
+        let hooked = hook.as_ref().is_some_and(|hook| hook.poll());
         task.stats.rounds.set(task.stats.rounds.get() + 1);
         let now = Instant::now();
-        if events > 0 {
+        if events > 0 || hooked {
             last_event = now;
         } else if now.duration_since(last_event) >= task.config.spin {
+            // Say so before the last look at the lanes: a sender then either sees the driver
+            // asleep (and wakes the mesh's inbox task), or its message is taken here.
+            if let Some(hook) = &hook {
+                hook.sleeping(true);
+                if hook.poll() {
+                    hook.sleeping(false);
+                    last_event = now;
+                    backstop.arm(now).await;
+                    glommio::executor().yield_task_queue_now().await;
+                    continue;
+                }
+            }
             match task.worker.arm() {
                 Ok(Armed::Busy) => {
                     last_event = now;
@@ -309,11 +365,19 @@ pub(crate) async fn run(mut task: DriverTask) {
                     glommio::timer::sleep(Duration::from_micros(100)).await;
                 }
             }
+            if let Some(hook) = &hook {
+                hook.sleeping(false);
+            }
         }
         // Yield with a timer registered (see "glommio 0.9 can park with the driver
         // runnable"). `now` is at most one round old; after a sleep, the timer is re-armed.
         backstop.arm(now).await;
         glommio::executor().yield_task_queue_now().await;
+    }
+    // From now on the hook is not polled.
+    let hook = task.hook.borrow().clone();
+    if let Some(hook) = hook {
+        hook.sleeping(true);
     }
     // Tell the waker thread now. Dropping a glommio socket only queues its close on the ring,
     // and the shard may block in `Driver::join` before the ring runs it.

@@ -9,21 +9,74 @@
 //! ## Lanes
 //!
 //! [`ShardsBuilder::run`](crate::ShardsBuilder::run) creates, before any executor starts, two
-//! glommio shared channels (bounded single-producer, single-consumer queues) for every ordered
-//! pair of shards `(i, j)`, `i != j`: a **request lane** `i → j` and a **completion lane**
-//! `j → i` carrying the answers to `i`'s requests. Each shard connects its ends when it starts
-//! (all concurrently: a `connect` waits for the other end's), and spawns one receiver task per
-//! incoming lane. Both lanes hold [`MeshConfig::lane_capacity`] messages.
+//! bounded lock-free queues (`concurrent_queue::ConcurrentQueue`, which either end may close)
+//! for every ordered pair of shards `(i, j)`, `i != j`: a **request lane** `i → j` and a
+//! **completion lane** `j → i` carrying the answers to `i`'s requests. Both hold
+//! [`MeshConfig::lane_capacity`] messages. Each shard also has a **doorbell**, which every
+//! other shard can ring: a flag and the waker of the shard's inbox task (below).
 //!
-//! A glommio shared channel wakes the receiving executor itself when it pushes into it (it
-//! writes the executor's sleep eventfd), so a forwarded request does not wait for the target's
-//! progress driver, even when that driver sleeps (`tests/mesh.rs` checks this). A target whose
-//! driver *spins* (busy with UCX traffic) is not asleep, and glommio looks at its channels only
-//! when its preempt timer fires: the progress queue's latency, 500 µs (see `boot.rs` for the
-//! measured trade-off). That is the mesh's weak point under load (a forwarded call to a busy
-//! shard costs about half a millisecond); the fix is lanes that the driver polls itself on
-//! every round, with a doorbell (`ucp_worker_signal` on the target's worker) for a sleeping
-//! target.
+//! Sending is: push into the lane, then ring the target's doorbell (set the flag and, if it
+//! was clear, wake the inbox task). Taking is: clear the flag, then drain every
+//! incoming lane: resolve the completions, spawn the requests' jobs as local tasks. Two things
+//! take, on the target's own thread:
+//!
+//! - the **progress driver**, on every round (`driver.rs` calls a hook the mesh registers;
+//!   when nothing came, the hook is one relaxed load of the flag). A shard whose driver spins,
+//!   busy with UCX traffic or in its spin window, sees a forwarded request or completion within
+//!   one progress round, with no system call on either side. What it takes counts as an event
+//!   for the spin window.
+//! - the **inbox task**, one per shard, which puts its waker on the doorbell when it starts
+//!   and sleeps whenever it finds the flag clear. When the target sleeps (its driver asleep,
+//!   its executor parked), the sender's wake takes glommio's path for a waker woken from
+//!   another thread: it queues the waker for the target's executor and, the executor being
+//!   parked, writes its eventfd: the cost of a glommio shared channel. The task drains the
+//!   lanes.
+//!
+//! Mesh traffic keeps an awake driver awake, but does not wake a sleeping one: a shard whose
+//! only work is forwarding (waiting for completions, or serving jobs now and then) sleeps as
+//! before, and pays one wake-up (tens of microseconds on this VM) per message that finds it
+//! asleep. Waking the driver (to spin for its spin window) when a request is sent or taken was
+//! tried and measured: it makes a hop between two otherwise idle shards about a microsecond
+//! when each has a core of its own, but on this 2-core machine with more shards than cores
+//! (`am_echo`'s two nodes of two shards in one process) the extra spinning shard took the
+//! core the others needed, and the forwarded round trip went from about 0.2 ms to 2 ms.
+//!
+//! A spinning target gets the wake as well, queued without the eventfd write (the executor is
+//! not parked), and runs the inbox task when glommio next looks at its foreign wakes (at the
+//! progress queue's preempt, `boot.rs`); by then the driver has emptied the lanes. While the
+//! target's driver polls, only the ring that sets the flag wakes: one wake per message when
+//! the driver takes each message as it comes (a hundred nanoseconds or so on the sender),
+//! fewer in bursts.
+//!
+//! While the target's driver sleeps (the doorbell's `asleep` flag, which the driver sets
+//! through its hook before its last look at the lanes and clears when it wakes), every ring
+//! wakes the inbox task, as glommio's shared channels wrote the eventfd on every send. One
+//! wake per burst is not enough there: glommio 0.9 can park an executor with a task runnable
+//! (see `driver.rs`; measured here as forwards to a sleeping shard waiting for its driver's
+//! 50 ms sleep timeout, a few per 20 000 round trips in `am_echo`, before this rule). The
+//! waker stays on the doorbell (woken by reference, not taken), so that each of those rings
+//! reaches the executor whatever the inbox task is doing. A hop between two awake shards
+//! costs two queue operations each way and a progress round: about a microsecond
+//! (`examples/hop.rs`), where the glommio shared channels used before cost half a millisecond
+//! (a spinning target looked at them only at its preempt).
+//!
+//! The jobs a driver takes are spawned into the shard's default task queue, like those the
+//! inbox task takes: they run like the shard's other tasks, not in the driver's latency queue.
+//!
+//! Why nothing is lost: whoever clears the flag drains after clearing it, and a sender sets it
+//! after its push; both are read-modify-writes, so a push is either seen by the drain that
+//! cleared the flag or sets it again. The inbox task puts its waker on the doorbell before it
+//! first looks at the flag, and a sender that sets the flag wakes it, so a set flag always has
+//! a drain coming (the driver's next round, or the inbox task, woken or about to look). The
+//! driver marks itself asleep before its last look at the flag, and a sender reads the mark
+//! after setting the flag (all `SeqCst`): either that look takes the message, or the sender
+//! wakes the inbox task.
+//!
+//! A sender that finds its lane full registers its task on the lane (locally), marks the lane
+//! "sender waiting", and looks again; a receiver that took items from a marked lane clears
+//! the mark and rings the sender's doorbell, whose drain wakes the local waiters (a `SeqCst`
+//! fence on each side between the write and the read: either the sender sees the room, or the
+//! receiver sees the mark). The doorbell also carries closures (see "Shutdown").
 //!
 //! ## Back-pressure, and why it never deadlocks
 //!
@@ -42,15 +95,16 @@
 //! at depth [`MeshConfig::max_depth`] fail with [`ForwardError::TooDeep`]. Every wait is then for
 //! something that does not wait on the waiter:
 //!
-//! - a request lane's receiver only spawns each job as a local task, and a completion lane's
-//!   receiver only resolves local waiters; neither ever waits on anything but its lane. So a
-//!   full lane always drains, and a send waiting for room always finishes;
+//! - taking from a lane never waits: it spawns each job as a local task, resolves local
+//!   waiters, and wakes local senders waiting for room. The driver or the inbox task takes
+//!   whenever the target's executor runs, so a full lane always drains, and a send waiting for
+//!   room always finishes;
 //! - a permit of level `d` is held by a job of depth `d + 1`, which waits (besides its own
 //!   local work) only for permits of level `d + 1` and for lanes. Jobs at the deepest level take
 //!   no permits, so they finish; by induction on the level, every permit is given back.
 //!
 //! Per lane, at most `lane_capacity × max_depth` jobs run at once on the target. Cycles between
-//! shards (`A → B` while `B → A`, many at once) need no special case: the receivers never block.
+//! shards (`A → B` while `B → A`, many at once) need no special case: taking never blocks.
 //!
 //! The argument assumes the jobs themselves terminate. A job that hands work to a task it
 //! spawned and awaits it moves that work to depth 0 (a spawned task is not polled inside the
@@ -71,20 +125,23 @@
 //! - the counter never drops to 0 while work exists: a job arriving at an idle shard is counted
 //!   there before its sender's request is complete; once it is 0, no shard can create work
 //!   (every user future has ended, no job runs), so it stays 0;
-//! - at 0, each shard closes its lanes, stops its receivers and returns from
-//!   [`ShardsBuilder::run`](crate::ShardsBuilder::run)'s executor. Closing the lanes wakes the
-//!   other shards, which see the counter at 0 and leave too.
+//! - at 0, each shard closes its lanes (both directions), stops its inbox task and returns
+//!   from [`ShardsBuilder::run`](crate::ShardsBuilder::run)'s executor. Closing rings the
+//!   other shards' doorbells, which see the lanes closed and the counter at 0, and leave too.
 //!
-//! Two cases end a shard early. A shard that fails or panics leaves: its lanes close, the
-//! forwards waiting on it fail with [`ForwardError::ShardStopped`], and its units are removed
-//! from the counter so the others still leave. And once every user future has ended, a shard
-//! waits at most [`MeshConfig::drain_timeout`] for the set to become quiescent (a job that never
-//! ends must not hold the process forever); after that it leaves the same way.
+//! Two cases end a shard early. A shard that fails or panics leaves: its lanes close, its
+//! peers find its completion lane closed (once drained), and the forwards waiting on it fail
+//! with [`ForwardError::ShardStopped`]; its units are removed from the counter so the others
+//! still leave. (A shard whose executor never started drops its ends, which closes its lanes
+//! the same way.) And once every user future has ended, a shard waits at most
+//! [`MeshConfig::drain_timeout`] for the set to become quiescent (a job that never ends must
+//! not hold the process forever); after that it leaves the same way.
 //!
 //! ## What is `Send`
 //!
-//! [`MeshConfig`] and [`ForwardError`] are `Send`. The job closure and its result must be
-//! `Send`; the job's future never leaves the target shard and need not be.
+//! [`MeshConfig`], [`MeshStats`] and [`ForwardError`] are `Send`. The job closure and its
+//! result must be `Send`; the job's future never leaves the target shard and need not be. The
+//! lanes and doorbells are shared between threads (`Arc`), and carry only `Send` messages.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
@@ -93,17 +150,17 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::rc::{Rc, Weak};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use concurrent_queue::{ConcurrentQueue, PopError, PushError};
 use futures_lite::FutureExt;
-use glommio::channels::shared_channel::{
-    self, ConnectedReceiver, ConnectedSender, SharedReceiver, SharedSender,
-};
+use glommio::TaskQueueHandle;
 
 use crate::boot::ShardCtx;
+use crate::driver::{PollHook, RoundHook};
 use crate::error::ForwardError;
 use crate::proto::ids::ShardId;
 
@@ -131,6 +188,17 @@ pub struct MeshConfig {
     pub drain_timeout: Duration,
 }
 
+/// Counters of one shard's mesh ([`ShardCtx::mesh_stats`]): who took the requests and
+/// completions that arrived in its lanes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MeshStats {
+    /// Messages taken by the progress driver, in its rounds (the shard was awake).
+    pub taken_by_driver: u64,
+    /// Messages taken by the inbox task, woken by a sender (the driver was asleep, or had
+    /// not looked yet).
+    pub taken_by_task: u64,
+}
+
 /// A type-erased job result.
 type Erased = Box<dyn Any + Send>;
 
@@ -150,22 +218,51 @@ struct Completion {
     outcome: Result<Erased, String>,
 }
 
-/// One shard's unconnected ends of the mesh, made before the executors start. `Send`.
+/// One direction of one lane: a bounded queue from one shard to another, shared by the two.
+struct Chan<T> {
+    queue: ConcurrentQueue<T>,
+    /// Set by the sending shard while one of its tasks waits for room; cleared by the receiving
+    /// shard, which then rings the sender's doorbell.
+    sender_waiting: AtomicBool,
+}
+
+/// A shard's doorbell: rung by the other shards after they push into one of its lanes, make
+/// room in a lane it waits on, or close their lanes.
+struct Doorbell {
+    /// Something may be waiting in this shard's lanes; cleared before each drain.
+    rung: AtomicBool,
+    /// The shard's driver does not poll the lanes (it sleeps, stopped, or has not started):
+    /// every ring wakes the inbox task, not only the one that sets `rung`.
+    asleep: AtomicBool,
+    /// The shard's inbox task, from its first poll until it ends. Locked only by a ring that
+    /// sets the flag (to wake it by reference), and by the task when it starts and ends. A
+    /// mutex rather than an atomic waker: the waker stays, and it is put and taken on the
+    /// task's own thread, because a glommio waker dropped last by another thread after its
+    /// executor has gone is never freed (nor is the executor's eventfd).
+    waker: Mutex<Option<Waker>>,
+}
+
+/// One shard's ends of the mesh, made before the executors start. `Send`.
 pub(crate) struct MeshEnds {
     id: usize,
     peers: Vec<Option<PeerEnds>>,
+    bell: Arc<Doorbell>,
     member: Membership,
 }
 
+/// One shard's four lane ends with one peer, and the peer's doorbell. Dropping them closes the
+/// lanes (a shard that never starts, or whose state is dropped, reads as gone to the peer).
 struct PeerEnds {
     /// Requests from this shard to the peer.
-    req_tx: SharedSender<Request>,
+    req_tx: Arc<Chan<Request>>,
     /// Requests from the peer to this shard.
-    req_rx: SharedReceiver<Request>,
+    req_rx: Arc<Chan<Request>>,
     /// Completions of the peer's requests, from this shard to the peer.
-    done_tx: SharedSender<Completion>,
+    done_tx: Arc<Chan<Completion>>,
     /// Completions of this shard's requests, from the peer.
-    done_rx: SharedReceiver<Completion>,
+    done_rx: Arc<Chan<Completion>>,
+    /// The peer's doorbell.
+    bell: Arc<Doorbell>,
 }
 
 /// Counters shared by all shards of a set.
@@ -185,43 +282,50 @@ struct Membership {
     user_running: bool,
 }
 
-/// One shard's connected mesh.
+/// One shard's mesh.
 pub(crate) struct MeshState {
     id: ShardId,
     shard_count: usize,
     config: MeshConfig,
     lanes: Vec<Option<Lane>>,
+    /// This shard's doorbell.
+    bell: Arc<Doorbell>,
     member: RefCell<Membership>,
     /// Busy units of this shard (see the module docs).
     busy: Cell<usize>,
     user_done: Cell<bool>,
+    /// The shard has left: its lanes are closed and nothing more is taken from them.
+    left: Cell<bool>,
     poke: Poke,
+    /// The task queue the driver spawns jobs into (the shard's default queue), set by `start`.
+    jobs: Cell<Option<TaskQueueHandle>>,
+    taken_by_driver: Cell<u64>,
+    taken_by_task: Cell<u64>,
 }
 
-/// The running receiver tasks of one shard; dropping it stops them. Kept apart from
-/// [`MeshState`], which the tasks only hold weakly: should the shard die, dropping its state
-/// closes its lanes even if its tasks are never polled again.
+/// The running inbox task of one shard; dropping it stops the task. Kept apart from
+/// [`MeshState`], which the task only holds weakly: should the shard die, dropping its state
+/// closes its lanes even if its task is never polled again.
 pub(crate) struct MeshTasks {
-    _tasks: Vec<glommio::Task<()>>,
+    _inbox: glommio::Task<()>,
 }
 
 /// This shard's side of the lanes with one peer.
 struct Lane {
-    requests: ConnectedSender<Request>,
-    completions: ConnectedSender<Completion>,
+    ends: PeerEnds,
+    /// Tasks of this shard waiting for room in `ends.req_tx` or `ends.done_tx`.
+    room: RefCell<Vec<Waker>>,
     /// Permits for requests to the peer, one pool per nesting level.
     gates: Vec<Rc<Gate>>,
     pending: RefCell<Slab<Pending>>,
     dead: Cell<bool>,
 }
 
-/// The receiving ends, handed to the receiver tasks.
-pub(crate) struct MeshReceivers {
-    lanes: Vec<(
-        usize,
-        ConnectedReceiver<Request>,
-        ConnectedReceiver<Completion>,
-    )>,
+/// Who takes from the lanes (see the module docs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Taker {
+    Driver,
+    InboxTask,
 }
 
 /// A request in flight: where its result goes, and its permit.
@@ -248,6 +352,8 @@ struct JobEnv {
     ctx: Rc<ShardCtx>,
     depth: u8,
     reply: Reply,
+    /// The task queue to spawn the job into, when the taker runs in another one (the driver).
+    queue: Option<TaskQueueHandle>,
 }
 
 /// Where a job's completion goes.
@@ -311,6 +417,17 @@ struct Reservation<'a> {
     armed: bool,
 }
 
+/// Takes the inbox task's waker off the doorbell when the task ends or is dropped, on its own
+/// thread (see [`Doorbell::waker`]).
+struct Unregister(Arc<Doorbell>);
+
+/// What the progress driver calls (see [`MeshState::poll_hook`]); holds the shard weakly.
+struct DriverHook {
+    bell: Arc<Doorbell>,
+    mesh: Weak<MeshState>,
+    ctx: Weak<ShardCtx>,
+}
+
 thread_local! {
     /// Nesting depth of the code being polled on this thread (0 outside forwarded jobs).
     static DEPTH: Cell<u8> = const { Cell::new(0) };
@@ -341,118 +458,205 @@ impl Default for MeshConfig {
     }
 }
 
-/// Make every shard's ends: a request lane and a completion lane per ordered pair.
+/// Make every shard's ends: a request lane and a completion lane per ordered pair, and a
+/// doorbell per shard. `capacity` must be at least 1 (checked by [`MeshConfig::validate`]).
 pub(crate) fn lanes(shard_count: usize, capacity: usize) -> Vec<MeshEnds> {
     let shared = Arc::new(MeshShared {
         active: AtomicUsize::new(shard_count),
         users_running: AtomicUsize::new(shard_count),
     });
-    type Half<T> = Option<T>;
     let n = shard_count;
-    let mut req_tx: Vec<Vec<Half<SharedSender<Request>>>> = grid(n);
-    let mut req_rx: Vec<Vec<Half<SharedReceiver<Request>>>> = grid(n);
-    let mut done_tx: Vec<Vec<Half<SharedSender<Completion>>>> = grid(n);
-    let mut done_rx: Vec<Vec<Half<SharedReceiver<Completion>>>> = grid(n);
-    for i in 0..n {
-        for j in 0..n {
-            if i == j {
-                continue;
-            }
-            // Requests i → j.
-            let (tx, rx) = shared_channel::new_bounded(capacity);
-            req_tx[i][j] = Some(tx);
-            req_rx[j][i] = Some(rx);
-            // Completions of i's requests, j → i.
-            let (tx, rx) = shared_channel::new_bounded(capacity);
-            done_tx[j][i] = Some(tx);
-            done_rx[i][j] = Some(rx);
-        }
-    }
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        let mut peers = Vec::with_capacity(n);
-        for j in 0..n {
-            let ends = match (
-                req_tx[i][j].take(),
-                req_rx[i][j].take(),
-                done_tx[i][j].take(),
-                done_rx[i][j].take(),
-            ) {
-                (Some(req_tx), Some(req_rx), Some(done_tx), Some(done_rx)) => Some(PeerEnds {
-                    req_tx,
-                    req_rx,
-                    done_tx,
-                    done_rx,
-                }),
-                _ => None,
-            };
-            peers.push(ends);
-        }
-        out.push(MeshEnds {
+    let capacity = capacity.max(1);
+    let bells: Vec<Arc<Doorbell>> = (0..n).map(|_| Arc::new(Doorbell::new())).collect();
+    // `req[i][j]`: requests i → j. `done[i][j]`: completions of i's requests to j, j → i.
+    let req: Vec<Vec<Option<Arc<Chan<Request>>>>> = grid(n, capacity);
+    let done: Vec<Vec<Option<Arc<Chan<Completion>>>>> = grid(n, capacity);
+    let ends = |i: usize, j: usize| -> Option<PeerEnds> {
+        Some(PeerEnds {
+            req_tx: req[i][j].clone()?,
+            req_rx: req[j][i].clone()?,
+            done_tx: done[j][i].clone()?,
+            done_rx: done[i][j].clone()?,
+            bell: bells[j].clone(),
+        })
+    };
+    (0..n)
+        .map(|i| MeshEnds {
             id: i,
-            peers,
+            peers: (0..n).map(|j| ends(i, j)).collect(),
+            bell: bells[i].clone(),
             member: Membership {
                 shared: shared.clone(),
                 active: true,
                 user_running: true,
             },
-        });
-    }
-    out
+        })
+        .collect()
 }
 
-fn grid<T>(n: usize) -> Vec<Vec<Option<T>>> {
-    (0..n).map(|_| (0..n).map(|_| None).collect()).collect()
+/// One channel per ordered pair `(i, j)`, `i != j`.
+fn grid<T>(n: usize, capacity: usize) -> Vec<Vec<Option<Arc<Chan<T>>>>> {
+    (0..n)
+        .map(|i| {
+            (0..n)
+                .map(|j| (i != j).then(|| Arc::new(Chan::new(capacity))))
+                .collect()
+        })
+        .collect()
+}
+
+impl<T> Chan<T> {
+    fn new(capacity: usize) -> Self {
+        Self {
+            queue: ConcurrentQueue::bounded(capacity),
+            sender_waiting: AtomicBool::new(false),
+        }
+    }
+
+    /// A push would not find the lane full (it may find it closed).
+    fn has_room(&self) -> bool {
+        !self.queue.is_full() || self.queue.is_closed()
+    }
+
+    /// Push `item`, waiting for room (on `room`, the sending lane's waiters) while the lane is
+    /// full, and ring `bell`, the receiver's doorbell. Gives the item back if the lane is
+    /// closed.
+    async fn send(&self, item: T, bell: &Doorbell, room: &RefCell<Vec<Waker>>) -> Result<(), T> {
+        let mut item = item;
+        loop {
+            match self.queue.push(item) {
+                Ok(()) => {
+                    bell.ring();
+                    return Ok(());
+                }
+                Err(PushError::Closed(back)) => return Err(back),
+                Err(PushError::Full(back)) => item = back,
+            }
+            futures_lite::future::poll_fn(|cx| {
+                if self.has_room() {
+                    return Poll::Ready(());
+                }
+                {
+                    let mut room = room.borrow_mut();
+                    if !room.iter().any(|w| w.will_wake(cx.waker())) {
+                        room.push(cx.waker().clone());
+                    }
+                }
+                self.sender_waiting.store(true, Ordering::SeqCst);
+                // Pairs with the fence in `room_made`: either this look sees the room, or the
+                // receiver sees the mark.
+                fence(Ordering::SeqCst);
+                if self.has_room() {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                }
+            })
+            .await;
+        }
+    }
+
+    /// The receiver took items: if the sender waits for room, ring its doorbell.
+    fn room_made(&self, sender_bell: &Doorbell) {
+        fence(Ordering::SeqCst);
+        if self.sender_waiting.load(Ordering::Relaxed)
+            && self.sender_waiting.swap(false, Ordering::AcqRel)
+        {
+            sender_bell.ring();
+        }
+    }
+}
+
+impl Doorbell {
+    fn new() -> Self {
+        Self {
+            rung: AtomicBool::new(false),
+            asleep: AtomicBool::new(true),
+            waker: Mutex::new(None),
+        }
+    }
+
+    /// Tell the shard that something is waiting for it. Call after the push (or the closure),
+    /// from any thread.
+    fn ring(&self) {
+        // `SeqCst`, with the driver's in `DriverHook`: either this sees the driver asleep, or
+        // the driver's last look before sleeping sees the flag.
+        let was_rung = self.rung.swap(true, Ordering::SeqCst);
+        if !was_rung || self.asleep.load(Ordering::SeqCst) {
+            if let Some(w) = self.waker().as_ref() {
+                w.wake_by_ref();
+            }
+        }
+    }
+
+    /// The inbox task's waker (a panic elsewhere while it was held cannot have left it
+    /// half-written: it is one `Option` assignment).
+    fn waker(&self) -> std::sync::MutexGuard<'_, Option<Waker>> {
+        self.waker.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl PeerEnds {
+    /// Close the four lanes with the peer and tell it. Idempotent.
+    fn close(&self) {
+        // Non-short-circuiting: close all four.
+        let newly = self.req_tx.queue.close()
+            | self.req_rx.queue.close()
+            | self.done_tx.queue.close()
+            | self.done_rx.queue.close();
+        if newly {
+            self.bell.ring();
+        }
+    }
+}
+
+impl Drop for PeerEnds {
+    fn drop(&mut self) {
+        self.close();
+    }
 }
 
 impl MeshEnds {
-    /// Connect every lane end (inside the shard's executor). Returns when every peer has
-    /// connected its ends too, or has gone.
-    pub(crate) async fn connect(self, config: MeshConfig) -> (Rc<MeshState>, MeshReceivers) {
-        let MeshEnds { id, peers, member } = self;
+    /// Make this shard's mesh from its ends (inside the shard's executor). The lanes need no
+    /// connecting: what peers send before this shard starts waits in them, and the first look
+    /// of the inbox task or the driver takes it.
+    pub(crate) fn connect(self, config: MeshConfig) -> Rc<MeshState> {
+        let MeshEnds {
+            id,
+            peers,
+            bell,
+            member,
+        } = self;
         let shard_count = peers.len();
-        let mut tasks = Vec::with_capacity(shard_count);
-        for (peer, ends) in peers.into_iter().enumerate() {
-            let Some(e) = ends else { continue };
-            // All four at once: each `connect` waits for the other end's.
-            tasks.push((
-                peer,
-                glommio::spawn_local(async move {
-                    futures_lite::future::zip(
-                        futures_lite::future::zip(e.req_tx.connect(), e.req_rx.connect()),
-                        futures_lite::future::zip(e.done_tx.connect(), e.done_rx.connect()),
-                    )
-                    .await
-                }),
-            ));
-        }
-        let mut lanes: Vec<Option<Lane>> = (0..shard_count).map(|_| None).collect();
-        let mut receivers = Vec::with_capacity(tasks.len());
-        for (peer, task) in tasks {
-            let ((requests, req_rx), (completions, done_rx)) = task.await;
-            let gates = (0..config.max_depth)
-                .map(|_| Rc::new(Gate::new(config.lane_capacity)))
-                .collect();
-            lanes[peer] = Some(Lane {
-                requests,
-                completions,
-                gates,
-                pending: RefCell::new(Slab::new()),
-                dead: Cell::new(false),
-            });
-            receivers.push((peer, req_rx, done_rx));
-        }
-        let mesh = Rc::new(MeshState {
+        let lanes = peers
+            .into_iter()
+            .map(|ends| {
+                ends.map(|ends| Lane {
+                    ends,
+                    room: RefCell::new(Vec::new()),
+                    gates: (0..config.max_depth)
+                        .map(|_| Rc::new(Gate::new(config.lane_capacity)))
+                        .collect(),
+                    pending: RefCell::new(Slab::new()),
+                    dead: Cell::new(false),
+                })
+            })
+            .collect();
+        Rc::new(MeshState {
             id: shard_id(id),
             shard_count,
             config,
             lanes,
+            bell,
             member: RefCell::new(member),
             busy: Cell::new(1),
             user_done: Cell::new(false),
+            left: Cell::new(false),
             poke: Poke::default(),
-        });
-        (mesh, MeshReceivers { lanes: receivers })
+            jobs: Cell::new(None),
+            taken_by_driver: Cell::new(0),
+            taken_by_task: Cell::new(0),
+        })
     }
 }
 
@@ -497,28 +701,29 @@ impl Drop for Membership {
 }
 
 impl MeshState {
-    /// Spawn the receiver tasks. They hold the shard and its mesh weakly: they must not keep
-    /// the shard alive.
-    pub(crate) fn start(
-        self: &Rc<Self>,
-        ctx: &Rc<ShardCtx>,
-        receivers: MeshReceivers,
-    ) -> MeshTasks {
-        let mut tasks = Vec::with_capacity(2 * receivers.lanes.len());
-        for (peer, req_rx, done_rx) in receivers.lanes {
-            tasks.push(glommio::spawn_local(serve_requests(
+    /// Start serving: spawn the inbox task (in the calling task's queue, the shard's default
+    /// one, where the driver spawns jobs too). The task holds the shard and its mesh weakly: it
+    /// must not keep the shard alive.
+    pub(crate) fn start(self: &Rc<Self>, ctx: &Rc<ShardCtx>) -> MeshTasks {
+        self.jobs
+            .set(Some(glommio::executor().current_task_queue()));
+        MeshTasks {
+            _inbox: glommio::spawn_local(serve_inbox(
                 Rc::downgrade(self),
                 Rc::downgrade(ctx),
-                peer,
-                req_rx,
-            )));
-            tasks.push(glommio::spawn_local(serve_completions(
-                Rc::downgrade(self),
-                peer,
-                done_rx,
-            )));
+                self.bell.clone(),
+            )),
         }
-        MeshTasks { _tasks: tasks }
+    }
+
+    /// The hook the progress driver calls: every round, take what waits in the lanes; and
+    /// tell the senders whether the driver sleeps. Holds the shard and its mesh weakly.
+    pub(crate) fn poll_hook(self: &Rc<Self>, ctx: &Rc<ShardCtx>) -> PollHook {
+        Rc::new(DriverHook {
+            bell: self.bell.clone(),
+            mesh: Rc::downgrade(self),
+            ctx: Rc::downgrade(ctx),
+        })
     }
 
     /// The shard's user future has ended: refuse new depth-0 forwards, drop its busy unit.
@@ -550,10 +755,10 @@ impl MeshState {
         }
     }
 
-    /// Leave the mesh: close every lane, stop the receivers, fail whatever still waits.
+    /// Leave the mesh: close every lane, stop the inbox task, fail whatever still waits.
     pub(crate) fn close(&self, tasks: MeshTasks) {
         self.leave();
-        // Dropping a glommio task cancels it (and drops its receivers).
+        // Dropping a glommio task cancels it.
         drop(tasks);
     }
 
@@ -565,10 +770,19 @@ impl MeshState {
         LeaveGuard(self.clone())
     }
 
-    /// Give back this shard's shares of the shared counters and close its sending ends; the
-    /// peers see the lanes close and fail what waits on this shard. Idempotent.
+    /// This shard's counters.
+    fn stats(&self) -> MeshStats {
+        MeshStats {
+            taken_by_driver: self.taken_by_driver.get(),
+            taken_by_task: self.taken_by_task.get(),
+        }
+    }
+
+    /// Give back this shard's shares of the shared counters and close its lanes, both ways;
+    /// the peers, rung, find them closed and fail what waits on this shard. Idempotent.
     fn leave(&self) {
         self.user_done.set(true);
+        self.left.set(true);
         {
             let mut member = self.member.borrow_mut();
             member.user_finished();
@@ -577,14 +791,128 @@ impl MeshState {
         for (peer, lane) in self.lanes.iter().enumerate() {
             if let Some(lane) = lane {
                 lane_failed(self, peer);
-                lane.requests.close();
-                lane.completions.close();
+                lane.ends.close();
+                lane.wake_room();
             }
         }
     }
 
     fn lane(&self, peer: usize) -> Option<&Lane> {
         self.lanes.get(peer).and_then(Option::as_ref)
+    }
+
+    /// Take what waits in this shard's incoming lanes, if the doorbell was rung: resolve the
+    /// completions, spawn the requests' jobs, wake local senders that wait for room or for a
+    /// peer that has closed. Never waits. Returns the number of messages taken.
+    fn take(self: &Rc<Self>, ctx: &Rc<ShardCtx>, by: Taker) -> usize {
+        if !self.bell.rung.swap(false, Ordering::AcqRel) || self.left.get() {
+            return 0;
+        }
+        // The driver runs in its own task queue; jobs belong in the shard's default one.
+        let queue = match by {
+            Taker::Driver => self.jobs.get(),
+            Taker::InboxTask => None,
+        };
+        let mut taken = 0;
+        for (peer, lane) in self.lanes.iter().enumerate() {
+            let Some(lane) = lane else { continue };
+            taken += self.take_completions(lane, peer);
+            taken += self.take_requests(ctx, lane, peer, queue);
+            lane.wake_room();
+        }
+        let counter = match by {
+            Taker::Driver => &self.taken_by_driver,
+            Taker::InboxTask => &self.taken_by_task,
+        };
+        counter.set(counter.get() + taken as u64);
+        taken
+    }
+
+    fn take_completions(&self, lane: &Lane, peer: usize) -> usize {
+        let chan = &lane.ends.done_rx;
+        let mut n = 0;
+        loop {
+            // Bounded, so that peers pushing all the while cannot hold the taker here: the
+            // rest is taken at the next look.
+            if n == self.config.lane_capacity {
+                // A read-modify-write, like the senders' rings: a store would cut their release
+                // sequence, and the next drain might not see their pushes.
+                self.bell.rung.swap(true, Ordering::AcqRel);
+                break;
+            }
+            match chan.queue.pop() {
+                Ok(c) => {
+                    n += 1;
+                    if let Some(p) = self.remove_pending(lane, c.slot) {
+                        let outcome = c.outcome.map_err(|message| ForwardError::JobPanicked {
+                            shard: shard_id(peer),
+                            message,
+                        });
+                        p.slot.resolve(outcome);
+                        // `p`'s permit is given back here.
+                    }
+                }
+                Err(PopError::Empty) => break,
+                // The peer has gone, and everything it had sent has been taken.
+                Err(PopError::Closed) => {
+                    if !lane.dead.get() {
+                        lane_failed(self, peer);
+                    }
+                    break;
+                }
+            }
+        }
+        if n > 0 {
+            chan.room_made(&lane.ends.bell);
+        }
+        n
+    }
+
+    fn take_requests(
+        self: &Rc<Self>,
+        ctx: &Rc<ShardCtx>,
+        lane: &Lane,
+        peer: usize,
+        queue: Option<TaskQueueHandle>,
+    ) -> usize {
+        let chan = &lane.ends.req_rx;
+        let mut n = 0;
+        loop {
+            if n == self.config.lane_capacity {
+                self.bell.rung.swap(true, Ordering::AcqRel);
+                break;
+            }
+            match chan.queue.pop() {
+                Ok(req) => {
+                    n += 1;
+                    // Counted before anything can complete it: the sender still counts its
+                    // request.
+                    self.busy_inc();
+                    let env = JobEnv {
+                        ctx: ctx.clone(),
+                        depth: req.depth.saturating_add(1),
+                        reply: Reply {
+                            mesh: self.clone(),
+                            to: peer,
+                            slot: req.slot,
+                        },
+                        queue,
+                    };
+                    // Spawns the job as a local task; never waits.
+                    (req.start)(env);
+                }
+                Err(PopError::Empty) => break,
+                // The peer has gone (or closed at quiescence): no more requests from it.
+                Err(PopError::Closed) => {
+                    self.poke.wake();
+                    break;
+                }
+            }
+        }
+        if n > 0 {
+            chan.room_made(&lane.ends.bell);
+        }
+        n
     }
 
     fn busy_inc(&self) {
@@ -618,6 +946,22 @@ impl MeshState {
     }
 }
 
+impl Lane {
+    /// Wake this shard's tasks waiting for room in a lane to the peer, if there may be some
+    /// (or the lane has closed): they look again.
+    fn wake_room(&self) {
+        if self.room.borrow().is_empty() {
+            return;
+        }
+        if self.ends.req_tx.has_room() || self.ends.done_tx.has_room() {
+            let waiters = std::mem::take(&mut *self.room.borrow_mut());
+            for w in waiters {
+                w.wake();
+            }
+        }
+    }
+}
+
 /// `ShardsBuilder::run` refuses more than `u16::MAX` shards before any mesh is made.
 fn shard_id(index: usize) -> ShardId {
     ShardId::new(u16::try_from(index).unwrap_or(u16::MAX))
@@ -641,51 +985,61 @@ fn lane_failed(mesh: &MeshState, peer: usize) {
     mesh.poke.wake();
 }
 
-async fn serve_requests(
-    mesh: Weak<MeshState>,
-    ctx: Weak<ShardCtx>,
-    from: usize,
-    rx: ConnectedReceiver<Request>,
-) {
-    while let Some(req) = rx.recv().await {
-        let (Some(ctx), Some(mesh)) = (ctx.upgrade(), mesh.upgrade()) else {
+/// The inbox task: takes from the lanes when the doorbell is rung and the driver has not
+/// taken first (it sleeps, or has not looked yet), then wakes the driver.
+async fn serve_inbox(mesh: Weak<MeshState>, ctx: Weak<ShardCtx>, bell: Arc<Doorbell>) {
+    let _unregister = Unregister(bell.clone());
+    loop {
+        futures_lite::future::poll_fn(|cx| {
+            // On the doorbell before the flag is read: a ring after the read wakes this task.
+            {
+                let mut waker = bell.waker();
+                if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    *waker = Some(cx.waker().clone());
+                }
+            }
+            if bell.rung.load(Ordering::Acquire) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
+        let (Some(mesh), Some(ctx)) = (mesh.upgrade(), ctx.upgrade()) else {
             return;
         };
-        // Counted before anything can complete it: the sender still counts its request.
-        mesh.busy_inc();
-        let env = JobEnv {
-            ctx,
-            depth: req.depth.saturating_add(1),
-            reply: Reply {
-                mesh: mesh.clone(),
-                to: from,
-                slot: req.slot,
-            },
-        };
-        // Spawns the job as a local task; never waits.
-        (req.start)(env);
-    }
-    // The peer has gone (or closed at quiescence): no more requests from it.
-    if let Some(mesh) = mesh.upgrade() {
-        mesh.poke.wake();
+        if mesh.left.get() {
+            return;
+        }
+        mesh.take(&ctx, Taker::InboxTask);
+        drop((mesh, ctx));
+        // Peers may keep ringing: let the shard's other tasks run between two looks.
+        futures_lite::future::yield_now().await;
     }
 }
 
-async fn serve_completions(mesh: Weak<MeshState>, from: usize, rx: ConnectedReceiver<Completion>) {
-    while let Some(c) = rx.recv().await {
-        let Some(mesh) = mesh.upgrade() else { return };
-        let Some(lane) = mesh.lane(from) else { return };
-        if let Some(p) = mesh.remove_pending(lane, c.slot) {
-            let outcome = c.outcome.map_err(|message| ForwardError::JobPanicked {
-                shard: shard_id(from),
-                message,
-            });
-            p.slot.resolve(outcome);
-            // `p`'s permit is given back here.
+impl RoundHook for DriverHook {
+    fn poll(&self) -> bool {
+        // The whole cost of a round in which nothing came (a plain load on x86; `SeqCst` for
+        // the look that follows `sleeping(true)`, see `Doorbell::ring`).
+        if !self.bell.rung.load(Ordering::SeqCst) {
+            return false;
+        }
+        match (self.mesh.upgrade(), self.ctx.upgrade()) {
+            (Some(mesh), Some(ctx)) => mesh.take(&ctx, Taker::Driver) > 0,
+            _ => false,
         }
     }
-    if let Some(mesh) = mesh.upgrade() {
-        lane_failed(&mesh, from);
+
+    fn sleeping(&self, asleep: bool) {
+        self.bell.asleep.store(asleep, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        let waker = self.0.waker().take();
+        drop(waker);
     }
 }
 
@@ -697,26 +1051,66 @@ impl JobEnv {
         Fut: Future<Output = R> + 'static,
         R: Send + 'static,
     {
-        let JobEnv { ctx, depth, reply } = self;
-        glommio::spawn_local(async move {
+        let JobEnv {
+            ctx,
+            depth,
+            reply,
+            queue,
+        } = self;
+        let task = async move {
             let outcome = run_job(ctx, depth, job).await;
             reply.send(outcome.map(|r| Box::new(r) as Erased)).await;
-        })
-        .detach();
+        };
+        match queue {
+            Some(queue) => spawn_into(task, queue),
+            None => {
+                glommio::spawn_local(task).detach();
+            }
+        }
+    }
+}
+
+/// Spawn `task` into `queue`, or into the current one should `queue` no longer exist (a user
+/// may remove task queues): the job must run, or its caller waits for ever.
+fn spawn_into(task: impl Future<Output = ()> + 'static, queue: TaskQueueHandle) {
+    let cell = Rc::new(Cell::new(Some(task)));
+    let inner = cell.clone();
+    let spawned = glommio::spawn_local_into(
+        async move {
+            if let Some(task) = inner.take() {
+                task.await;
+            }
+        },
+        queue,
+    );
+    match spawned {
+        Ok(t) => {
+            t.detach();
+        }
+        Err(_) => {
+            if let Some(task) = cell.take() {
+                glommio::spawn_local(task).detach();
+            }
+        }
     }
 }
 
 impl Reply {
     async fn send(self, outcome: Result<Erased, String>) {
         if let Some(lane) = self.mesh.lane(self.to) {
-            // Never waits on anything but the caller's completion receiver, which never waits.
+            // Waits only for room, which the caller's shard makes without waiting on anything.
             // An error means the caller has gone: nobody wants the result.
             let _ = lane
-                .completions
-                .send(Completion {
-                    slot: self.slot,
-                    outcome,
-                })
+                .ends
+                .done_tx
+                .send(
+                    Completion {
+                        slot: self.slot,
+                        outcome,
+                    },
+                    &lane.ends.bell,
+                    &lane.room,
+                )
                 .await;
         }
         self.mesh.busy_dec();
@@ -802,6 +1196,12 @@ impl ShardCtx {
     pub fn forward_depth(&self) -> usize {
         DEPTH.with(Cell::get) as usize
     }
+
+    /// Who took the requests and completions that arrived in this shard's lanes: its progress
+    /// driver (awake) or its inbox task (woken by the sender).
+    pub fn mesh_stats(&self) -> MeshStats {
+        self.mesh().stats()
+    }
 }
 
 async fn forward_from<F, Fut, R>(
@@ -868,7 +1268,13 @@ where
         depth,
         start: Box::new(move |env: JobEnv| env.spawn(job)),
     };
-    if lane.requests.send(request).await.is_err() {
+    if lane
+        .ends
+        .req_tx
+        .send(request, &lane.ends.bell, &lane.room)
+        .await
+        .is_err()
+    {
         return Err(stopped());
     }
     reservation.armed = false;
