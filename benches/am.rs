@@ -6,12 +6,10 @@
 //! Extra arguments after `--` are test names (e.g. `cargo bench --bench am -- am-lat`).
 
 use std::net::SocketAddr;
-use std::sync::mpsc;
 
-use shardcx::bench::client::{self, ClientConfig};
-use shardcx::bench::server::{self, ServeConfig};
-use shardcx::bench::{report, Test, Transport, DEFAULT_PSK};
-use shardcx::Shutdown;
+use shardcx::bench::client::ClientConfig;
+use shardcx::bench::server::ServeConfig;
+use shardcx::bench::{report, run_in_process, Test, Transport, DEFAULT_PSK};
 
 fn main() {
     // `cargo bench` passes `--bench`; anything else names tests.
@@ -25,9 +23,7 @@ fn main() {
         tests
     };
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let stop = Shutdown::new();
-    let (tx, rx) = mpsc::channel::<SocketAddr>();
-    let cfg = ServeConfig {
+    let serve = ServeConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         shards: 1,
         peers: 1,
@@ -36,20 +32,7 @@ fn main() {
         // The server on the last CPU, the client on the first.
         cores: (cpus >= 2).then(|| vec![cpus - 1]),
     };
-    let server_stop = stop.clone();
-    let server = std::thread::spawn(move || {
-        server::serve(&cfg, &server_stop, |s| {
-            let _ = tx.send(s.addr);
-        })
-    });
-    let addr = match rx.recv() {
-        Ok(a) => a,
-        Err(_) => {
-            eprintln!("bench server failed: {:?}", server.join().map(|r| r.err()));
-            std::process::exit(1);
-        }
-    };
-    let r = client::run(&ClientConfig {
+    let r = run_in_process(serve, |addr| ClientConfig {
         addr,
         shards: 1,
         transport: Transport::Shm,
@@ -63,16 +46,11 @@ fn main() {
         progress: true,
         io_memory: Some(1 << 20),
     });
-    stop.trigger();
-    let served = server.join();
     match r {
         Ok(results) => print!("{}", report::table(&results)),
         Err(e) => {
             eprintln!("bench failed: {e}");
             std::process::exit(1);
         }
-    }
-    if let Ok(Err(e)) = served {
-        eprintln!("bench server: {e}");
     }
 }

@@ -3,17 +3,13 @@
 //! server in this process, as every `shardcx bench` client does.
 
 use std::net::SocketAddr;
-use std::sync::mpsc;
 
-use shardcx::bench::client::{self, ClientConfig};
-use shardcx::bench::server::{self, ServeConfig};
-use shardcx::bench::{report, Test, Transport, DEFAULT_PSK};
-use shardcx::Shutdown;
+use shardcx::bench::client::ClientConfig;
+use shardcx::bench::server::ServeConfig;
+use shardcx::bench::{report, run_in_process, Test, Transport, DEFAULT_PSK};
 
 fn main() {
-    let stop = Shutdown::new();
-    let (tx, rx) = mpsc::channel::<SocketAddr>();
-    let cfg = ServeConfig {
+    let serve = ServeConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         shards: 1,
         peers: 2,
@@ -21,18 +17,8 @@ fn main() {
         psk: DEFAULT_PSK.to_vec(),
         cores: None,
     };
-    let server_stop = stop.clone();
-    let server = std::thread::spawn(move || {
-        server::serve(&cfg, &server_stop, |s| {
-            let _ = tx.send(s.addr);
-        })
-    });
-    let Ok(addr) = rx.recv() else {
-        eprintln!("bench server failed: {:?}", server.join().map(|r| r.err()));
-        std::process::exit(1);
-    };
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let r = client::run(&ClientConfig {
+    let r = run_in_process(serve, |addr| ClientConfig {
         addr,
         shards: 2,
         transport: Transport::Shm,
@@ -46,8 +32,6 @@ fn main() {
         progress: true,
         io_memory: Some(1 << 20),
     });
-    stop.trigger();
-    let _ = server.join();
     match r {
         Ok(results) => print!("{}", report::table(&results)),
         Err(e) => {

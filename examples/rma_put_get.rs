@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::timer::sleep;
 use hdrhistogram::Histogram;
+use shardcx::bench::format_size;
 use shardcx::rma::{
     Permissions, Region, RemoteRegion, RmaOpError, TrustedDescriptor, TrustedRegion,
 };
@@ -550,7 +551,7 @@ fn client(o: &Opts, addr: SocketAddr) {
                     Mode::Checked => "checked",
                     Mode::Trusted => "trusted",
                 },
-                size_name(row.size),
+                format_size(row.size),
                 op,
                 hist.len(),
                 us(0.5),
@@ -564,15 +565,6 @@ fn client(o: &Opts, addr: SocketAddr) {
         "puts and gets one at a time; every get checked against the put before it; a trusted \
          put resolves once remotely complete (flushed)"
     );
-}
-
-/// `8`, `64K`, `1M`...
-fn size_name(size: usize) -> String {
-    match size {
-        s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{}M", s >> 20),
-        s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{}K", s >> 10),
-        s => s.to_string(),
-    }
 }
 
 /// Shows the refusals on the server's region of its shard 0, and that they changed nothing.

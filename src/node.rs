@@ -87,9 +87,6 @@ pub use shardcx_shards::tag::FIRST_RESERVED_AM_ID;
 /// waits there should stay close to idle: this is 50 wake-ups a second, not 500).
 const END_POLL: Duration = Duration::from_millis(20);
 
-/// How often a draining shard looks whether its requests have been answered.
-const DRAIN_POLL: Duration = Duration::from_millis(2);
-
 /// Bytes before the header in an active message's frame payload (the header length).
 const AM_PREFIX: usize = 4;
 
@@ -104,7 +101,6 @@ pub struct NodeBuilder {
     deadline: Duration,
     book: Vec<(NodeId, SocketAddr)>,
     shutdown: Shutdown,
-    drain: Duration,
     tag: TagConfig,
 }
 
@@ -197,7 +193,6 @@ impl Node {
             deadline: DEFAULT_DEADLINE,
             book: Vec::new(),
             shutdown: Shutdown::new(),
-            drain: DEFAULT_DRAIN_DEADLINE,
             tag: TagConfig::default(),
         }
         .drain_deadline(DEFAULT_DRAIN_DEADLINE)
@@ -389,7 +384,6 @@ impl NodeBuilder {
     /// anyway (default [`DEFAULT_DRAIN_DEADLINE`]; see [`crate::shutdown`]). A node takes at
     /// most about twice this to drain: once for the requests, once for the mesh.
     pub fn drain_deadline(mut self, d: Duration) -> Self {
-        self.drain = d;
         self.shards = self.shards.drain_timeout(d);
         self
     }
@@ -444,7 +438,6 @@ impl NodeBuilder {
             deadline,
             book,
             shutdown,
-            drain,
             tag,
         } = self;
         let book: AddressBook = Arc::new(Mutex::new(
@@ -495,14 +488,10 @@ impl NodeBuilder {
                 while ended.load(Ordering::Acquire) < ctx.shard_count() {
                     sleep(END_POLL).await;
                 }
-                // Every closure has returned: stop accepting, and let what is in flight
-                // finish (see `crate::shutdown`); the shards' run then closes and destroys.
+                // Every closure has returned: stop accepting now; the shards' run then
+                // drains what is in flight, closes and destroys (see `crate::shutdown`).
                 shutdown.trigger();
                 ctx.stop_accepting().await;
-                let until = Instant::now() + drain;
-                while ctx.pending_requests() > 0 && Instant::now() < until {
-                    sleep(DRAIN_POLL).await;
-                }
                 CURRENT.with(|c| c.borrow_mut().take());
                 out
             }

@@ -65,8 +65,8 @@
 //! Trusted operations run over shared memory (a peer on the same machine, with shared-memory
 //! transports in the node's list, e.g. `transports("sm,tcp")`) or RDMA; a peer that only tcp
 //! reaches is refused with [`RmaOpError::TrustedTransport`] (UCX 1.12 only emulates RMA over
-//! tcp, no faster than checked mode, and its tcp transport crashed the target with these
-//! endpoints). See `shardcx_shards::rma_trusted` for the endpoints, the key cache and its
+//! tcp; during development, before tcp was refused, that was no faster than checked mode, and
+//! its tcp transport crashed the target with these endpoints). See `shardcx_shards::rma_trusted` for the endpoints, the key cache and its
 //! invalidation when a connection ends.
 //!
 //! ```no_run
@@ -86,6 +86,7 @@
 
 use std::cell::Cell;
 use std::fmt;
+use std::future::Future;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
@@ -253,9 +254,8 @@ impl Peer {
     /// [`Error::TimedOut`] (the put may or may not have been applied), [`Error::Net`],
     /// [`Error::NotOnShard`].
     pub async fn put(&self, region: &RemoteRegion, offset: u64, data: &[u8]) -> Result<(), Error> {
-        let node = Node::current().ok_or(Error::NotOnShard)?;
-        let timeout = node.default_deadline();
-        self.put_on(&node, region, offset, data, timeout).await
+        self.put_within(region, offset, data, default_deadline()?)
+            .await
     }
 
     /// [`Peer::put`] with its own deadline.
@@ -267,7 +267,11 @@ impl Peer {
         timeout: Duration,
     ) -> Result<(), Error> {
         let node = Node::current().ok_or(Error::NotOnShard)?;
-        self.put_on(&node, region, offset, data, timeout).await
+        let ctx = node.shard_ctx();
+        self.remote_op(&node, region.node(), "put", timeout, || {
+            ctx.rma_put(region, offset, data, timeout)
+        })
+        .await
     }
 
     /// Reads `len` bytes at `offset` of `region` (a descriptor of this peer's), from any shard
@@ -279,9 +283,8 @@ impl Peer {
         offset: u64,
         len: u64,
     ) -> Result<Vec<u8>, Error> {
-        let node = Node::current().ok_or(Error::NotOnShard)?;
-        let timeout = node.default_deadline();
-        self.get_on(&node, region, offset, len, timeout).await
+        self.get_within(region, offset, len, default_deadline()?)
+            .await
     }
 
     /// [`Peer::get`] with its own deadline.
@@ -293,50 +296,10 @@ impl Peer {
         timeout: Duration,
     ) -> Result<Vec<u8>, Error> {
         let node = Node::current().ok_or(Error::NotOnShard)?;
-        self.get_on(&node, region, offset, len, timeout).await
-    }
-
-    async fn put_on(
-        &self,
-        node: &Node,
-        region: &RemoteRegion,
-        offset: u64,
-        data: &[u8],
-        timeout: Duration,
-    ) -> Result<(), Error> {
-        self.owns(region)?;
         let ctx = node.shard_ctx();
-        within(
-            "put",
-            timeout,
-            lazily(node, self.node_id(), timeout, || async {
-                ctx.rma_put(region, offset, data, timeout)
-                    .await
-                    .map_err(|e| facade_error(e, "put", timeout))
-            }),
-        )
-        .await
-    }
-
-    async fn get_on(
-        &self,
-        node: &Node,
-        region: &RemoteRegion,
-        offset: u64,
-        len: u64,
-        timeout: Duration,
-    ) -> Result<Vec<u8>, Error> {
-        self.owns(region)?;
-        let ctx = node.shard_ctx();
-        within(
-            "get",
-            timeout,
-            lazily(node, self.node_id(), timeout, || async {
-                ctx.rma_get(region, offset, len, timeout)
-                    .await
-                    .map_err(|e| facade_error(e, "get", timeout))
-            }),
-        )
+        self.remote_op(&node, region.node(), "get", timeout, || {
+            ctx.rma_get(region, offset, len, timeout)
+        })
         .await
     }
 
@@ -356,9 +319,7 @@ impl Peer {
         offset: u64,
         data: &[u8],
     ) -> Result<(), Error> {
-        let node = Node::current().ok_or(Error::NotOnShard)?;
-        let timeout = node.default_deadline();
-        self.put_trusted_on(&node, region, offset, data, timeout)
+        self.put_trusted_within(region, offset, data, default_deadline()?)
             .await
     }
 
@@ -371,22 +332,24 @@ impl Peer {
         timeout: Duration,
     ) -> Result<(), Error> {
         let node = Node::current().ok_or(Error::NotOnShard)?;
-        self.put_trusted_on(&node, region, offset, data, timeout)
-            .await
+        let ctx = node.shard_ctx();
+        self.remote_op(&node, region.node(), "put", timeout, || {
+            ctx.trusted_put(region, offset, data, timeout)
+        })
+        .await
     }
 
     /// Reads `len` bytes at `offset` of the trusted region `region` (a descriptor of this
     /// peer's) with native RMA, from any shard, within the default deadline. Errors as
-    /// [`Peer::put_trusted`].
+    /// [`Peer::put_trusted`], and [`RmaOpError::TooLarge`] when no buffer of `len` bytes can be
+    /// allocated.
     pub async fn get_trusted(
         &self,
         region: &TrustedDescriptor,
         offset: u64,
         len: u64,
     ) -> Result<Vec<u8>, Error> {
-        let node = Node::current().ok_or(Error::NotOnShard)?;
-        let timeout = node.default_deadline();
-        self.get_trusted_on(&node, region, offset, len, timeout)
+        self.get_trusted_within(region, offset, len, default_deadline()?)
             .await
     }
 
@@ -399,56 +362,37 @@ impl Peer {
         timeout: Duration,
     ) -> Result<Vec<u8>, Error> {
         let node = Node::current().ok_or(Error::NotOnShard)?;
-        self.get_trusted_on(&node, region, offset, len, timeout)
-            .await
-    }
-
-    async fn put_trusted_on(
-        &self,
-        node: &Node,
-        region: &TrustedDescriptor,
-        offset: u64,
-        data: &[u8],
-        timeout: Duration,
-    ) -> Result<(), Error> {
-        self.holds(region.node())?;
         let ctx = node.shard_ctx();
-        within(
-            "put",
-            timeout,
-            lazily(node, self.node_id(), timeout, || async {
-                ctx.trusted_put(region, offset, data, timeout)
-                    .await
-                    .map_err(|e| facade_error(e, "put", timeout))
-            }),
-        )
+        self.remote_op(&node, region.node(), "get", timeout, || {
+            ctx.trusted_get(region, offset, len, timeout)
+        })
         .await
     }
 
-    async fn get_trusted_on(
+    /// Runs `op`, a put or a get (`what`) on a region of `region_node`'s, from `node`'s shard
+    /// within `timeout`: [`RmaOpError::WrongNode`] unless `region_node` is this peer; when
+    /// there is no session, connects and runs `op` again (`lazily`).
+    async fn remote_op<T, F, Fut>(
         &self,
         node: &Node,
-        region: &TrustedDescriptor,
-        offset: u64,
-        len: u64,
+        region_node: NodeId,
+        what: &'static str,
         timeout: Duration,
-    ) -> Result<Vec<u8>, Error> {
-        self.holds(region.node())?;
-        let ctx = node.shard_ctx();
+        op: F,
+    ) -> Result<T, Error>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, RmaOpError>>,
+    {
+        self.holds(region_node)?;
         within(
-            "get",
+            what,
             timeout,
             lazily(node, self.node_id(), timeout, || async {
-                ctx.trusted_get(region, offset, len, timeout)
-                    .await
-                    .map_err(|e| facade_error(e, "get", timeout))
+                op().await.map_err(|e| facade_error(e, what, timeout))
             }),
         )
         .await
-    }
-
-    fn owns(&self, region: &RemoteRegion) -> Result<(), Error> {
-        self.holds(region.node())
     }
 
     /// [`RmaOpError::WrongNode`] unless `region_node` is this peer.
@@ -482,6 +426,11 @@ impl fmt::Debug for Region {
             .field("live", &self.live.get())
             .finish()
     }
+}
+
+/// The default deadline of the running node's operations.
+fn default_deadline() -> Result<Duration, Error> {
+    Ok(Node::current().ok_or(Error::NotOnShard)?.default_deadline())
 }
 
 /// A remote-memory error as the facade's: timeouts and connection errors as for every other

@@ -10,9 +10,10 @@
 //!    closures return;
 //! 2. once every shard's closure has returned, the node **stops accepting** (the listener
 //!    closes: a new `connect` to its address fails), and each shard **drains**: it waits until
-//!    the requests it sent have been answered (checked put/get, requests of the runtime) and
-//!    the work forwarded between its shards has finished, for at most the drain deadline
-//!    ([`crate::NodeBuilder::drain_deadline`], default [`DEFAULT_DRAIN_DEADLINE`]) each;
+//!    the work forwarded between its shards has finished, then until the requests it sent
+//!    have been answered (checked put/get, requests of the runtime), for at most the drain
+//!    deadline ([`crate::NodeBuilder::drain_deadline`], default [`DEFAULT_DRAIN_DEADLINE`])
+//!    each (the shards layer does both: `ShardsBuilder::drain_timeout`);
 //! 3. then it **closes** its connections (a `Close` frame to every peer, which fails the peer's
 //!    pending requests at once rather than at their deadlines) and **destroys** its state in
 //!    order: endpoints, worker, pool, context; [`crate::NodeBuilder::run`] returns.

@@ -5,6 +5,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 fn shardcx() -> Command {
@@ -25,6 +26,20 @@ fn info_reports_ucx_memlock_cores_and_no_cuda() {
         "CUDA:             none",
     ] {
         assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    // The command runs with this test's library path, so it loads the same UCX as this process.
+    let v = shardcx::ucx::version();
+    let loaded = text.lines().find(|l| l.starts_with("UCX loaded:")).unwrap();
+    let (major, minor, release) = v.loaded;
+    assert!(
+        loaded.contains(&format!(" {major}.{minor}.{release} ")),
+        "{loaded:?} does not name UCX {major}.{minor}.{release}"
+    );
+    if let Some(path) = &v.library_path {
+        assert!(
+            loaded.ends_with(&format!(" from {path}")),
+            "{loaded:?}: not {path}"
+        );
     }
 }
 
@@ -108,11 +123,27 @@ fn a_node_prints_its_address_and_stops_when_asked() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
+    // Read on a thread, so that a node that prints nothing fails the test instead of hanging it.
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut next_line = || match lines.recv_timeout(Duration::from_secs(30)) {
+        Ok(line) => line,
+        Err(e) => {
+            let _ = child.kill();
+            panic!("no line from the node within 30 s: {e}");
+        }
+    };
+    let first = next_line();
     let addr = first.strip_prefix("listening ").expect("listening ADDR");
     assert!(addr.parse::<std::net::SocketAddr>().is_ok(), "{first}");
-    assert!(lines.next().unwrap().unwrap().starts_with("peer "));
+    assert!(next_line().starts_with("peer "));
     drop(child.stdin.take());
     let until = Instant::now() + Duration::from_secs(15);
     loop {

@@ -859,6 +859,15 @@ fn trusted_round_trips(tls: &'static str) {
                             matches!(r, Err(Error::Rma(RmaOpError::StaleIncarnation { .. }))),
                             "{r:?}"
                         );
+                        // A (forged) length no buffer here can hold: a typed error, where
+                        // allocating it would abort the process.
+                        let mut huge = d.to_bytes();
+                        huge[40..48].copy_from_slice(&(1u64 << 62).to_le_bytes());
+                        let r = peer.get_trusted(&decode(&huge), 0, 1 << 62).await;
+                        assert!(
+                            matches!(r, Err(Error::Rma(RmaOpError::TooLarge { .. }))),
+                            "{r:?}"
+                        );
                         // A descriptor used through the wrong peer.
                         let r = Peer::new(STRANGER).get_trusted(d, 0, 1).await;
                         assert!(
@@ -976,7 +985,7 @@ fn trusted_put_get_over_shared_memory() {
 
 /// Over tcp alone, trusted operations are refused with a typed error before any endpoint is
 /// made (UCX 1.12 only emulates RMA over tcp, and its tcp transport crashed the target with
-/// trusted endpoints: see `shardcx_shards::rma_trusted`); checked put/get still work.
+/// trusted endpoints: see `shardcx_shards::rma_trusted`).
 #[test]
 fn trusted_access_over_tcp_only_is_refused() {
     let _g = serial();
@@ -1053,7 +1062,7 @@ fn trusted_mode_is_off_unless_enabled() {
                     off(peer.put_trusted(&d, u64::MAX, b"x").await);
                     let e = peer.put_trusted(&d, 0, b"x").await.unwrap_err();
                     assert!(e.to_string().contains("trusted"), "{e}");
-                    // Checked mode works as ever.
+                    // No trusted operation ran.
                     assert_eq!(node.trusted_rma_stats(), TrustedStats::default());
                 }
             })
@@ -1106,6 +1115,12 @@ fn trusted_cache_is_invalidated_when_the_session_ends() {
                         assert!(Instant::now() < deadline, "session did not end");
                         sleep(Duration::from_millis(10)).await;
                     }
+                    // The end of the session dropped the cached endpoint and key: the net task
+                    // runs the connection-lost hook in the same step that takes the session
+                    // off the list above. (Read before any trusted call, which would drop the
+                    // entry itself on finding no session.)
+                    let at_end = node.trusted_rma_stats();
+                    assert!(at_end.invalidated >= 1, "{at_end:?}");
                     // With no session, the old descriptor is refused before UCX is touched
                     // (asked of the shards' API: the facade would try to reconnect first).
                     let r = node
@@ -1116,8 +1131,6 @@ fn trusted_cache_is_invalidated_when_the_session_ends() {
                         matches!(r, Err(RmaOpError::Net(NetError::NotConnected { .. }))),
                         "{r:?}"
                     );
-                    // The end of the session dropped the cached endpoint and key.
-                    assert!(node.trusted_rma_stats().invalidated >= 1);
                     let (addr2, descs2) = loop {
                         if let Ok(x) = go_rx.lock().unwrap().try_recv() {
                             break x;

@@ -185,120 +185,124 @@ fn bad_calls_fail_cleanly() {
     assert_eq!(out, [(true, true, true)]);
 }
 
+/// Node B (one shard, listening, set up by `b_cfg`) runs `b_body`; node A (one shard)
+/// connects to it and runs `a_body` with B as a peer. Returns B's result.
+fn one_shard_pair<T, BB, BF, AB, AF>(
+    b_cfg: impl FnOnce(NodeBuilder) -> NodeBuilder + Send + 'static,
+    b_body: BB,
+    a_body: AB,
+) -> T
+where
+    T: Send + 'static,
+    BB: Fn(Node) -> BF + Send + Clone + 'static,
+    BF: std::future::Future<Output = T> + 'static,
+    AB: Fn(Node, Peer) -> AF + Send + Clone + 'static,
+    AF: std::future::Future<Output = ()> + 'static,
+{
+    let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
+    let addr_a = addr.clone();
+    let b = std::thread::spawn(move || {
+        b_cfg(node(B).shards(1))
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |node: Node| {
+                let (addr, b_body) = (addr.clone(), b_body.clone());
+                async move {
+                    let _ = addr.set(node.listen_addr().unwrap());
+                    b_body(node).await
+                }
+            })
+            .expect("node B")
+    });
+    let a = std::thread::spawn(move || {
+        node(A)
+            .shards(1)
+            .run(move |node: Node| {
+                let (addr, a_body) = (addr_a.clone(), a_body.clone());
+                async move {
+                    wait_for(|| addr.get().is_some()).await;
+                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
+                    a_body(node, b).await
+                }
+            })
+            .expect("node A")
+    });
+    within(move || a.join().expect("node A panicked"));
+    within(move || b.join().expect("node B panicked"))
+        .pop()
+        .expect("one shard")
+}
+
 #[test]
 fn the_unexpected_queue_bound_is_configurable() {
     let _g = serial();
     const SENT: u32 = 8;
     const CAP: usize = 3;
-    let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
-    let addr_a = addr.clone();
-    let b = std::thread::spawn(move || {
-        node(B)
-            .shards(1)
-            .tag_config(shardcx::tag::TagConfig {
+    let (dropped, got) = one_shard_pair(
+        |b| {
+            b.tag_config(shardcx::tag::TagConfig {
                 max_unexpected_count: CAP,
                 ..Default::default()
             })
-            .listen("127.0.0.1:0".parse().unwrap())
-            .run(move |node: Node| {
-                let addr = addr.clone();
-                async move {
-                    let _ = addr.set(node.listen_addr().unwrap());
-                    let ctx = node.shard_ctx().clone();
-                    // Nothing is posted while A's messages arrive: CAP wait, the rest drop.
-                    wait_for(|| ctx.tag_stats().arrived >= u64::from(SENT)).await;
-                    let stats = ctx.tag_stats();
-                    let a = Peer::new(A);
-                    let mut got = Vec::new();
-                    while let Ok((_, d)) = a
-                        .tag_recv_within(7, TAG_MASK_EXACT, Duration::from_millis(50))
-                        .await
-                    {
-                        got.push(d);
-                    }
-                    a.tag_send(8, b"done").await.expect("done");
-                    (stats.dropped_unexpected, got)
-                }
-            })
-            .expect("node B")
-    });
-    let a = std::thread::spawn(move || {
-        node(A)
-            .shards(1)
-            .run(move |node: Node| {
-                let addr = addr_a.clone();
-                async move {
-                    wait_for(|| addr.get().is_some()).await;
-                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
-                    for seq in 0..SENT {
-                        b.tag_send(7, &payload(7, seq)).await.expect("send");
-                    }
-                    b.tag_recv(8, TAG_MASK_EXACT).await.expect("done");
-                }
-            })
-            .expect("node A")
-    });
-    within(move || a.join().expect("node A panicked"));
-    let out = within(move || b.join().expect("node B panicked"));
-    let (dropped, got) = &out[0];
-    assert_eq!(*dropped, u64::from(SENT) - CAP as u64);
+        },
+        |node: Node| async move {
+            let ctx = node.shard_ctx().clone();
+            // Nothing is posted while A's messages arrive: CAP wait, the rest drop.
+            wait_for(|| ctx.tag_stats().arrived >= u64::from(SENT)).await;
+            let stats = ctx.tag_stats();
+            let a = Peer::new(A);
+            let mut got = Vec::new();
+            while let Ok((_, d)) = a
+                .tag_recv_within(7, TAG_MASK_EXACT, Duration::from_millis(50))
+                .await
+            {
+                got.push(d);
+            }
+            a.tag_send(8, b"done").await.expect("done");
+            (stats.dropped_unexpected, got)
+        },
+        |_node: Node, b: Peer| async move {
+            for seq in 0..SENT {
+                b.tag_send(7, &payload(7, seq)).await.expect("send");
+            }
+            b.tag_recv(8, TAG_MASK_EXACT).await.expect("done");
+        },
+    );
+    assert_eq!(dropped, u64::from(SENT) - CAP as u64);
     // The first CAP messages were kept, in order.
     let want: Vec<_> = (0..CAP as u32).map(|s| payload(7, s)).collect();
-    assert_eq!(got, &want);
+    assert_eq!(got, want);
 }
 
 #[test]
 fn a_receive_for_a_peer_that_leaves_fails_at_once() {
     let _g = serial();
-    let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
-    let addr_a = addr.clone();
-    let b = std::thread::spawn(move || {
-        node(B)
-            .shards(1)
-            .listen("127.0.0.1:0".parse().unwrap())
-            .run(move |node: Node| {
-                let addr = addr.clone();
-                async move {
-                    let _ = addr.set(node.listen_addr().unwrap());
-                    let a = Peer::new(A);
-                    // Posted before A connects: it waits for A's message.
-                    let first = a.tag_recv(1, TAG_MASK_EXACT).await;
-                    // Posted while A is connected; A then leaves (its node closes the
-                    // connection): this one fails then, not at its 30 s deadline. The message
-                    // A sent just before leaving is still received first.
-                    let t0 = Instant::now();
-                    let second = a.tag_recv(2, TAG_MASK_EXACT).await;
-                    let third = a
-                        .tag_recv_within(3, TAG_MASK_EXACT, Duration::from_secs(30))
-                        .await;
-                    (first, second, third, t0.elapsed())
-                }
-            })
-            .expect("node B")
-    });
-    let a = std::thread::spawn(move || {
-        node(A)
-            .shards(1)
-            .run(move |node: Node| {
-                let addr = addr_a.clone();
-                async move {
-                    wait_for(|| addr.get().is_some()).await;
-                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
-                    b.tag_send(1, b"first").await.expect("send");
-                    sleep(Duration::from_millis(200)).await;
-                    b.tag_send(2, b"last words").await.expect("send");
-                }
-            })
-            .expect("node A")
-    });
-    within(move || a.join().expect("node A panicked"));
-    let out = within(move || b.join().expect("node B panicked"));
-    let (first, second, third, elapsed) = &out[0];
+    let (first, second, third, elapsed) = one_shard_pair(
+        |b| b,
+        |_node: Node| async move {
+            let a = Peer::new(A);
+            // Posted before A connects: it waits for A's message.
+            let first = a.tag_recv(1, TAG_MASK_EXACT).await;
+            // Posted while A is connected; A then leaves (its node closes the
+            // connection): this one fails then, not at its 30 s deadline. The message
+            // A sent just before leaving is still received first.
+            let t0 = Instant::now();
+            let second = a.tag_recv(2, TAG_MASK_EXACT).await;
+            let third = a
+                .tag_recv_within(3, TAG_MASK_EXACT, Duration::from_secs(30))
+                .await;
+            (first, second, third, t0.elapsed())
+        },
+        |_node: Node, b: Peer| async move {
+            b.tag_send(1, b"first").await.expect("send");
+            sleep(Duration::from_millis(200)).await;
+            b.tag_send(2, b"last words").await.expect("send");
+        },
+    );
     assert_eq!(first.as_ref().unwrap(), &(1, b"first".to_vec()));
     assert_eq!(second.as_ref().unwrap(), &(2, b"last words".to_vec()));
     assert!(
-        matches!(third, Err(Error::Net(NetError::Closed { node })) if *node == A),
+        matches!(&third, Err(Error::Net(NetError::Closed { node })) if *node == A),
         "{third:?}"
     );
-    assert!(*elapsed < Duration::from_secs(10), "{elapsed:?}");
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
 }

@@ -56,8 +56,7 @@ async fn measure(ctx: Rc<ShardCtx>, busy: bool) -> Figures {
     let idle = if busy {
         None
     } else {
-        let mut idle = serial.clone();
-        idle.reset();
+        let mut idle = Histogram::new_from(&serial);
         for _ in 0..IDLE_SAMPLES {
             glommio::timer::sleep(Duration::from_millis(30)).await;
             let t0 = Instant::now();

@@ -61,16 +61,18 @@ pub struct ShardsBuilder {
 /// I/O, timers and other threads' wake-ups again. glommio's default is 100 ms, lowered only
 /// while a `Latency::Matters` queue is in its active list; the progress queue leaves that list
 /// each time it runs, and glommio then recomputes the timer without it, so a shard busy with UCX
-/// traffic saw cross-shard requests up to 100 ms late (`am_echo --shards 2`: the forwarding
-/// shard's max round trip was 100 ms in every run). Set for every queue, it bounds that delay.
+/// traffic saw other threads' wake-ups up to 100 ms late (with the mesh's former lanes,
+/// `am_echo --shards 2`'s forwarding shard had a 100 ms max round trip in every run). Set for
+/// every queue, it bounds that delay.
 const PREEMPT_TIMER: Duration = Duration::from_millis(1);
 
 /// Latency of the progress driver's task queue: while the driver spins, the shard looks at
-/// timers and other threads' wake-ups this often (it looked at cross-shard lanes this often
-/// too, before the driver polled them itself). A shorter one serves forwarded work sooner but
-/// preempts the spinning driver more often, which shows in the busy round trip's tail. Measured
-/// on the 2-core VM, with the 1 ms [`PREEMPT_TIMER`] (`idle_wake` busy 8-byte RTT p99;
-/// `am_echo --shards 2`, both nodes in one process: forwarded shard p50 / max, owner shard p99).
+/// timers and other threads' wake-ups this often. A shorter one serves those sooner but
+/// preempts the spinning driver more often, which shows in the busy round trip's tail. The
+/// cross-shard lanes do not wait for it: the driver polls them on every round (see `mesh`).
+/// Measured on the 2-core VM, with the 1 ms [`PREEMPT_TIMER`] (`idle_wake` busy 8-byte RTT
+/// p99; `am_echo --shards 2`, both nodes in one process: forwarded shard p50 / max, owner shard
+/// p99).
 /// Each row came from editing this constant (and [`PREEMPT_TIMER`] for the last row) and
 /// running `cargo run --release -p shardcx-shards --example idle_wake` and
 /// `cargo run --release --example am_echo -- --shards 2`, one to three runs each on 2026-11-23:
@@ -83,13 +85,10 @@ const PREEMPT_TIMER: Duration = Duration::from_millis(1);
 /// | 1 ms | 2.4–2.6 µs | 1.2 ms / 9–47 ms | 150–250 µs |
 /// | 100 µs, glommio's 100 ms default timer (before) | 2.1 µs | 260 µs / 100 ms | 72–81 µs |
 ///
-/// The forwarded column was measured with the mesh's former lanes, glommio shared channels,
-/// which a spinning shard looked at only at this preempt. The driver now polls the lanes
-/// itself on every round (see `mesh`), so a forward no longer waits for the preempt: at
-/// 500 µs, `am_echo` forwarded p50 120–230 µs (owner 17–25 µs; the rest is the forwarding
-/// shard's wake-ups, its driver sleeping) and the `hop` example's hop to a spinning shard p50
-/// 1.1–2.7 µs, against 510–530 µs and 510 µs with the former lanes (same day, load 1–4).
-/// This latency now matters for timers and other threads' wake-ups only.
+/// The forwarded column dates from the mesh's former lanes (glommio shared channels), which a
+/// spinning shard looked at only at this preempt. For today's cross-shard figures run
+/// `cargo run --release -p shardcx-shards --example hop` and
+/// `cargo run --release --example am_echo` (README's shard runtime figures).
 const PROGRESS_LATENCY: Duration = Duration::from_micros(500);
 
 /// A hook run on every shard once its state is built (see [`ShardsBuilder::on_start`]).
@@ -144,9 +143,10 @@ impl ShardsBuilder {
     }
 
     /// Run `hook` on every shard, inside its thread, once the shard's state is built and before
-    /// it serves anything: before its mesh receivers start, before shard 0 listens, before the
-    /// user future. The place to register handlers (e.g. [`ShardCtx::set_net_handler`]) that must
-    /// be there before the first frame can arrive. Replaces any previous hook.
+    /// it serves anything: before its mesh's inbox task starts (and the driver takes from the
+    /// lanes), before shard 0 listens, before the user future. The place to register handlers
+    /// (e.g. [`ShardCtx::set_net_handler`]) that must be there before the first frame can
+    /// arrive. Replaces any previous hook.
     pub fn on_start<H>(mut self, hook: H) -> Self
     where
         H: Fn(&Rc<ShardCtx>) + Send + Sync + 'static,
@@ -205,7 +205,8 @@ impl ShardsBuilder {
     }
 
     /// Longest wait, once every shard's user future has ended, for the work in flight between
-    /// shards to finish before the shards close their connections anyway (default
+    /// shards to finish, and then again for each shard's pending requests to be answered,
+    /// before the shards close their connections anyway (default
     /// [`mesh::DEFAULT_DRAIN_TIMEOUT`]).
     pub fn drain_timeout(mut self, d: Duration) -> Self {
         self.mesh.drain_timeout = d;
@@ -459,7 +460,7 @@ impl ShardsBuilder {
         mesh.user_finished();
         backstopped(async {
             mesh.drain().await;
-            net::shutdown(&ctx).await;
+            net::shutdown(&ctx, self.mesh.drain_timeout).await;
             mesh.close(mesh_tasks);
             ctx.driver.stop();
             progress.await;

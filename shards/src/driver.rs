@@ -90,7 +90,7 @@
 //! A shorter window saves CPU on bursty loads at the price of more wake-ups; measure with the
 //! `idle_wake` example and `DriverConfig::spin`.
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell};
 use std::future::Future;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
@@ -162,7 +162,7 @@ pub(crate) type PollHook = Rc<dyn RoundHook>;
 pub(crate) struct Driver {
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
-    hook: Rc<RefCell<Option<PollHook>>>,
+    hook: Rc<OnceCell<PollHook>>,
     waker: Option<JoinHandle<()>>,
     worker: Worker,
 }
@@ -173,7 +173,7 @@ pub(crate) struct DriverTask {
     stream: UnixStream,
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
-    hook: Rc<RefCell<Option<PollHook>>>,
+    hook: Rc<OnceCell<PollHook>>,
     stats: Rc<DriverStats>,
     config: DriverConfig,
 }
@@ -210,7 +210,7 @@ impl Driver {
         let _ = std::fs::remove_file(&path);
         let stream = connected?;
         let sleeping = Rc::new(Cell::new(false));
-        let hook = Rc::new(RefCell::new(None));
+        let hook = Rc::new(OnceCell::new());
         Ok((
             Driver {
                 stop: stop.clone(),
@@ -231,9 +231,10 @@ impl Driver {
         ))
     }
 
-    /// Call `hook` on every round from now on, replacing any previous hook.
+    /// Call `hook` on every round from now on. Set once, when the shard starts: a later call
+    /// is ignored.
     pub(crate) fn set_poll_hook(&self, hook: PollHook) {
-        *self.hook.borrow_mut() = Some(hook);
+        let _ = self.hook.set(hook);
     }
 
     /// Wake the driver if it sleeps, so that it progresses the worker now.
@@ -304,10 +305,9 @@ pub(crate) async fn run(mut task: DriverTask) {
     let mut backstop = Backstop::new();
     while !task.stop.load(Ordering::Acquire) {
         let events = task.worker.progress();
-        // The mesh's lanes (see "The mesh's hook"). Cloned out of the cell, so that the hook
-        // may set another one.
-        let hook = task.hook.borrow().clone();
-        let hooked = hook.as_ref().is_some_and(|hook| hook.poll());
+        // The mesh's lanes (see "The mesh's hook").
+        let hook = task.hook.get();
+        let hooked = hook.is_some_and(|hook| hook.poll());
         task.stats.rounds.set(task.stats.rounds.get() + 1);
         let now = Instant::now();
         if events > 0 || hooked {
@@ -315,7 +315,7 @@ pub(crate) async fn run(mut task: DriverTask) {
         } else if now.duration_since(last_event) >= task.config.spin {
             // Say so before the last look at the lanes: a sender then either sees the driver
             // asleep (and wakes the mesh's inbox task), or its message is taken here.
-            if let Some(hook) = &hook {
+            if let Some(hook) = hook {
                 hook.sleeping(true);
                 if hook.poll() {
                     hook.sleeping(false);
@@ -365,7 +365,7 @@ pub(crate) async fn run(mut task: DriverTask) {
                     glommio::timer::sleep(Duration::from_micros(100)).await;
                 }
             }
-            if let Some(hook) = &hook {
+            if let Some(hook) = hook {
                 hook.sleeping(false);
             }
         }
@@ -375,8 +375,7 @@ pub(crate) async fn run(mut task: DriverTask) {
         glommio::executor().yield_task_queue_now().await;
     }
     // From now on the hook is not polled.
-    let hook = task.hook.borrow().clone();
-    if let Some(hook) = hook {
+    if let Some(hook) = task.hook.get() {
         hook.sleeping(true);
     }
     // Tell the waker thread now. Dropping a glommio socket only queues its close on the ring,

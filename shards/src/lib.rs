@@ -75,7 +75,7 @@ pub mod tag;
 pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};
 pub use driver::DriverConfig;
 pub use error::{BootError, ForwardError, NetError};
-pub use mesh::MeshConfig;
+pub use mesh::{MeshConfig, MeshStats};
 pub use net::{Directory, NetConfig, NetStats, RemoteNode};
 pub use pool::{PoolBuf, ShardPool};
 pub use rma::{RemoteRegion, RmaOpError, RmaStats};

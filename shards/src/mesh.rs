@@ -21,44 +21,42 @@
 //! take, on the target's own thread:
 //!
 //! - the **progress driver**, on every round (`driver.rs` calls a hook the mesh registers;
-//!   when nothing came, the hook is one relaxed load of the flag). A shard whose driver spins,
-//!   busy with UCX traffic or in its spin window, sees a forwarded request or completion within
-//!   one progress round, with no system call on either side. What it takes counts as an event
-//!   for the spin window.
+//!   when nothing came, the hook is one load of the flag, `SeqCst`: a plain load on x86). A
+//!   shard whose driver spins, busy with UCX traffic or in its spin window, sees a forwarded
+//!   request or completion within one progress round, with no system call on either side.
+//!   What it takes counts as an event for the spin window.
 //! - the **inbox task**, one per shard, which puts its waker on the doorbell when it starts
 //!   and sleeps whenever it finds the flag clear. When the target sleeps (its driver asleep,
 //!   its executor parked), the sender's wake takes glommio's path for a waker woken from
 //!   another thread: it queues the waker for the target's executor and, the executor being
-//!   parked, writes its eventfd: the cost of a glommio shared channel. The task drains the
-//!   lanes.
+//!   parked, writes its eventfd. The task drains the lanes.
 //!
 //! Mesh traffic keeps an awake driver awake, but does not wake a sleeping one: a shard whose
 //! only work is forwarding (waiting for completions, or serving jobs now and then) sleeps as
-//! before, and pays one wake-up (tens of microseconds on this VM) per message that finds it
-//! asleep. Waking the driver (to spin for its spin window) when a request is sent or taken was
-//! tried and measured: it makes a hop between two otherwise idle shards about a microsecond
-//! when each has a core of its own, but on this 2-core machine with more shards than cores
-//! (`am_echo`'s two nodes of two shards in one process) the extra spinning shard took the
-//! core the others needed, and the forwarded round trip went from about 0.2 ms to 2 ms.
+//! before, and pays one wake-up per message that finds it asleep (the idle columns of the
+//! `hop` example). Waking the driver (to spin for its spin window) when a request is sent or
+//! taken was tried while this design was developed, and left out: it made a hop between two
+//! otherwise idle shards faster when each had a core of its own, but with more shards than
+//! cores (`am_echo`'s two nodes of two shards on the 2-core VM) the extra spinning shard took
+//! the core the others needed, and forwarded round trips became several times slower.
 //!
 //! A spinning target gets the wake as well, queued without the eventfd write (the executor is
 //! not parked), and runs the inbox task when glommio next looks at its foreign wakes (at the
 //! progress queue's preempt, `boot.rs`); by then the driver has emptied the lanes. While the
 //! target's driver polls, only the ring that sets the flag wakes: one wake per message when
-//! the driver takes each message as it comes (a hundred nanoseconds or so on the sender),
-//! fewer in bursts.
+//! the driver takes each message as it comes, fewer in bursts.
 //!
 //! While the target's driver sleeps (the doorbell's `asleep` flag, which the driver sets
 //! through its hook before its last look at the lanes and clears when it wakes), every ring
-//! wakes the inbox task, as glommio's shared channels wrote the eventfd on every send. One
-//! wake per burst is not enough there: glommio 0.9 can park an executor with a task runnable
-//! (see `driver.rs`; measured here as forwards to a sleeping shard waiting for its driver's
-//! 50 ms sleep timeout, a few per 20 000 round trips in `am_echo`, before this rule). The
+//! wakes the inbox task. One wake per burst is not enough there: glommio 0.9 can park an
+//! executor with a task runnable (see `driver.rs`), and while this design was developed,
+//! `am_echo` showed, now and then, forwards to a sleeping shard that waited for its driver's
+//! sleep timeout ([`MAX_SLEEP`](crate::driver::MAX_SLEEP)) until every ring woke the task. The
 //! waker stays on the doorbell (woken by reference, not taken), so that each of those rings
 //! reaches the executor whatever the inbox task is doing. A hop between two awake shards
-//! costs two queue operations each way and a progress round: about a microsecond
-//! (`examples/hop.rs`), where the glommio shared channels used before cost half a millisecond
-//! (a spinning target looked at them only at its preempt).
+//! costs two queue operations each way and a progress round (the busy rows of
+//! `cargo run --release -p shardcx-shards --example hop`); the glommio shared channels used
+//! before were looked at by a spinning target only at its preempt.
 //!
 //! The jobs a driver takes are spawned into the shard's default task queue, like those the
 //! inbox task takes: they run like the shard's other tasks, not in the driver's latency queue.
@@ -829,41 +827,19 @@ impl MeshState {
     }
 
     fn take_completions(&self, lane: &Lane, peer: usize) -> usize {
-        let chan = &lane.ends.done_rx;
-        let mut n = 0;
-        loop {
-            // Bounded, so that peers pushing all the while cannot hold the taker here: the
-            // rest is taken at the next look.
-            if n == self.config.lane_capacity {
-                // A read-modify-write, like the senders' rings: a store would cut their release
-                // sequence, and the next drain might not see their pushes.
-                self.bell.rung.swap(true, Ordering::AcqRel);
-                break;
+        let (n, closed) = self.pop_lane(&lane.ends.done_rx, &lane.ends.bell, |c| {
+            if let Some(p) = self.remove_pending(lane, c.slot) {
+                let outcome = c.outcome.map_err(|message| ForwardError::JobPanicked {
+                    shard: shard_id(peer),
+                    message,
+                });
+                p.slot.resolve(outcome);
+                // `p`'s permit is given back here.
             }
-            match chan.queue.pop() {
-                Ok(c) => {
-                    n += 1;
-                    if let Some(p) = self.remove_pending(lane, c.slot) {
-                        let outcome = c.outcome.map_err(|message| ForwardError::JobPanicked {
-                            shard: shard_id(peer),
-                            message,
-                        });
-                        p.slot.resolve(outcome);
-                        // `p`'s permit is given back here.
-                    }
-                }
-                Err(PopError::Empty) => break,
-                // The peer has gone, and everything it had sent has been taken.
-                Err(PopError::Closed) => {
-                    if !lane.dead.get() {
-                        lane_failed(self, peer);
-                    }
-                    break;
-                }
-            }
-        }
-        if n > 0 {
-            chan.room_made(&lane.ends.bell);
+        });
+        // The peer has gone, and everything it had sent has been taken.
+        if closed && !lane.dead.get() {
+            lane_failed(self, peer);
         }
         n
     }
@@ -875,44 +851,65 @@ impl MeshState {
         peer: usize,
         queue: Option<TaskQueueHandle>,
     ) -> usize {
-        let chan = &lane.ends.req_rx;
+        let (n, closed) = self.pop_lane(&lane.ends.req_rx, &lane.ends.bell, |req| {
+            // Counted before anything can complete it: the sender still counts its request.
+            self.busy_inc();
+            let env = JobEnv {
+                ctx: ctx.clone(),
+                depth: req.depth.saturating_add(1),
+                reply: Reply {
+                    mesh: self.clone(),
+                    to: peer,
+                    slot: req.slot,
+                },
+                queue,
+            };
+            // Spawns the job as a local task; never waits.
+            (req.start)(env);
+        });
+        // The peer has gone (or closed at quiescence): no more requests from it.
+        if closed {
+            self.poke.wake();
+        }
+        n
+    }
+
+    /// Pop what waits in `chan`, an incoming lane, and hand each item to `each`; then, if any
+    /// were taken, ring `sender_bell` should the sender wait for room. Returns how many were
+    /// taken, and whether the lane was found closed with nothing left in it.
+    fn pop_lane<T>(
+        &self,
+        chan: &Chan<T>,
+        sender_bell: &Doorbell,
+        mut each: impl FnMut(T),
+    ) -> (usize, bool) {
         let mut n = 0;
+        let mut closed = false;
         loop {
+            // Bounded, so that peers pushing all the while cannot hold the taker here: the
+            // rest is taken at the next look.
             if n == self.config.lane_capacity {
+                // A read-modify-write, like the senders' rings: a store would cut their release
+                // sequence, and the next drain might not see their pushes.
                 self.bell.rung.swap(true, Ordering::AcqRel);
                 break;
             }
             match chan.queue.pop() {
-                Ok(req) => {
+                Ok(item) => {
                     n += 1;
-                    // Counted before anything can complete it: the sender still counts its
-                    // request.
-                    self.busy_inc();
-                    let env = JobEnv {
-                        ctx: ctx.clone(),
-                        depth: req.depth.saturating_add(1),
-                        reply: Reply {
-                            mesh: self.clone(),
-                            to: peer,
-                            slot: req.slot,
-                        },
-                        queue,
-                    };
-                    // Spawns the job as a local task; never waits.
-                    (req.start)(env);
+                    each(item);
                 }
                 Err(PopError::Empty) => break,
-                // The peer has gone (or closed at quiescence): no more requests from it.
                 Err(PopError::Closed) => {
-                    self.poke.wake();
+                    closed = true;
                     break;
                 }
             }
         }
         if n > 0 {
-            chan.room_made(&lane.ends.bell);
+            chan.room_made(sender_bell);
         }
-        n
+        (n, closed)
     }
 
     fn busy_inc(&self) {
@@ -986,7 +983,8 @@ fn lane_failed(mesh: &MeshState, peer: usize) {
 }
 
 /// The inbox task: takes from the lanes when the doorbell is rung and the driver has not
-/// taken first (it sleeps, or has not looked yet), then wakes the driver.
+/// taken first (it sleeps, or has not looked yet). It leaves the driver as it is (see the
+/// module docs).
 async fn serve_inbox(mesh: Weak<MeshState>, ctx: Weak<ShardCtx>, bell: Arc<Doorbell>) {
     let _unregister = Unregister(bell.clone());
     loop {

@@ -93,7 +93,9 @@
 //! close of the connection, which fails every request pending for that node with the
 //! connection's error ([`NetError::PeerDead`], [`NetError::Transport`], [`NetError::Closed`]);
 //! a restart of the peer (its old incarnation's requests fail with [`NetError::Closed`]); this
-//! node's shutdown ([`NetError::ShuttingDown`]). A dropped request future removes its entry.
+//! node's shutdown, which first waits for pending requests' answers for at most the mesh's
+//! drain timeout ([`NetError::ShuttingDown`] after it). A dropped request future removes its
+//! entry.
 //!
 //! The net task also follows proto's calling order: after each input it drains
 //! `poll_transmit` (into the connection's sender task, which owns the endpoint and sends frames
@@ -178,6 +180,8 @@ pub const RNDV_AM_HEADER_LEN: usize = AM_HEADER_LEN + HEADER_LEN;
 pub const MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 const DIRECTORY_MAGIC: u32 = u32::from_le_bytes(*b"SCXD");
+/// How often a shard that is shutting down looks whether its requests have been answered.
+const DRAIN_POLL: Duration = Duration::from_millis(2);
 /// Largest worker address accepted in a directory or a hello.
 const MAX_ADDR_LEN: usize = 64 << 10;
 
@@ -690,10 +694,17 @@ pub(crate) async fn listen(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
     Ok(())
 }
 
-/// Closes every connection (sending `Close` where a session is up), lets the sender tasks
-/// flush within the linger time, and stops the net task and the listener.
-pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>) {
+/// Stops accepting, waits (at most `drain`) for the requests this shard sent to be answered,
+/// then closes every connection (sending `Close` where a session is up), fails what is still
+/// pending with [`NetError::ShuttingDown`], lets the sender tasks flush within the linger time,
+/// and stops the net task.
+pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>, drain: Duration) {
+    ctx.stop_accepting().await;
     let net = ctx.net();
+    let until = Instant::now() + drain;
+    while !net.pending.borrow().is_empty() && Instant::now() < until {
+        sleep(DRAIN_POLL).await;
+    }
     let now = net.now();
     let nodes: Vec<NodeId> = net.peers.borrow().keys().copied().collect();
     for node in nodes {
@@ -707,10 +718,7 @@ pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>) {
     for (_, p) in left {
         p.waiter.push(Err(NetError::ShuttingDown));
     }
-    let hooks = net.lost_hooks.borrow().clone();
-    for hook in hooks {
-        hook(None, &NetError::ShuttingDown);
-    }
+    run_lost_hooks(net, None, &NetError::ShuttingDown);
     net.inbox.close();
     // Each sender ends within the linger time once its queue is closed.
     let deadline = Instant::now() + net.settings.cfg.linger + Duration::from_millis(100);
@@ -721,7 +729,15 @@ pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>) {
     for t in tasks {
         t.cancel().await;
     }
-    ctx.stop_accepting().await;
+}
+
+/// Runs the hooks of [`ShardCtx::on_peer_lost`] (`None`: every node).
+fn run_lost_hooks(net: &NetState, node: Option<NodeId>, err: &NetError) {
+    // Cloned: a hook may register another.
+    let hooks = net.lost_hooks.borrow().clone();
+    for hook in hooks {
+        hook(node, err);
+    }
 }
 
 async fn gather_directory(ctx: &Rc<ShardCtx>) -> Result<Rc<Vec<u8>>, crate::BootError> {
@@ -1359,10 +1375,7 @@ fn service(net: &NetState, node: NodeId) {
     }
     if let Some(err) = lost {
         fail_pending(net, node, &err);
-        let hooks = net.lost_hooks.borrow().clone();
-        for hook in hooks {
-            hook(Some(node), &err);
-        }
+        run_lost_hooks(net, Some(node), &err);
     }
 }
 
@@ -1632,13 +1645,18 @@ impl ShardCtx {
         self.net().stats.get()
     }
 
-    /// Whether this shard holds a ready connection to `node`.
-    pub fn is_connected(&self, node: NodeId) -> bool {
+    /// The ready connection to `node` on this shard, if there is one.
+    pub fn session(&self, node: NodeId) -> Option<RemoteNode> {
         self.net()
             .peers
             .borrow()
             .get(&node)
-            .is_some_and(|p| ready_remote(&p.conn).is_some())
+            .and_then(|p| ready_remote(&p.conn))
+    }
+
+    /// Whether this shard holds a ready connection to `node`.
+    pub fn is_connected(&self, node: NodeId) -> bool {
+        self.session(node).is_some()
     }
 
     /// Remote nodes with a ready connection on this shard.
@@ -1953,8 +1971,8 @@ impl ShardCtx {
     /// clients can no longer fetch the directory, and a `connect` to this node's address fails
     /// from then on. Connections already made are not touched, and a client that already holds
     /// the directory may still complete its handshake. Does nothing on other shards or when
-    /// called again. [`crate::ShardsBuilder::run`] calls it at shut-down; a node that drains
-    /// before it closes calls it first.
+    /// called again. [`crate::ShardsBuilder::run`] calls it at shut-down; the facade's node
+    /// calls it as soon as every shard's closure has returned.
     pub async fn stop_accepting(&self) {
         let task = self.net().acceptor.borrow_mut().take();
         if let Some(t) = task {
@@ -1971,11 +1989,6 @@ impl ShardCtx {
     /// per-peer operations of their own (tag receives); it must not block.
     pub fn on_peer_lost(&self, hook: impl Fn(Option<NodeId>, &NetError) + 'static) {
         self.net().lost_hooks.borrow_mut().push(Rc::new(hook));
-    }
-
-    /// Whether this shard still runs the node's listener.
-    pub fn is_accepting(&self) -> bool {
-        self.net().acceptor.borrow().is_some()
     }
 }
 

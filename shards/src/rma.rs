@@ -101,6 +101,7 @@
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::rc::{Rc, Weak};
+use std::thread::LocalKey;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -512,15 +513,24 @@ pub fn install(ctx: &Rc<ShardCtx>) {
 
 /// The state of `ctx`'s shard, if [`install`] ran on it (see the module docs).
 fn state_of(ctx: &ShardCtx) -> Option<Rc<RmaState>> {
-    STATE
-        .try_with(|s| {
-            let s = s.borrow();
-            let st = s.as_ref()?;
-            (st.shard.strong_count() > 0 && std::ptr::eq(st.shard.as_ptr(), ctx))
-                .then(|| st.clone())
-        })
-        .ok()
-        .flatten()
+    shard_state(&STATE, ctx, |s| &s.shard)
+}
+
+/// The state a shard module keeps in the thread-local `key`, if it is `ctx`'s: the shard it
+/// names (`shard` of it) is `ctx` and still alive. Makes none.
+pub(crate) fn shard_state<T>(
+    key: &'static LocalKey<RefCell<Option<Rc<T>>>>,
+    ctx: &ShardCtx,
+    shard: impl Fn(&T) -> &Weak<ShardCtx>,
+) -> Option<Rc<T>> {
+    key.try_with(|s| {
+        let s = s.borrow();
+        let st = s.as_ref()?;
+        let owner = shard(st);
+        (owner.strong_count() > 0 && std::ptr::eq(owner.as_ptr(), ctx)).then(|| st.clone())
+    })
+    .ok()
+    .flatten()
 }
 
 /// The shard named by a region id.

@@ -84,14 +84,14 @@
 //!   endpoint uses the net module's rule ([`ErrorMode::Peer`] when `tcp` is also there).
 //! - Otherwise only tcp is left, and the operation fails with [`RmaOpError::TrustedTransport`]
 //!   before any endpoint is made. Over tcp UCX 1.12 has no RMA: it emulates put and get with
-//!   active messages that the target's CPU serves, which measured no faster than checked mode
-//!   (slower for 64 KiB). And its tcp transport crashed the *target* process with these
-//!   endpoints: with [`ErrorMode::None`], in about one run in ten of the tcp test (a null free
-//!   in `uct_tcp_ep_progress_am_rx`, after `uct_tcp_ep_replace_ep`, called by the wire-up of
-//!   the new endpoint, moved away the receive buffer being parsed when the first operations
-//!   arrived in the same read as the wire-up request); with [`ErrorMode::Peer`], once in about
-//!   seventeen runs of the example (`ucp_put_handler` copying to an unmapped page). Checked
-//!   mode serves tcp peers as well as trusted mode could.
+//!   active messages that the target's CPU serves. During development, before tcp was
+//!   refused, that measured no faster than checked mode, and UCX's tcp transport sometimes
+//!   crashed the *target* process with these endpoints: with [`ErrorMode::None`] in the tcp
+//!   test (a null free in `uct_tcp_ep_progress_am_rx`, after `uct_tcp_ep_replace_ep`, called
+//!   by the wire-up of the new endpoint, moved away the receive buffer being parsed when the
+//!   first operations arrived in the same read as the wire-up request); with
+//!   [`ErrorMode::Peer`] in the example (`ucp_put_handler` copying to an unmapped page). Tcp
+//!   peers use checked mode instead.
 //!
 //! Failures are also found above UCX: by the session's heartbeats (step 3 runs before every
 //! operation), by the deadline every operation has, and by UCX errors (which drop that
@@ -143,10 +143,11 @@ use glommio::timer::sleep;
 
 use crate::boot::ShardCtx;
 use crate::error::NetError;
+use crate::net::MAX_REQUEST_TIMEOUT;
 use crate::proto::region::{Access, Permissions, RegionDescriptor, RmaError};
 use crate::proto::shard_map::MAX_SHARDS;
 use crate::proto::{Generation, Incarnation, NodeId, RegionId, ShardId};
-use crate::rma::{DescriptorError, RmaOpError};
+use crate::rma::{shard_state, DescriptorError, RmaOpError};
 use crate::ucx::{Endpoint, EpOptions, ErrorMode, MemHandle, PackedRkey, RemoteKey};
 use crate::ucx::{Error as UcxError, WorkerAddress};
 
@@ -159,8 +160,6 @@ pub const MAX_CACHED_KEYS: usize = 1024;
 
 const MAGIC: [u8; 4] = *b"SCXT";
 const VERSION: u8 = 1;
-/// Longest deadline (longer timeouts are cut to this, so that `now + timeout` cannot overflow).
-const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 /// A trusted region as peers name it: where its memory is and the remote key that reaches it.
 /// `Send + Sync`, cheap to clone (the byte strings are shared). Only
@@ -256,9 +255,6 @@ struct TrustedState {
     transports: Cell<Option<Transports>>,
     next_id: Cell<u32>,
     peers: RefCell<HashMap<NodeId, PeerCache>>,
-    /// Peers whose connection ended while `peers` was borrowed (never in practice: the hook
-    /// runs between tasks), dropped at the next look.
-    lost: RefCell<Vec<Option<NodeId>>>,
     stats: Cell<TrustedStats>,
 }
 
@@ -559,15 +555,7 @@ impl TrustedState {
     /// the cache (see the module docs).
     fn route(&self, ctx: &ShardCtx, d: &TrustedDescriptor) -> Result<Route, RmaOpError> {
         let mut peers = self.peers.borrow_mut();
-        for node in self.lost.take() {
-            self.drop_peers(&mut peers, node);
-        }
-        let session = ctx
-            .connected_nodes()
-            .iter()
-            .find(|r| r.node_id == d.node)
-            .map(|r| r.incarnation);
-        let Some(session) = session else {
+        let Some(session) = ctx.session(d.node).map(|r| r.incarnation) else {
             if peers.remove(&d.node).is_some() {
                 self.count(|s| s.invalidated += 1);
             }
@@ -591,7 +579,7 @@ impl TrustedState {
         if peer
             .holders
             .get(&d.shard)
-            .is_some_and(|h| h.worker != d.worker)
+            .is_some_and(|h| !same_bytes(&h.worker, &d.worker))
         {
             // Another worker address for the same shard of the same run: a forged or corrupt
             // descriptor, or a bug; do not mix keys of the two.
@@ -621,7 +609,7 @@ impl TrustedState {
         };
         let (ep, wired) = (holder.ep.clone(), holder.wired.clone());
         if let Some((bytes, key)) = holder.keys.get(&d.id) {
-            if *bytes == d.rkey {
+            if same_bytes(bytes, &d.rkey) {
                 self.count(|s| s.key_hits += 1);
                 let key = key.clone();
                 return Ok(Route { ep, wired, key });
@@ -667,13 +655,11 @@ impl TrustedState {
     /// The connection to `node` ended (`None`: every node, at shut-down): drops its endpoints
     /// and keys.
     fn on_peer_lost(&self, node: Option<NodeId>) {
-        match self.peers.try_borrow_mut() {
-            Ok(mut peers) => self.drop_peers(&mut peers, node),
-            Err(_) => self.lost.borrow_mut().push(node),
-        }
-    }
-
-    fn drop_peers(&self, peers: &mut HashMap<NodeId, PeerCache>, node: Option<NodeId>) {
+        // Never fails: `peers` is borrowed only inside `route` and `forget`, which do not await
+        // and call nothing that runs this hook (the net task and shut-down run it).
+        let Ok(mut peers) = self.peers.try_borrow_mut() else {
+            return;
+        };
         let n = match node {
             Some(node) => u64::from(peers.remove(&node).is_some()),
             None => {
@@ -705,7 +691,6 @@ fn state(ctx: &Rc<ShardCtx>) -> Rc<TrustedState> {
         transports: Cell::new(None),
         next_id: Cell::new(1),
         peers: RefCell::new(HashMap::new()),
-        lost: RefCell::new(Vec::new()),
         stats: Cell::new(TrustedStats::default()),
     });
     // Weak: the hook lives in the shard's net state, and must not keep this state alive.
@@ -721,15 +706,7 @@ fn state(ctx: &Rc<ShardCtx>) -> Rc<TrustedState> {
 
 /// The state of `ctx`'s shard, if it has one (for counters; makes none).
 fn existing_state(ctx: &ShardCtx) -> Option<Rc<TrustedState>> {
-    STATE
-        .try_with(|s| {
-            let s = s.borrow();
-            let st = s.as_ref()?;
-            (st.shard.strong_count() > 0 && std::ptr::eq(st.shard.as_ptr(), ctx))
-                .then(|| st.clone())
-        })
-        .ok()
-        .flatten()
+    shard_state(&STATE, ctx, |s| &s.shard)
 }
 
 /// Which kinds of transports a context's resources include (as `Context::info` lists them:
@@ -773,10 +750,12 @@ pub fn host_id() -> u64 {
     })
 }
 
-/// `now + timeout`, with the timeout capped so that it cannot overflow.
+/// `now + timeout`, with the timeout capped (at [`MAX_REQUEST_TIMEOUT`], as requests are) so
+/// that it cannot overflow.
 fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(timeout.min(MAX_TIMEOUT)).unwrap_or(now)
+    now.checked_add(timeout.min(MAX_REQUEST_TIMEOUT))
+        .unwrap_or(now)
 }
 
 /// Runs `op` until `deadline`; `None` if the deadline came first (then `op` is dropped, which
@@ -787,6 +766,27 @@ async fn before<T>(deadline: Instant, op: impl Future<Output = T>) -> Option<T> 
         None
     })
     .await
+}
+
+/// A zeroed buffer of `len` bytes for a get, or [`RmaOpError::TooLarge`] when this process
+/// cannot allocate it: the length comes from a descriptor, and may be anything up to the
+/// holder's address space (an allocation failure must not abort the process).
+fn zeroed(len: u64) -> Result<Vec<u8>, RmaOpError> {
+    let too_large = || RmaOpError::TooLarge {
+        len,
+        max: usize::MAX as u64,
+    };
+    let n = usize::try_from(len).map_err(|_| too_large())?;
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(n).map_err(|_| too_large())?;
+    buf.resize(n, 0);
+    Ok(buf)
+}
+
+/// Whether two byte strings are equal: the same allocation (a descriptor used again, or its
+/// clone), or else byte by byte.
+fn same_bytes(a: &Arc<[u8]>, b: &Arc<[u8]>) -> bool {
+    Arc::ptr_eq(a, b) || a == b
 }
 
 fn timed_out(what: &'static str) -> RmaOpError {
@@ -871,7 +871,7 @@ async fn get_here(
     ctx: &Rc<ShardCtx>,
     d: &TrustedDescriptor,
     offset: u64,
-    len: usize,
+    len: u64,
     deadline: Instant,
 ) -> Result<Vec<u8>, RmaOpError> {
     let state = state(ctx);
@@ -879,12 +879,13 @@ async fn get_here(
         state.count(|s| s.timed_out += 1);
         return Err(timed_out("get"));
     }
+    let buf = zeroed(len)?;
     let Route { ep, wired: w, key } = state.route(ctx, d)?;
     let remote = d.remote(offset);
     ctx.wake_driver();
     let done = before(deadline, async {
         wired(&ep, &w).await?;
-        match ep.get(vec![0u8; len], remote, &key).await {
+        match ep.get(buf, remote, &key).await {
             (Ok(()), data) => Ok(data),
             (Err(e), _) => Err(e),
         }
@@ -992,7 +993,8 @@ impl ShardCtx {
     }
 
     /// Reads `len` bytes at `offset` of the region `d` names, with native RMA, from any shard,
-    /// within `timeout`. Errors as [`ShardCtx::trusted_put`].
+    /// within `timeout`. Errors as [`ShardCtx::trusted_put`], and [`RmaOpError::TooLarge`]
+    /// when the owner shard cannot allocate `len` bytes.
     pub async fn trusted_get(
         self: &Rc<Self>,
         d: &TrustedDescriptor,
@@ -1003,11 +1005,6 @@ impl ShardCtx {
         self.trusted_on()?;
         d.check(offset, len, Access::Read)
             .map_err(|source| RmaOpError::Invalid { source })?;
-        // The holder's word size may be larger than ours: refuse what cannot be a buffer here.
-        let len = usize::try_from(len).map_err(|_| RmaOpError::TooLarge {
-            len,
-            max: usize::MAX as u64,
-        })?;
         let deadline = deadline_after(timeout);
         let desc = d.clone();
         on_owner(self, d, move |c| async move {
@@ -1128,8 +1125,7 @@ mod tests {
             transports_of("# tcp/lo mentioned elsewhere"),
             t(false, false, false)
         );
-        // Stable within a process, and known on Linux.
-        assert_eq!(host_id(), host_id());
+        // Known on Linux.
         assert_ne!(host_id(), 0);
     }
 
@@ -1152,9 +1148,15 @@ mod tests {
     }
 
     #[test]
-    fn descriptors_are_send_and_sync() {
-        fn send_sync<T: Send + Sync + 'static>() {}
-        send_sync::<TrustedDescriptor>();
-        send_sync::<TrustedStats>();
+    fn get_buffers_are_zeroed_or_refused() {
+        assert_eq!(zeroed(3).unwrap(), [0; 3]);
+        assert!(zeroed(0).unwrap().is_empty());
+        // Past what a vector may hold, and past any address space: refused, not an abort.
+        for len in [u64::MAX, 1 << 62] {
+            assert!(
+                matches!(zeroed(len), Err(RmaOpError::TooLarge { len: l, .. }) if l == len),
+                "{len}"
+            );
+        }
     }
 }

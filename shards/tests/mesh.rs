@@ -7,10 +7,10 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use shardcx_shards::mesh::MeshStats;
 use shardcx_shards::proto::ids::ShardId;
 use shardcx_shards::{
-    BootError, DriverConfig, ForwardError, MeshConfig, Placement, ShardCtx, ShardsBuilder,
+    BootError, DriverConfig, ForwardError, MeshConfig, MeshStats, Placement, ShardCtx,
+    ShardsBuilder,
 };
 
 /// Longest any one test's shard set may run.
@@ -465,9 +465,8 @@ fn sleeping_driver_does_not_delay_forwards() {
 }
 
 /// A forward to a shard whose driver spins is taken by that driver, within a progress round,
-/// and so is its completion on the calling shard. With the glommio shared channels the mesh
-/// used before, a spinning shard looked at its lanes only at its progress queue's preempt
-/// (500 µs), and every such hop took about that long.
+/// and so is its completion on the calling shard (the mesh's former lanes were looked at only
+/// at the progress queue's preempt).
 #[test]
 fn spinning_drivers_take_forwards_themselves() {
     const N: u64 = 2_000;

@@ -15,7 +15,7 @@ use shardcx_shards::proto::handshake::RejectReason;
 use shardcx_shards::proto::wire::{encode_frame, frame_len};
 use shardcx_shards::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId, ShardMap};
 use shardcx_shards::ucx::{AmProto, Endpoint, EpOptions, ErrorMode};
-use shardcx_shards::{NetError, Placement, ShardCtx, ShardsBuilder};
+use shardcx_shards::{NetError, Placement, RemoteNode, ShardCtx, ShardsBuilder};
 
 /// Longest any one test may run.
 const LIMIT: Duration = Duration::from_secs(60);
@@ -219,16 +219,9 @@ fn round_trip_from_every_shard() {
 fn wrong_key_is_refused() {
     let _g = serial();
     let (addr, done, b) = start_b(KEY);
-    let got = run_a(b"another key of sixteen bytes", move |ctx| async move {
-        if ctx.id().get() != 0 {
-            return None;
-        }
-        let t0 = Instant::now();
-        let r = ctx.connect(addr).await;
-        Some((r, t0.elapsed()))
-    });
+    let got = timed_connect_from_shard_0(b"another key of sixteen bytes", addr);
     let reports = finish_b(&done, b);
-    let (r, took) = got.into_iter().flatten().next().unwrap();
+    let (r, took) = got;
     assert!(
         matches!(
             r,
@@ -246,6 +239,23 @@ fn wrong_key_is_refused() {
     );
 }
 
+/// Node A (pre-shared key `key`) connects to `addr` from shard 0; the outcome and how long it
+/// took.
+fn timed_connect_from_shard_0(
+    key: &'static [u8],
+    addr: SocketAddr,
+) -> (Result<RemoteNode, NetError>, Duration) {
+    let got = run_a(key, move |ctx| async move {
+        if ctx.id().get() != 0 {
+            return None;
+        }
+        let t0 = Instant::now();
+        let r = ctx.connect(addr).await;
+        Some((r, t0.elapsed()))
+    });
+    got.into_iter().flatten().next().expect("shard 0 connects")
+}
+
 #[test]
 fn connect_without_listener_fails_within_deadline() {
     let _g = serial();
@@ -256,15 +266,8 @@ fn connect_without_listener_fails_within_deadline() {
         .unwrap()
         .port();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let got = run_a(KEY, move |ctx| async move {
-        if ctx.id().get() != 0 {
-            return None;
-        }
-        let t0 = Instant::now();
-        let r = ctx.connect(addr).await;
-        Some((r, t0.elapsed()))
-    });
-    let (r, took) = got.into_iter().flatten().next().unwrap();
+    let got = timed_connect_from_shard_0(KEY, addr);
+    let (r, took) = got;
     assert!(
         matches!(
             r,
@@ -395,17 +398,10 @@ fn an_unanswered_hello_fails_at_the_handshake_deadline() {
     let _g = serial();
     let stop = Arc::new(AtomicBool::new(false));
     let (addr, listener) = silent_listener(stop.clone());
-    let got = run_a(KEY, move |ctx| async move {
-        if ctx.id().get() != 0 {
-            return None;
-        }
-        let t0 = Instant::now();
-        let r = ctx.connect(addr).await;
-        Some((r, t0.elapsed()))
-    });
+    let got = timed_connect_from_shard_0(KEY, addr);
     stop.store(true, Ordering::Release);
     let served = listener.join().expect("listener panicked");
-    let (r, took) = got.into_iter().flatten().next().unwrap();
+    let (r, took) = got;
     assert_eq!(served, 1, "one bootstrap");
     assert!(
         matches!(r, Err(NetError::TimedOut { what: "handshake" })),

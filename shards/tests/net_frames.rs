@@ -424,6 +424,67 @@ fn pending_requests_fail_when_the_peer_shuts_down() {
     }
 }
 
+#[test]
+fn requests_pending_at_shutdown_are_answered_within_the_drain_timeout() {
+    let _g = serial();
+    let seen = Arc::new(AtomicUsize::new(0));
+    let seen_b = seen.clone();
+    // B answers each request 300 ms after it arrives.
+    let b = start_b(net_config(), move |ctx: &Rc<ShardCtx>| {
+        let seen = seen_b.clone();
+        ctx.set_frame_handler(FrameKind::RpcRequest, move |ctx, from, header, payload| {
+            seen.fetch_add(1, Ordering::AcqRel);
+            let (ctx, h) = (ctx.clone(), *header);
+            glommio::spawn_local(async move {
+                sleep(Duration::from_millis(300)).await;
+                let _ = ctx.reply(from, &h, FrameKind::RpcResponse, payload).await;
+            })
+            .detach();
+        })
+        .unwrap();
+    });
+    let addr = b.addr;
+    type Answers = Arc<Mutex<Vec<Result<Vec<u8>, String>>>>;
+    let results: Answers = Arc::default();
+    let out = results.clone();
+    run_a(net_config(), move |ctx| {
+        let (seen, out) = (seen.clone(), out.clone());
+        async move {
+            ctx.connect(addr).await.expect("connect");
+            // Only from the owner shard: a request from the other shard is a forwarded job,
+            // which the mesh's drain waits for anyway.
+            if ctx.owner_of(B) != ctx.id() {
+                return;
+            }
+            // A request left running when the shard's future returns.
+            let c = ctx.clone();
+            glommio::spawn_local(async move {
+                let r = c
+                    .request(
+                        B,
+                        FrameKind::RpcRequest,
+                        1,
+                        vec![7],
+                        Duration::from_secs(30),
+                    )
+                    .await;
+                out.lock()
+                    .unwrap()
+                    .push(r.map(|(_, p)| p).map_err(|e| e.to_string()));
+            })
+            .detach();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while seen.load(Ordering::Acquire) < 1 && Instant::now() < deadline {
+                sleep(Duration::from_millis(2)).await;
+            }
+        }
+    });
+    let _ = b.finish();
+    // The shutdown waited for the answer instead of failing the request with ShuttingDown.
+    let got = results.lock().unwrap().clone();
+    assert_eq!(got, vec![Ok(vec![7])]);
+}
+
 /// Registers BIG (into an aligned buffer of the handler's choosing) and PLAIN (into the plain
 /// handler's vector) on a shard of B; each acknowledges with (length, checksum). Counts the
 /// buffers `choose` handed out.

@@ -12,6 +12,7 @@
 //! `2 << 12 | s`; `3 << 12 | s` ends the stream on the peer.
 
 use std::cell::{Cell, RefCell};
+use std::future::Future;
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -90,8 +91,17 @@ struct Session {
     peer: Peer,
     route: Route,
     answers: LocalReceiver<AmMsg>,
+    watch: Rc<Watch>,
     region: Option<RemoteRegion>,
     seq: Cell<u64>,
+}
+
+/// What the shard's watchdog ([`watchdog`]) looks at: whether the shard waits for an answer,
+/// and how many it has had.
+#[derive(Default)]
+struct Watch {
+    waiting: Cell<bool>,
+    answered: Cell<u64>,
 }
 
 /// Shows a test's progress on stderr after [`PROGRESS_AFTER`].
@@ -246,12 +256,16 @@ async fn shard_main(
 ) -> Result<Vec<ShardFigures>, BenchError> {
     let me = node.shard();
     let main = node.connect_within(cfg.addr, DEADLINE).await?;
+    let watch = Rc::new(Watch::default());
+    // Cancelled when dropped, at the end of the shard's run.
+    let _watchdog = glommio::spawn_local(watchdog(watch.clone()));
     let mut s = Session {
         node: node.clone(),
         me,
         peer: main,
         route: Route::Forwarded,
         answers,
+        watch,
         region: None,
         seq: Cell::new(0),
     };
@@ -340,14 +354,14 @@ impl Session {
 
     /// The next answer, which must be `id` with sequence number `seq`.
     async fn answer(&self, id: AmId, seq: u64) -> Result<AmMsg, BenchError> {
-        let msg = futures_lite::future::or(async { self.answers.recv().await }, async {
-            sleep(DEADLINE).await;
-            None
-        })
-        .await
-        .ok_or_else(|| {
+        // No timer per answer: the watchdog closes the channel when an answer is overdue.
+        self.watch.waiting.set(true);
+        let msg = self.answers.recv().await;
+        self.watch.waiting.set(false);
+        let msg = msg.ok_or_else(|| {
             BenchError::Protocol(format!("no answer {id} from the peer within {DEADLINE:?}"))
         })?;
+        self.watch.answered.set(self.watch.answered.get() + 1);
         match parse_header(msg.header()) {
             Some((_, s, _)) if msg.id() == id && s == seq => Ok(msg),
             _ => Err(BenchError::Protocol(format!(
@@ -414,20 +428,7 @@ impl Session {
             }
             Ok::<(), BenchError>(())
         };
-        for _ in 0..warmup {
-            round_trip().await?;
-        }
-        let mut f = Figures::new(size);
-        let t0 = Instant::now();
-        while more(budget, f.msgs, t0) {
-            let s = Instant::now();
-            round_trip().await?;
-            record(&mut f, s);
-            f.msgs += 1;
-            progress.tick(budget, f.msgs, t0);
-        }
-        f.elapsed = t0.elapsed();
-        Ok(f)
+        measure(size, budget, warmup, 1, progress, round_trip).await
     }
 
     /// `am-rate` and `am-bw`: windows of one-way messages, the last one acknowledged.
@@ -452,21 +453,8 @@ impl Session {
             self.answer(ACK, last).await.map(drop)
         };
         let w = window as u64;
-        for _ in 0..warmup.div_ceil(w) {
-            window_trip().await?;
-        }
-        let mut f = Figures::new(size);
-        let t0 = Instant::now();
-        // At least one window; `Iters` counts messages.
-        while f.msgs == 0 || more(budget, f.msgs, t0) {
-            let s = Instant::now();
-            window_trip().await?;
-            record(&mut f, s);
-            f.msgs += w;
-            progress.tick(budget, f.msgs, t0);
-        }
-        f.elapsed = t0.elapsed();
-        Ok(f)
+        // `Iters` counts messages: each measured window is `w` of them.
+        measure(size, budget, warmup.div_ceil(w), w, progress, window_trip).await
     }
 
     async fn tag_lat(
@@ -497,26 +485,10 @@ impl Session {
             }
             Ok::<(), BenchError>(())
         };
-        let mut f = Figures::new(size);
-        let r = async {
-            for _ in 0..warmup {
-                round_trip().await?;
-            }
-            let t0 = Instant::now();
-            while more(budget, f.msgs, t0) {
-                let s = Instant::now();
-                round_trip().await?;
-                record(&mut f, s);
-                f.msgs += 1;
-                progress.tick(budget, f.msgs, t0);
-            }
-            f.elapsed = t0.elapsed();
-            Ok::<(), BenchError>(())
-        }
-        .await;
+        let r = measure(size, budget, warmup, 1, progress, round_trip).await;
         // Ends the peer's stream whatever happened (it also ends by itself when idle).
         let _ = self.peer.tag_send(TAG_STOP | stream, &[]).await;
-        r.map(|()| f)
+        r
     }
 
     /// `put-bw` and `get-bw`: `window` tasks, each doing one operation at a time.
@@ -551,40 +523,40 @@ impl Session {
         for _ in 0..warmup {
             op(data.clone()).await?;
         }
+        // One histogram for every task (one thread), made before the clock starts.
+        let figures = Rc::new(RefCell::new(Figures::new(size)));
         let done = Rc::new(Cell::new(0u64));
         let t0 = Instant::now();
         let tasks: Vec<_> = (0..window)
             .map(|_| {
-                let (done, data) = (done.clone(), data.clone());
+                let (figures, done, data) = (figures.clone(), done.clone(), data.clone());
                 glommio::spawn_local(async move {
-                    let mut f = Figures::new(size);
                     while more(budget, done.get(), t0) {
                         done.set(done.get() + 1);
                         let s = Instant::now();
                         op(data.clone()).await?;
+                        let mut f = figures.borrow_mut();
                         record(&mut f, s);
                         f.msgs += 1;
                     }
-                    Ok::<Figures, BenchError>(f)
+                    Ok::<(), BenchError>(())
                 })
             })
             .collect();
-        let mut all = Figures::new(size);
         let mut first_err = None;
         for t in tasks {
-            match t.await {
-                Ok(f) => {
-                    let _ = all.hist.add(&f.hist);
-                    all.msgs += f.msgs;
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+            if let Err(e) = t.await {
+                first_err.get_or_insert(e);
             }
             progress.tick(budget, done.get(), t0);
         }
-        all.elapsed = t0.elapsed();
-        first_err.map_or(Ok(all), Err)
+        let elapsed = t0.elapsed();
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let mut all = figures.borrow().clone();
+        all.elapsed = elapsed;
+        Ok(all)
     }
 
     /// `hop`: an empty job forwarded to the next shard, one at a time.
@@ -598,25 +570,60 @@ impl Session {
         let n = self.node.shard_count();
         // `n` fits: shard counts are at most 4096.
         let next = ShardId::new(((self.me.index() + 1) % n) as u16);
-        for _ in 0..warmup {
+        let hop = || async {
             ctx.forward(next, |_| async {})
                 .await
-                .map_err(crate::Error::from)?;
-        }
-        let mut f = Figures::new(0);
-        let t0 = Instant::now();
-        while more(budget, f.msgs, t0) {
-            let s = Instant::now();
-            ctx.forward(next, |_| async {})
-                .await
-                .map_err(crate::Error::from)?;
-            record(&mut f, s);
-            f.msgs += 1;
-            progress.tick(budget, f.msgs, t0);
-        }
-        f.elapsed = t0.elapsed();
-        Ok(f)
+                .map_err(|e| BenchError::from(crate::Error::from(e)))
+        };
+        measure(0, budget, warmup, 1, progress, hop).await
     }
+}
+
+/// Runs `step` `warmup` times, then measures it until `budget` is spent, at least once: one
+/// latency sample per step, each step counting `msgs` messages.
+async fn measure<F, Fut>(
+    size: usize,
+    budget: Budget,
+    warmup: u64,
+    msgs: u64,
+    progress: &Progress,
+    step: F,
+) -> Result<Figures, BenchError>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<(), BenchError>>,
+{
+    for _ in 0..warmup {
+        step().await?;
+    }
+    let mut f = Figures::new(size);
+    let t0 = Instant::now();
+    while f.msgs == 0 || more(budget, f.msgs, t0) {
+        let s = Instant::now();
+        step().await?;
+        record(&mut f, s);
+        f.msgs += msgs;
+        progress.tick(budget, f.msgs, t0);
+    }
+    f.elapsed = t0.elapsed();
+    Ok(f)
+}
+
+/// Ends the shard's wait for an answer that is [`DEADLINE`] overdue (give or take a tenth), by
+/// closing the shard's answer channel: the wait then fails with a clear error.
+async fn watchdog(watch: Rc<Watch>) {
+    let (mut last, mut stale) = (watch.answered.get(), 0);
+    while stale < 10 {
+        sleep(DEADLINE / 10).await;
+        let answered = watch.answered.get();
+        stale = if watch.waiting.get() && answered == last {
+            stale + 1
+        } else {
+            0
+        };
+        last = answered;
+    }
+    ANSWERS.with(|a| a.borrow_mut().take());
 }
 
 /// Whether a test with `done` measured iterations, started at `t0`, goes on.

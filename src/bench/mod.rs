@@ -32,9 +32,9 @@
 //! | `get-bw` | a checked-mode get of `size` bytes, `window` in flight | one get |
 //! | `hop` | forward an empty job to the next client shard and await it (needs 2 shards or more) | one hop |
 //!
-//! Checked mode is the only remote-memory mode so far (trusted mode, native UCX RMA, is not
-//! implemented in `shardcx-shards`), so `put-bw`/`get-bw` measure checked accesses. `rpc-lat`
-//! comes with RPC.
+//! `put-bw`/`get-bw` measure checked mode only (put/get carried as messages and checked by the
+//! target's shard); trusted mode (native UCX RMA, [`crate::Peer::put_trusted`]) is not in the
+//! suite. `rpc-lat` comes with RPC.
 //!
 //! Latencies are **round trips**, in microseconds, from hdrhistogram (3 significant digits),
 //! recorded after the warm-up. ucx_perftest's latency tests print half a round trip;
@@ -67,7 +67,8 @@
 //!   "size": 8,               // bytes per message (0 for hop)
 //!   "shards": 2,             // client shards
 //!   "transport": "shm",      // shm | tcp | auto
-//!   "iters": 40000,          // measured iterations, all shards
+//!   "iters": 40000,          // latency samples, all shards: iterations, or windows for
+//!                            // am-rate/am-bw (where --iters counts messages)
 //!   "p50_us": 4.1,           // merged histogram, microseconds (round trip or per window, see above)
 //!   "p99_us": 6.3,
 //!   "p999_us": 11.2,
@@ -289,11 +290,6 @@ impl Test {
         }
     }
 
-    /// Whether the test keeps several operations in flight (`--window`).
-    pub fn windowed(self) -> bool {
-        matches!(self, Test::AmRate | Test::AmBw | Test::PutBw | Test::GetBw)
-    }
-
     /// What one latency sample is, for table headings.
     pub fn sample(self) -> &'static str {
         match self {
@@ -380,7 +376,7 @@ impl Figures {
         self.msgs_per_s() * self.size as f64 / 1e6
     }
 
-    /// The measured iterations (histogram samples).
+    /// The latency samples: measured iterations, or windows for `am-rate`/`am-bw`.
     pub fn iters(&self) -> u64 {
         self.hist.len()
     }
@@ -472,6 +468,41 @@ pub fn format_size(n: usize) -> String {
     } else {
         n.to_string()
     }
+}
+
+/// Runs a client against a bench server started in this process (the `cargo bench` programs):
+/// starts [`server::serve`] with `serve` on a thread, runs [`client::run`] with
+/// `client(server address)`, then stops the server and returns the client's result (an error
+/// of the server's own, at shutdown, is reported on stderr).
+pub fn run_in_process(
+    serve: server::ServeConfig,
+    client: impl FnOnce(SocketAddr) -> client::ClientConfig,
+) -> Result<Vec<Measurement>, BenchError> {
+    let stop = crate::Shutdown::new();
+    let (tx, rx) = std::sync::mpsc::channel::<SocketAddr>();
+    let server_stop = stop.clone();
+    let server = std::thread::spawn(move || {
+        server::serve(&serve, &server_stop, |s| {
+            let _ = tx.send(s.addr);
+        })
+    });
+    let joined = |server: std::thread::JoinHandle<Result<(), BenchError>>| {
+        server
+            .join()
+            .unwrap_or_else(|_| Err(BenchError::Protocol("the bench server panicked".into())))
+    };
+    // `serve` sends the address once it listens, or returns (dropping the sender) when it fails.
+    let Ok(addr) = rx.recv() else {
+        return Err(joined(server).err().unwrap_or_else(|| {
+            BenchError::Protocol("the bench server stopped before it listened".into())
+        }));
+    };
+    let r = client::run(&client(addr));
+    stop.trigger();
+    if let Err(e) = joined(server) {
+        eprintln!("bench server: {e}");
+    }
+    r
 }
 
 /// Where a bench peer listens, as the client can reach it: an unspecified address (the node

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use shardcx_shards::proto::NodeId;
-use shardcx_shards::Placement;
+use shardcx_shards::{Placement, ShardsBuilder};
 
 use super::{
     net_config, parse_header, peer_ids, pin_current, BenchError, Transport, ACK, ECHO, ECHO_REPLY,
@@ -106,10 +106,7 @@ pub fn serve(
         .listen(cfg.listen)
         .on_am(PEERS, move || {
             let list = list.clone();
-            move |_node: &Node, msg: AmMsg| {
-                let list = list.clone();
-                reply(msg, PEERS_REPLY, move |h| (h, list.to_vec()));
-            }
+            move |_node: &Node, msg: AmMsg| reply(msg, PEERS_REPLY, list.to_vec())
         });
     threads.push(start(builder, 0, None, tx, stop.clone())?);
     let addr = match collect(&rx, 1, &threads) {
@@ -130,19 +127,18 @@ pub fn serve(
     first.map_or(Ok(()), Err)
 }
 
-/// io memory per node shard, so that `shards` of them fit the memlock limit.
+/// io memory per node shard, so that `shards` of them fit the memlock limit (at most
+/// [`IO_MEMORY`]).
 fn io_memory(shards: usize) -> Result<u64, BenchError> {
-    let limit = shardcx_shards::memlock_limit();
-    let per = (limit.saturating_sub(shardcx_shards::boot::MEMLOCK_RESERVE) / shards.max(1) as u64)
-        .min(IO_MEMORY)
-        & !4095;
-    if per < shardcx_shards::boot::MIN_IO_MEMORY {
-        return Err(BenchError::Config(format!(
-            "the locked-memory limit ({limit} bytes) is too small for {shards} node shards \
-             (64 KiB each and 1 MiB more): raise it (ulimit -l) or use fewer peers"
-        )));
-    }
-    Ok(per)
+    ShardsBuilder::new()
+        .shard_count(shards)
+        .io_memory_for(shardcx_shards::memlock_limit())
+        .map(|per| per.min(IO_MEMORY))
+        .map_err(|e| {
+            BenchError::Config(format!(
+                "{e}; a server's shards are its main node's plus one per bench peer"
+            ))
+        })
 }
 
 /// A node with the benchmark handlers.
@@ -176,7 +172,7 @@ pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
     .on_am(SINK, || {
         |_node: &Node, msg: AmMsg| {
             if parse_header(msg.header()).is_some_and(|(_, _, flags)| flags & FLAG_ACK != 0) {
-                reply(msg, ACK, |h| (h, Vec::new()));
+                reply(msg, ACK, Vec::new());
             }
         }
     })
@@ -194,23 +190,19 @@ pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
                 return;
             };
             let desc = region_of_at_least(node, size);
-            reply(msg, REGION_REPLY, move |h| {
-                (h, desc.map(|d| d.to_bytes().to_vec()).unwrap_or_default())
-            });
+            reply(
+                msg,
+                REGION_REPLY,
+                desc.map(|d| d.to_bytes().to_vec()).unwrap_or_default(),
+            );
         }
     })
 }
 
-/// Answers `msg` with active message `id`: `answer(header)` gives the reply's header and
-/// payload.
-fn reply(
-    msg: AmMsg,
-    id: crate::AmId,
-    answer: impl FnOnce(Vec<u8>) -> (Vec<u8>, Vec<u8>) + 'static,
-) {
+/// Answers `msg` with active message `id`: its own header, and `payload`.
+fn reply(msg: AmMsg, id: crate::AmId, payload: Vec<u8>) {
     glommio::spawn_local(async move {
-        let (h, p) = answer(msg.header().to_vec());
-        let _ = msg.from().am_send(id, &h, &p).await;
+        let _ = msg.from().am_send(id, msg.header(), &payload).await;
     })
     .detach();
 }

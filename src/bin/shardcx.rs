@@ -13,6 +13,7 @@ use shardcx::bench::server::{self, ServeConfig};
 use shardcx::bench::{
     parse_size, plot, report, BenchError, Budget, Measurement, Test, Transport, DEFAULT_PSK,
 };
+use shardcx::shards::boot::MEMLOCK_RESERVE;
 use shardcx::shards::{memlock_limit, ShardsBuilder};
 use shardcx::Shutdown;
 
@@ -186,10 +187,11 @@ fn info(mut args: Args) -> Result<(), Failure> {
     match shards.io_memory_for(limit) {
         Ok(per) => println!(
             "locked memory:    limit {limit_s}; {} shard(s) (one per CPU) get {} KiB of io \
-             memory each, {} KiB in all with the 1 MiB reserve: enough",
+             memory each, {} KiB in all with the {} KiB reserve: enough",
             cpus.len(),
             per >> 10,
-            (per * cpus.len() as u64 + (1 << 20)) >> 10
+            (per * cpus.len() as u64 + MEMLOCK_RESERVE) >> 10,
+            MEMLOCK_RESERVE >> 10
         ),
         Err(e) => println!("locked memory:    limit {limit_s}: NOT ENOUGH: {e}"),
     }
@@ -458,18 +460,16 @@ fn bench(mut args: Args) -> Result<(), Failure> {
             p.stop();
         }
     }
-    let mut sorted = Vec::new();
-    for t in &o.tests {
-        sorted.extend(results.iter().filter(|m| m.test == *t).cloned());
-    }
-    print!("{}", report::table(&sorted));
+    // Grouped by test in `--test` order; within a test, in run order (a stable sort).
+    results.sort_by_key(|m| o.tests.iter().position(|t| *t == m.test));
+    print!("{}", report::table(&results));
     let _ = std::io::stdout().flush();
     if let Some(f) = &o.json {
-        write_file(f, &report::json(&sorted))?;
+        write_file(f, &report::json(&results))?;
         eprintln!("shardcx bench: wrote {}", f.display());
     }
     if let Some(f) = &o.plot {
-        write_file(f, &plot::svg(&sorted))?;
+        write_file(f, &plot::svg(&results))?;
         eprintln!("shardcx bench: wrote {}", f.display());
     }
     Ok(())
