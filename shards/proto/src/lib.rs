@@ -38,6 +38,8 @@
 //! * [`pool`] — [`SizeClassPool`]: a buddy allocator over offsets of a registered arena.
 //! * [`region`] — [`RegionTable`]: checked remote memory (bounds, permissions, generation and
 //!   grantee checks for put / get), and the RMA frame payloads.
+//! * [`rpc`] — the RPC envelope: request prefix (schema hash, [`CallFlags`]) before the rkyv
+//!   argument archive, error bodies ([`RpcErrorCode`], detail, message) and cancel frames.
 //! * [`rng`] — [`Rng`], a small seeded generator (xoshiro256**), for jitter and simulation.
 //! * [`fuzzing`] — the decoder checks run by the cargo-fuzz targets in `fuzz/` and by the
 //!   corpus replay test.
@@ -47,10 +49,11 @@
 //! ## Invariants
 //!
 //! * Decoders ([`wire::FrameHeader::decode`], [`handshake::HandshakeMessage::decode`], the
-//!   [`region`] payload decoders) accept any byte string and return a value or a typed error;
-//!   they never panic and never allocate, and a frame's announced length (and the reply a get
-//!   asks for) is checked against [`wire::Limits::max_message_size`] before any caller could
-//!   size a buffer from it. Property tests and fuzz targets check this.
+//!   [`region`] payload decoders, the [`rpc`] envelope decoders) accept any byte string and
+//!   return a value or a typed error; they never panic and never allocate, and a frame's
+//!   announced length (and the reply a get asks for) is checked against
+//!   [`wire::Limits::max_message_size`] before any caller could size a buffer from it. Property
+//!   tests and fuzz targets check this.
 //! * No frame from an incarnation other than the one authenticated in the handshake is delivered.
 //! * A remote put or get is allowed only within a registered region's bounds (checked without
 //!   overflow), with its permission, by its grantee, and at its current generation.
@@ -80,6 +83,7 @@ pub mod pool;
 pub mod region;
 pub mod request;
 pub mod rng;
+pub mod rpc;
 pub mod shard_map;
 pub mod sim;
 pub mod time;
@@ -95,6 +99,10 @@ pub use region::{
 };
 pub use request::{CreditWindow, DedupKey, DedupVerdict, DedupWindow, PendingTable};
 pub use rng::Rng;
+pub use rpc::{
+    decode_error, decode_request, encode_error, encode_request, request_prefix, CallFlags,
+    ErrorBody, RequestEnvelope, RpcErrorCode, RpcWireError, MAX_ERROR_MESSAGE, REQUEST_PREFIX_LEN,
+};
 pub use shard_map::ShardMap;
 pub use time::Timestamp;
 pub use wire::{FrameFlags, FrameHeader, FrameKind, Limits, Tag, TagKind, TagMask, WireError};
@@ -129,5 +137,8 @@ mod tests {
         assert_send_sync::<RmaError>();
         assert_send_sync::<RmaWireError>();
         assert_send_sync::<RegionError>();
+        assert_send_sync::<RequestEnvelope<'static>>();
+        assert_send_sync::<ErrorBody<'static>>();
+        assert_send_sync::<RpcWireError>();
     }
 }

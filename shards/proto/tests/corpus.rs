@@ -5,12 +5,15 @@
 // Tests may unwrap: a panic is a test failure with a message.
 #![allow(clippy::unwrap_used)]
 
-use shardcx_proto::fuzzing::{self, FUZZ_LIMITS};
+use shardcx_proto::fuzzing::{
+    self, ArchivedInner, ArchivedSample, Inner, RpcOutcome, Sample, Shape, FUZZ_LIMITS,
+};
 use shardcx_proto::handshake::{Confirm, HandshakeMessage, Hello, Reject, RejectReason, Welcome};
 use shardcx_proto::wire::{encode_frame, payload_offset};
 use shardcx_proto::{
-    Features, FrameFlags, FrameHeader, FrameKind, Generation, GetRequest, Incarnation, NodeId,
-    PutRequest, ReqId, RmaErrorCode, RmaReply, ShardId,
+    encode_error, encode_request, CallFlags, Features, FrameFlags, FrameHeader, FrameKind,
+    Generation, GetRequest, Incarnation, NodeId, PutRequest, ReqId, RmaErrorCode, RmaReply,
+    RpcErrorCode, ShardId,
 };
 use std::path::PathBuf;
 
@@ -176,6 +179,11 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {
         false,
     ));
     s.extend(rma_seeds());
+    s.extend(
+        rpc_seeds()
+            .into_iter()
+            .map(|(name, bytes, o)| ("rpc", name, bytes, o.request || o.error)),
+    );
     s
 }
 
@@ -303,6 +311,167 @@ fn rma_seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {
     ]
 }
 
+fn archive(sample: &Sample) -> Vec<u8> {
+    rkyv::to_bytes::<rkyv::rancor::Error>(sample)
+        .unwrap()
+        .to_vec()
+}
+
+/// (name, payload, expected outcome) for the `rpc` target. Every payload is an RPC frame's
+/// payload (the envelope), not a whole frame.
+fn rpc_seeds() -> Vec<(&'static str, Vec<u8>, RpcOutcome)> {
+    const SCHEMA: u64 = 0x5eed_c0de_1234_5678;
+    let full = Sample {
+        name: "a name longer than eight bytes".into(),
+        values: vec![1, 2, u64::MAX],
+        shape: Shape::Named {
+            id: 7,
+            label: "label, out of line".into(),
+        },
+        inner: Some(Inner {
+            flag: true,
+            tags: vec!["x".into(), "a longer tag string".into()],
+        }),
+    };
+    let small = Sample {
+        name: "short".into(),
+        values: Vec::new(),
+        shape: Shape::Pair(3, -4),
+        inner: None,
+    };
+    let unit = Sample {
+        name: String::new(),
+        values: vec![42],
+        shape: Shape::Empty,
+        inner: Some(Inner {
+            flag: false,
+            tags: Vec::new(),
+        }),
+    };
+    let full_args = archive(&full);
+    let request = |flags, args: &[u8]| encode_request(SCHEMA, flags, args);
+    let valid = request(CallFlags::NONE, &full_args);
+
+    // The archive's root is its last bytes; `values` is a relative pointer (i32 offset from
+    // itself) followed by a u32 length.
+    let root = full_args.len() - size_of::<ArchivedSample>();
+    let values = root + std::mem::offset_of!(ArchivedSample, values);
+    let mut bad_ptr = full_args.clone();
+    bad_ptr[values..values + 4].copy_from_slice(&0x4000_0000i32.to_le_bytes());
+    let mut bad_len = full_args.clone();
+    bad_len[values + 4..values + 8].copy_from_slice(&0x0fff_ffffu32.to_le_bytes());
+    let mut bad_bool = archive(&unit);
+    // `inner` is an `ArchivedOption` (a `repr(u8)` enum: tag, then the `repr(C)` `ArchivedInner`
+    // at its alignment, whose first field is `flag`). Any value but 0 or 1 is an invalid bool.
+    let flag_pos = bad_bool.len() - size_of::<ArchivedSample>()
+        + std::mem::offset_of!(ArchivedSample, inner)
+        + align_of::<ArchivedInner>();
+    assert_eq!(
+        bad_bool[flag_pos], 0,
+        "layout assumption broken: flag is false"
+    );
+    bad_bool[flag_pos] = 2;
+
+    let mut unknown_flags = valid.clone();
+    unknown_flags[8] = 0x04;
+    let mut reserved = valid.clone();
+    reserved[12] = 1;
+
+    let error = encode_error(
+        RpcErrorCode::SchemaMismatch,
+        SCHEMA,
+        "schema mismatch: héllo",
+    );
+    let mut bad_utf8 = encode_error(RpcErrorCode::Failed, u64::MAX, "bad \u{e9} here");
+    let e = bad_utf8.len() - " here".len() - 1;
+    bad_utf8[e] = 0xff; // the continuation byte of é becomes invalid
+    let mut too_long = encode_error(RpcErrorCode::Failed, u64::MAX, "message");
+    too_long[4..8].copy_from_slice(&4097u32.to_le_bytes());
+    let mut short_message = encode_error(RpcErrorCode::Failed, u64::MAX, "message");
+    short_message.truncate(short_message.len() - 1);
+    let mut trailing = encode_error(RpcErrorCode::Busy, u64::MAX, "");
+    trailing.push(0);
+    let mut unknown_code = encode_error(RpcErrorCode::Busy, u64::MAX, "");
+    unknown_code[0..2].copy_from_slice(&999u16.to_le_bytes());
+    let mut error_reserved = encode_error(RpcErrorCode::Busy, u64::MAX, "");
+    error_reserved[2] = 1;
+    let long_message = encode_error(RpcErrorCode::Failed, u64::MAX, &"€".repeat(2000));
+
+    let ok = |sample| RpcOutcome {
+        request: true,
+        sample,
+        error: false,
+    };
+    let err_ok = RpcOutcome {
+        request: false,
+        sample: false,
+        error: true,
+    };
+    let none = RpcOutcome::default();
+    vec![
+        ("valid-request-full", valid.clone(), ok(true)),
+        (
+            "valid-request-pair-one-way",
+            request(CallFlags::ONE_WAY, &archive(&small)),
+            ok(true),
+        ),
+        (
+            "valid-request-unit-idempotent",
+            request(CallFlags::ONE_WAY | CallFlags::IDEMPOTENT, &archive(&unit)),
+            ok(true),
+        ),
+        (
+            "valid-request-empty-args",
+            request(CallFlags::NONE, &[]),
+            ok(false),
+        ),
+        ("request-empty", Vec::new(), none),
+        ("request-truncated-prefix", valid[..15].to_vec(), none),
+        ("request-unknown-flags", unknown_flags, none),
+        ("request-reserved-set", reserved, none),
+        (
+            "request-garbage-archive",
+            request(CallFlags::NONE, &[0xab; 64]),
+            ok(false),
+        ),
+        (
+            "request-truncated-archive",
+            valid[..valid.len() - 3].to_vec(),
+            ok(false),
+        ),
+        (
+            "request-out-of-bounds-pointer",
+            request(CallFlags::NONE, &bad_ptr),
+            ok(false),
+        ),
+        (
+            "request-out-of-bounds-length",
+            request(CallFlags::NONE, &bad_len),
+            ok(false),
+        ),
+        (
+            "request-invalid-bool",
+            request(CallFlags::NONE, &bad_bool),
+            ok(false),
+        ),
+        ("valid-error", error, err_ok),
+        ("valid-error-long-message", long_message, err_ok),
+        ("error-bad-utf8", bad_utf8, none),
+        ("error-message-over-limit", too_long, none),
+        ("error-message-truncated", short_message, none),
+        ("error-trailing-bytes", trailing, none),
+        ("error-unknown-code", unknown_code, none),
+        ("error-reserved-set", error_reserved, none),
+    ]
+}
+
+#[test]
+fn rpc_seeds_have_expected_outcomes() {
+    for (name, bytes, expected) in rpc_seeds() {
+        assert_eq!(fuzzing::rpc_outcome(&bytes), expected, "rpc/{name}");
+    }
+}
+
 #[test]
 fn seed_corpus_matches_generator() {
     let write = std::env::var_os("SHARDCX_WRITE_CORPUS").is_some();
@@ -329,6 +498,7 @@ fn seeds_decode_as_expected() {
         let decoded = match target {
             "frame" => fuzzing::frame(&bytes),
             "rma" => fuzzing::rma(&bytes),
+            "rpc" => fuzzing::rpc(&bytes),
             _ => fuzzing::handshake(&bytes),
         };
         assert_eq!(decoded, ok, "{target}/{name}");
@@ -341,6 +511,7 @@ fn replay_every_corpus_file() {
         ("frame", fuzzing::frame as fn(&[u8]) -> bool),
         ("handshake", fuzzing::handshake),
         ("rma", fuzzing::rma),
+        ("rpc", fuzzing::rpc),
     ] {
         let dir = corpus_dir(target);
         let mut count = 0;
@@ -352,6 +523,7 @@ fn replay_every_corpus_file() {
                 let _ = fuzzing::frame(&bytes);
                 let _ = fuzzing::handshake(&bytes);
                 let _ = fuzzing::rma(&bytes);
+                let _ = fuzzing::rpc(&bytes);
                 let _ = run(&bytes);
                 count += 1;
             }

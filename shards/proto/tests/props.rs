@@ -4,9 +4,14 @@
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
+use shardcx_proto::fuzzing::{self, Inner, RpcOutcome, Sample, Shape};
 use shardcx_proto::handshake::{Confirm, HandshakeMessage, Hello, Reject, RejectReason, Welcome};
 use shardcx_proto::request::{CreditWindow, PendingTable};
 use shardcx_proto::wire::{decode_frame, encode_frame, payload_offset, HEADER_LEN};
+use shardcx_proto::{
+    decode_error, decode_request, encode_error, encode_request, request_prefix, CallFlags,
+    RequestEnvelope, RpcErrorCode, RpcWireError, MAX_ERROR_MESSAGE, REQUEST_PREFIX_LEN,
+};
 use shardcx_proto::{
     Features, FrameFlags, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ReqId, ShardId,
     SizeClassPool, Tag, TagKind, Timestamp,
@@ -263,5 +268,127 @@ proptest! {
         }
         prop_assert_eq!(pool.stats().bytes_free, initial_free);
         prop_assert_eq!(pool.stats().bytes_in_use, 0);
+    }
+}
+
+fn call_flags() -> impl Strategy<Value = CallFlags> {
+    (0u32..4).prop_map(|bits| CallFlags::from_bits(bits).unwrap())
+}
+
+fn error_code() -> impl Strategy<Value = RpcErrorCode> {
+    prop::sample::select(RpcErrorCode::ALL.to_vec())
+}
+
+fn sample() -> impl Strategy<Value = Sample> {
+    let shape = prop_oneof![
+        Just(Shape::Empty),
+        (any::<u32>(), any::<i64>()).prop_map(|(a, b)| Shape::Pair(a, b)),
+        (any::<u16>(), ".{0,20}").prop_map(|(id, label)| Shape::Named { id, label }),
+    ];
+    let inner = prop::option::of(
+        (any::<bool>(), prop::collection::vec(".{0,12}", 0..4))
+            .prop_map(|(flag, tags)| Inner { flag, tags }),
+    );
+    (
+        ".{0,24}",
+        prop::collection::vec(any::<u64>(), 0..8),
+        shape,
+        inner,
+    )
+        .prop_map(|(name, values, shape, inner)| Sample {
+            name,
+            values,
+            shape,
+            inner,
+        })
+}
+
+proptest! {
+    #[test]
+    fn rpc_request_round_trips(schema in any::<u64>(), flags in call_flags(), args in prop::collection::vec(any::<u8>(), 0..256)) {
+        let payload = encode_request(schema, flags, &args);
+        prop_assert_eq!(&payload[..REQUEST_PREFIX_LEN], &request_prefix(schema, flags)[..]);
+        let env = decode_request(&payload).unwrap();
+        prop_assert_eq!(env, RequestEnvelope { schema, flags, args: &args });
+    }
+
+    #[test]
+    fn rpc_request_decoder_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+        match decode_request(&bytes) {
+            Ok(env) => {
+                prop_assert_eq!(env.args, &bytes[REQUEST_PREFIX_LEN..]);
+                prop_assert!(CallFlags::from_bits(env.flags.bits()).is_some());
+                prop_assert_eq!(encode_request(env.schema, env.flags, env.args), bytes);
+            }
+            Err(RpcWireError::Truncated { need, got }) => {
+                prop_assert_eq!((need, got), (REQUEST_PREFIX_LEN, bytes.len()));
+            }
+            Err(RpcWireError::UnknownFlags(bits)) => prop_assert!(bits > 3),
+            Err(e) => prop_assert_eq!(e, RpcWireError::ReservedNonZero),
+        }
+    }
+
+    #[test]
+    fn rpc_error_round_trips(code in error_code(), detail in any::<u64>(), message in ".{0,64}", long in 0usize..3) {
+        // `long` > 0 makes the message exceed the limit (by 1 or 2 repetitions of itself).
+        let message = if long == 0 {
+            message
+        } else {
+            format!("{}{}", "é".repeat(MAX_ERROR_MESSAGE / 2), message.repeat(long))
+        };
+        let payload = encode_error(code, detail, &message);
+        let body = decode_error(&payload).unwrap();
+        prop_assert_eq!(body.code, code);
+        prop_assert_eq!(body.detail, detail);
+        prop_assert!(body.message.len() <= MAX_ERROR_MESSAGE);
+        prop_assert!(message.starts_with(body.message));
+        prop_assert!(body.message.len() == message.len() || body.message.len() + 4 > MAX_ERROR_MESSAGE);
+    }
+
+    #[test]
+    fn rpc_error_decoder_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..64), len in 0u32..70) {
+        // Half the inputs get a plausible message length, so later checks are reached.
+        let mut bytes = bytes;
+        if bytes.len() >= 8 && len % 2 == 0 {
+            bytes[2..4].fill(0);
+            bytes[4..8].copy_from_slice(&len.to_le_bytes());
+        }
+        if let Ok(body) = decode_error(&bytes) {
+            prop_assert_eq!(encode_error(body.code, body.detail, body.message), bytes);
+        }
+    }
+
+    #[test]
+    fn rpc_sample_travels_in_a_request(s in sample(), schema in any::<u64>(), flags in call_flags()) {
+        let args = rkyv::to_bytes::<rkyv::rancor::Error>(&s).unwrap();
+        let payload = encode_request(schema, flags, &args);
+        prop_assert_eq!(
+            fuzzing::rpc_outcome(&payload),
+            RpcOutcome { request: true, sample: true, error: false }
+        );
+        let env = decode_request(&payload).unwrap();
+        // A Vec<u8> gives no alignment guarantee: copy the args to an aligned buffer, as a
+        // receiver must when its payload is not 16-aligned.
+        let mut aligned = rkyv::util::AlignedVec::<16>::new();
+        aligned.extend_from_slice(env.args);
+        let back = rkyv::from_bytes::<Sample, rkyv::rancor::Error>(&aligned).unwrap();
+        prop_assert_eq!(back, s);
+    }
+
+    #[test]
+    fn rpc_fuzz_entry_never_panics_on_mutated_requests(s in sample(), edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4), cut in any::<prop::sample::Index>()) {
+        let args = rkyv::to_bytes::<rkyv::rancor::Error>(&s).unwrap();
+        let mut payload = encode_request(1, CallFlags::NONE, &args);
+        for (at, byte) in edits {
+            let i = at.index(payload.len());
+            payload[i] = byte;
+        }
+        let _ = fuzzing::rpc(&payload);
+        let _ = fuzzing::rpc(&payload[..cut.index(payload.len() + 1)]);
+    }
+
+    #[test]
+    fn rpc_fuzz_entry_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let _ = fuzzing::rpc(&bytes);
     }
 }
