@@ -66,4 +66,17 @@ pub enum Error {
         /// The header's length.
         len: usize,
     },
+    /// An RPC handler was registered for a function id the runtime reserves
+    /// ([`crate::rpc::FIRST_RESERVED_FUNCTION_ID`] and up).
+    #[error("rpc function id {id} is reserved for the runtime")]
+    ReservedFunctionId {
+        /// The id.
+        id: shardcx_shards::proto::FunctionId,
+    },
+    /// Two RPC functions with different ids were registered under one name.
+    #[error("rpc function name {name:?} is registered under two ids")]
+    DuplicateFunctionName {
+        /// The name.
+        name: String,
+    },
 }

@@ -3,7 +3,9 @@
 pub mod bench;
 mod error;
 pub mod node;
+pub mod registry;
 pub mod rma;
+pub mod rpc;
 pub mod shutdown;
 pub mod tag;
 
@@ -12,6 +14,7 @@ pub use node::{
     AmMsg, Node, NodeBuilder, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID, MAX_AM_HEADER,
 };
 pub use rma::{Region, RemoteRegion, TrustedDescriptor, TrustedRegion};
+pub use rpc::{FunctionId, Rpc, RpcConfig, RpcContext, RpcError, RpcFunction, RpcStats};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
 pub use shardcx_shards::{proto, ucx};
 pub use shutdown::{Shutdown, Stopped, DEFAULT_DRAIN_DEADLINE};

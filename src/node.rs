@@ -69,6 +69,7 @@ use glommio::timer::sleep;
 use shardcx_shards::proto::{AmId, Incarnation, NodeId, ShardId};
 use shardcx_shards::{NetConfig, NetError, Placement, RemoteNode, ShardCtx, ShardsBuilder};
 
+use crate::rpc::{Registration, RpcConfig, RpcContext, RpcFunction, RpcSetup, ShardRpc};
 use crate::shutdown::{Shutdown, Stopped, DEFAULT_DRAIN_DEADLINE};
 use crate::tag::TagConfig;
 use crate::Error;
@@ -102,6 +103,7 @@ pub struct NodeBuilder {
     book: Vec<(NodeId, SocketAddr)>,
     shutdown: Shutdown,
     tag: TagConfig,
+    rpc: RpcSetup,
 }
 
 /// This shard's handle on the running node. `!Send`: it belongs to the shard's thread; clone
@@ -113,12 +115,14 @@ pub struct Node {
 }
 
 /// Per-shard facade state.
-struct ShardLocal {
+pub(crate) struct ShardLocal {
     deadline: Duration,
     shutdown: Shutdown,
     malformed: Cell<u64>,
     /// Where known peers listen, shared by the node's shards (see [`NodeBuilder::peer_addr`]).
     book: AddressBook,
+    /// This shard's RPC functions, dedup window and counters.
+    pub(crate) rpc: ShardRpc,
 }
 
 /// Listen addresses of peers, for connecting on first use, and the back-off state of each.
@@ -194,6 +198,7 @@ impl Node {
             book: Vec::new(),
             shutdown: Shutdown::new(),
             tag: TagConfig::default(),
+            rpc: RpcSetup::new(),
         }
         .drain_deadline(DEFAULT_DRAIN_DEADLINE)
     }
@@ -208,6 +213,26 @@ impl Node {
                 shared: shared.clone(),
             })
         })
+    }
+
+    /// A handle from its parts (the RPC server builds one per call).
+    pub(crate) fn from_parts(ctx: Rc<ShardCtx>, shared: Rc<ShardLocal>) -> Node {
+        Node { ctx, shared }
+    }
+
+    /// The shard's facade state.
+    pub(crate) fn local(&self) -> &ShardLocal {
+        &self.shared
+    }
+
+    /// Peers whose listen address this node knows ([`NodeBuilder::peer_addr`],
+    /// [`Node::add_peer_addr`]).
+    pub fn known_peers(&self) -> Vec<(Peer, SocketAddr)> {
+        self.shared
+            .book
+            .lock()
+            .map(|b| b.iter().map(|(n, e)| (Peer { node: *n }, e.addr)).collect())
+            .unwrap_or_default()
     }
 
     /// This node's id.
@@ -424,6 +449,60 @@ impl NodeBuilder {
         self
     }
 
+    /// Registers a plain RPC handler of `F` (see [`crate::rpc`]): `factory` runs once on
+    /// every shard and returns that shard's handler, which runs inline on the shard that
+    /// received the call, with the argument's validated archive read in place. It must not
+    /// block. Replaces an earlier registration of `F::ID`. [`NodeBuilder::run`] fails with
+    /// [`Error::ReservedFunctionId`] for ids from [`crate::rpc::FIRST_RESERVED_FUNCTION_ID`] up,
+    /// and with [`Error::DuplicateFunctionName`] for a name registered under two ids.
+    pub fn rpc<F, M, H>(mut self, factory: M) -> Self
+    where
+        F: RpcFunction,
+        M: Fn() -> H + Send + Sync + 'static,
+        H: Fn(&RpcContext, &rkyv::Archived<F::Args>) -> Result<F::Reply, String> + 'static,
+    {
+        self.rpc.add(Registration::plain::<F, M, H>(factory));
+        self
+    }
+
+    /// Registers an async RPC handler of `F`, like [`NodeBuilder::rpc`]: each call runs as a
+    /// task of the shard that received it, with the arguments deserialized; the task is
+    /// dropped when the call's deadline passes, or a little after its caller cancels it
+    /// ([`crate::rpc::RpcConfig::cancel_grace`]).
+    pub fn rpc_async<F, M, H, Fut>(mut self, factory: M) -> Self
+    where
+        F: RpcFunction,
+        M: Fn() -> H + Send + Sync + 'static,
+        H: Fn(RpcContext, F::Args) -> Fut + 'static,
+        Fut: Future<Output = Result<F::Reply, String>> + 'static,
+    {
+        self.rpc
+            .add(Registration::asynchronous::<F, M, H, Fut>(factory));
+        self
+    }
+
+    /// Chooses where rendezvous arguments of `F` land, on every shard and before any call
+    /// arrives: [`Node::rpc_args_buffer`] with a `Send + Sync` chooser. Replaces an earlier
+    /// chooser of `F`.
+    pub fn rpc_args_buffer<F>(
+        mut self,
+        choose: impl Fn(&Node, Peer, usize) -> Option<crate::rpc::RndvBuf> + Send + Sync + 'static,
+    ) -> Self
+    where
+        F: RpcFunction,
+    {
+        let id = F::ID.get();
+        self.rpc.choosers.retain(|(i, _)| *i != id);
+        self.rpc.choosers.push((id, Arc::new(choose)));
+        self
+    }
+
+    /// RPC settings (dedup window, argument size limit, default deadline).
+    pub fn rpc_config(mut self, cfg: RpcConfig) -> Self {
+        self.rpc.config = cfg;
+        self
+    }
+
     /// Starts the node and runs `f` on every shard with that shard's [`Node`]; returns each
     /// shard's result, in shard order, once every shard has ended (see the module docs).
     pub fn run<F, Fut, T>(self, f: F) -> Result<Vec<T>, Error>
@@ -439,7 +518,10 @@ impl NodeBuilder {
             book,
             shutdown,
             tag,
+            rpc,
         } = self;
+        rpc.check()?;
+        let rpc = Arc::new(rpc);
         let book: AddressBook = Arc::new(Mutex::new(
             book.into_iter()
                 .map(|(n, a)| (n, BookEntry::new(a)))
@@ -454,8 +536,16 @@ impl NodeBuilder {
         let handlers = Arc::new(handlers);
         let start_book = book.clone();
         let start_shutdown = shutdown.clone();
+        let start_rpc = rpc.clone();
         let shards = shards.on_start(move |ctx| {
-            install(ctx, deadline, tag, &start_shutdown, &start_book, &handlers)
+            let local = ShardLocal {
+                deadline,
+                shutdown: start_shutdown.clone(),
+                malformed: Cell::new(0),
+                book: start_book.clone(),
+                rpc: start_rpc.build(),
+            };
+            install(ctx, local, tag, &handlers)
         });
         let ended = Arc::new(AtomicUsize::new(0));
         let out = shards.run(move |ctx: Rc<ShardCtx>| {
@@ -463,6 +553,7 @@ impl NodeBuilder {
             let ended = ended.clone();
             let book = book.clone();
             let shutdown = shutdown.clone();
+            let rpc = rpc.clone();
             async move {
                 let node = Node::current()
                     .filter(|n| Rc::ptr_eq(&n.ctx, &ctx))
@@ -473,6 +564,7 @@ impl NodeBuilder {
                             shutdown: shutdown.clone(),
                             malformed: Cell::new(0),
                             book: book.clone(),
+                            rpc: rpc.build(),
                         }),
                     });
                 // A closure that panics still counts as ended (then its panic goes on), so the
@@ -500,26 +592,16 @@ impl NodeBuilder {
     }
 }
 
-/// On every shard, before it serves: the thread-local node, and the AM handlers.
-fn install(
-    ctx: &Rc<ShardCtx>,
-    deadline: Duration,
-    tag: TagConfig,
-    shutdown: &Shutdown,
-    book: &AddressBook,
-    handlers: &[(AmId, Factory)],
-) {
-    let shared = Rc::new(ShardLocal {
-        deadline,
-        shutdown: shutdown.clone(),
-        malformed: Cell::new(0),
-        book: book.clone(),
-    });
+/// On every shard, before it serves: the thread-local node, and the AM and RPC handlers.
+fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(AmId, Factory)]) {
+    let shared = Rc::new(local);
     CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), shared.clone())));
     // Checked remote memory: this shard's region table and its put/get handlers.
     shardcx_shards::rma::install(ctx);
     // Tag send/recv: this shard's matching state and its handler.
     shardcx_shards::tag::install_with(ctx, tag);
+    // RPC: this shard's functions and the request and cancel frame handlers.
+    crate::rpc::install(ctx, &shared);
     for (id, factory) in handlers {
         let handler = factory();
         let id = *id;
@@ -612,57 +694,70 @@ where
 {
     match op().await {
         Err(Error::Net(NetError::NotConnected { .. })) => {
-            let start = Instant::now();
-            let entry = node
-                .shared
-                .book
-                .lock()
-                .ok()
-                .and_then(|b| b.get(&peer).copied());
-            let Some(entry) = entry else {
-                return Err(Error::Net(NetError::NotConnected { node: peer }));
-            };
-            let addr = entry.addr;
-            if let Some(at) = entry.retry_at {
-                let wait = at.saturating_duration_since(start);
-                if wait >= timeout {
-                    return Err(Error::BackingOff {
-                        node: peer,
-                        failures: entry.failures,
-                        retry_in: wait,
-                    });
-                }
-                sleep(wait).await;
-            }
-            let connected = node
-                .connect_within(addr, timeout.saturating_sub(start.elapsed()))
-                .await;
-            if let Ok(mut book) = node.shared.book.lock() {
-                if let Some(e) = book.get_mut(&peer).filter(|e| e.addr == addr) {
-                    match &connected {
-                        Ok(_) => *e = BookEntry::new(addr),
-                        // The operation's own deadline cut the connect short: that says
-                        // nothing about the peer.
-                        Err(Error::TimedOut { .. }) => {}
-                        Err(_) => {
-                            e.failures = e.failures.saturating_add(1);
-                            e.retry_at = Some(Instant::now() + e.backoff(peer));
-                        }
-                    }
-                }
-            }
-            let found = connected?;
-            if found.node != peer {
-                return Err(Error::WrongPeer {
-                    addr,
-                    expected: peer,
-                    found: found.node,
-                });
-            }
+            connect_lazily(node, peer, timeout).await?;
             op().await
         }
         other => other,
     }
+}
+
+/// The connect of [`lazily`]: if this node knows where `peer` listens, connects there within
+/// `timeout` (waiting for its back-off first, or failing with [`Error::BackingOff`]) and checks
+/// that the node found is `peer`. [`Error::Net`] with `NotConnected` when the address is not
+/// known.
+pub(crate) async fn connect_lazily(
+    node: &Node,
+    peer: NodeId,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let start = Instant::now();
+    let entry = node
+        .shared
+        .book
+        .lock()
+        .ok()
+        .and_then(|b| b.get(&peer).copied());
+    let Some(entry) = entry else {
+        return Err(Error::Net(NetError::NotConnected { node: peer }));
+    };
+    let addr = entry.addr;
+    if let Some(at) = entry.retry_at {
+        let wait = at.saturating_duration_since(start);
+        if wait >= timeout {
+            return Err(Error::BackingOff {
+                node: peer,
+                failures: entry.failures,
+                retry_in: wait,
+            });
+        }
+        sleep(wait).await;
+    }
+    let connected = node
+        .connect_within(addr, timeout.saturating_sub(start.elapsed()))
+        .await;
+    if let Ok(mut book) = node.shared.book.lock() {
+        if let Some(e) = book.get_mut(&peer).filter(|e| e.addr == addr) {
+            match &connected {
+                Ok(_) => *e = BookEntry::new(addr),
+                // The operation's own deadline cut the connect short: that says
+                // nothing about the peer.
+                Err(Error::TimedOut { .. }) => {}
+                Err(_) => {
+                    e.failures = e.failures.saturating_add(1);
+                    e.retry_at = Some(Instant::now() + e.backoff(peer));
+                }
+            }
+        }
+    }
+    let found = connected?;
+    if found.node != peer {
+        return Err(Error::WrongPeer {
+            addr,
+            expected: peer,
+            found: found.node,
+        });
+    }
+    Ok(())
 }
 
 impl AmMsg {

@@ -78,6 +78,11 @@ thread_local! {
     static ACKS: RefCell<Option<LocalSender<(u32, u64)>>> = const { RefCell::new(None) };
 }
 
+shardcx::rpc_function!(
+    /// An RPC the server never answers (before the call's deadline).
+    Hang: () => (), id = 4242, name = "test.hang"
+);
+
 /// Starts the server node: checks each WORK message, hands it to the server shard named by the
 /// message (`seq % 2`), which answers DONE with a checksum. Returns its address, its stop flag
 /// and its thread.
@@ -94,6 +99,8 @@ fn start_server(
     let h = std::thread::spawn(move || {
         node(2, key)
             .listen("127.0.0.1:0".parse().unwrap())
+            // Never answers (until the call's deadline): a request that stays pending.
+            .rpc_async::<Hang, _, _, _>(|| |_: shardcx::RpcContext, ()| std::future::pending())
             .on_am(WORK, || {
                 |node: &Node, msg: AmMsg| {
                     RECEIVED.with(|c| c.set(c.get() + 1));
@@ -572,16 +579,22 @@ fn pending_request_when_the_server(fate: Fate) -> (Result<(), NetError>, Duratio
                 async move {
                     let server = node.connect(addr).await.expect("connect");
                     let _ = connected_tx.send(());
-                    // The server has no handler for this kind: the request stays pending
-                    // until its connection ends (its own deadline is far away).
+                    // The server's handler never answers: the request stays pending until
+                    // its connection ends (its own deadline is far away). `()`'s archive is
+                    // empty, so the envelope's prefix alone is the whole request.
+                    let payload = shardcx::proto::rpc::request_prefix(
+                        <Hang as shardcx::RpcFunction>::schema(),
+                        shardcx::proto::rpc::CallFlags::NONE,
+                    )
+                    .to_vec();
                     let t0 = Instant::now();
                     let r = node
                         .shard_ctx()
                         .request(
                             server.node_id(),
                             FrameKind::RpcRequest,
-                            1,
-                            vec![1, 2, 3],
+                            <Hang as shardcx::RpcFunction>::ID.get(),
+                            payload,
                             Duration::from_secs(50),
                         )
                         .await;

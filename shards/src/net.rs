@@ -77,7 +77,9 @@
 //!   [`FrameKind::RpcCancel`]: to the handler of their kind ([`ShardCtx::set_frame_handler`]),
 //!   with the frame header (`id`, `req_id`, `ttl_ns`). A request whose `ttl_ns` is zero had no
 //!   time left when sent and is dropped ([`NetStats::dropped_expired`]). The handler answers
-//!   with [`ShardCtx::reply`].
+//!   with [`ShardCtx::reply`]. For rendezvous data of a request kind,
+//!   [`ShardCtx::set_frame_handler_rndv`] chooses the destination buffer per frame (a
+//!   [`RndvBuf`]: pool, aligned host memory or a vector), else it is pulled into a vector.
 //! - Replies ([`FrameKind::RpcResponse`], [`FrameKind::RpcError`], [`FrameKind::RmaReply`]):
 //!   complete the pending request with their `req_id` on this shard, if it was sent to that
 //!   node with a kind the reply answers; others are dropped
@@ -95,7 +97,13 @@
 //! a restart of the peer (its old incarnation's requests fail with [`NetError::Closed`]); this
 //! node's shutdown, which first waits for pending requests' answers for at most the mesh's
 //! drain timeout ([`NetError::ShuttingDown`] after it). A dropped request future removes its
-//! entry.
+//! entry, also when the caller is on another shard: the forwarded job on the owner races the
+//! request with a cancel flag that the caller's future sets when it is dropped (the mesh
+//! itself runs a forwarded job to its end). An [`FrameKind::RpcRequest`] given up before its
+//! answer (dropped, or timed out) is followed by an [`FrameKind::RpcCancel`] frame with its
+//! `id` and `req_id`, for the server to stop working on it.
+//! [`ShardCtx::request_with_ttl`] announces less time to the receiver than the caller waits,
+//! so that a receiver can report its own deadline expiring before the caller gives up.
 //!
 //! The net task also follows proto's calling order: after each input it drains
 //! `poll_transmit` (into the connection's sender task, which owns the endpoint and sends frames
@@ -141,6 +149,8 @@ use std::future::{poll_fn, Future};
 use std::io::Read;
 use std::net::SocketAddr;
 use std::rc::{Rc, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -151,6 +161,7 @@ use glommio::Task;
 
 use crate::boot::ShardCtx;
 use crate::error::NetError;
+use crate::pool::PoolBuf;
 use crate::proto::conn::{DropReason, FailReason, Received};
 use crate::proto::handshake::{HandshakeError, HandshakeMessage, RejectReason};
 use crate::proto::wire::{
@@ -162,7 +173,9 @@ use crate::proto::{
     Incarnation, Limits, NodeId, PendingTable, PreSharedKey, ReqId, Seeds, ShardId, ShardMap,
     State, Timestamp, WireError,
 };
-use crate::ucx::{AmIdRaw, AmPayload, AmProto, AmRndv, Endpoint, EpOptions, ErrorMode, IoBufMut};
+use crate::ucx::{
+    AlignedBuf, AmIdRaw, AmPayload, AmProto, AmRndv, Endpoint, EpOptions, ErrorMode, IoBufMut,
+};
 use crate::ucx::{Listener, Worker, WorkerAddress};
 
 /// UCX active-message id of the bootstrap directory (listener → client).
@@ -268,6 +281,8 @@ pub struct NetStats {
     pub dropped_unmatched: u64,
     /// Rendezvous frames declined by the handler's buffer choice, or whose pull failed.
     pub declined: u64,
+    /// [`FrameKind::RpcCancel`] frames sent for RPC requests given up before their reply.
+    pub cancels_sent: u64,
 }
 
 /// Node identity and settings, resolved once in [`crate::ShardsBuilder::run`]; `Send`.
@@ -366,6 +381,7 @@ pub(crate) struct NetState {
     handlers: RefCell<HashMap<AmId, Handler>>,
     rndv_handlers: RefCell<HashMap<AmId, RndvHandler>>,
     frame_handlers: RefCell<HashMap<FrameKind, FrameHandler>>,
+    frame_rndv_handlers: RefCell<HashMap<FrameKind, RndvHandler>>,
     pending: RefCell<PendingTable<Pending>>,
     limits: Limits,
     stats: Cell<NetStats>,
@@ -596,6 +612,7 @@ impl NetState {
             handlers: RefCell::new(HashMap::new()),
             rndv_handlers: RefCell::new(HashMap::new()),
             frame_handlers: RefCell::new(HashMap::new()),
+            frame_rndv_handlers: RefCell::new(HashMap::new()),
             pending: RefCell::new(PendingTable::new()),
             stats: Cell::new(NetStats::default()),
             generation: Cell::new(0),
@@ -875,6 +892,7 @@ fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
                 return false;
             }
             net.frame_handlers.borrow().contains_key(&k)
+                || net.frame_rndv_handlers.borrow().contains_key(&k)
         }
     };
     if !want {
@@ -931,17 +949,18 @@ fn deliver_rndv(ctx: &Rc<ShardCtx>, node: NodeId, header: FrameHeader, data: AmP
     if !wanted(net, node, &header) {
         return;
     }
-    if header.kind == FrameKind::Am {
-        let h = net
-            .rndv_handlers
+    let h = if header.kind == FrameKind::Am {
+        net.rndv_handlers
             .borrow()
             .get(&AmId::new(header.id))
-            .cloned();
-        if let Some(h) = h {
-            net.count(|s| s.delivered += 1);
-            h(ctx, node, header, rndv);
-            return;
-        }
+            .cloned()
+    } else {
+        net.frame_rndv_handlers.borrow().get(&header.kind).cloned()
+    };
+    if let Some(h) = h {
+        net.count(|s| s.delivered += 1);
+        h(ctx, node, header, rndv);
+        return;
     }
     let len = rndv.len();
     let c = ctx.clone();
@@ -986,6 +1005,62 @@ async fn pull<B: IoBufMut>(
         }),
         Some((Err(source), _)) => Err(NetError::Receive { node, source }),
         None => Err(NetError::TimedOut { what: "rendezvous" }),
+    }
+}
+
+/// A buffer that rendezvous data of a frame is pulled into, chosen by a
+/// [`ShardCtx::set_frame_handler_rndv`] handler: one variant per kind of memory (GPU memory
+/// joins them with CUDA support).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RndvBuf {
+    /// A block of the shard's registered pool ([`ShardCtx::pool`]): no registration per
+    /// transfer. Pool blocks are aligned to their size class (at least 256 bytes).
+    Pool(PoolBuf),
+    /// Plain host memory with a chosen alignment.
+    Host(AlignedBuf),
+    /// A vector (what frames without a rendezvous handler are pulled into).
+    Vec(Vec<u8>),
+}
+
+impl RndvBuf {
+    /// The buffer's bytes (all of them; the data is in the first `payload_len`), or `None`
+    /// for a pool block whose memory a remote key was packed for
+    /// ([`crate::ucx::MemSlice::as_slice`]).
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match self {
+            RndvBuf::Pool(b) => b.as_slice(),
+            RndvBuf::Host(b) => Some(b.as_slice()),
+            RndvBuf::Vec(v) => Some(v),
+        }
+    }
+
+    /// The buffer's length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            RndvBuf::Pool(b) => b.len(),
+            RndvBuf::Host(b) => b.len(),
+            RndvBuf::Vec(v) => v.len(),
+        }
+    }
+
+    /// Whether the buffer has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Pulls `rndv` into this buffer (see [`pull`]).
+    async fn pull(
+        self,
+        ctx: &Rc<ShardCtx>,
+        node: NodeId,
+        rndv: AmRndv,
+    ) -> Result<RndvBuf, NetError> {
+        match self {
+            RndvBuf::Pool(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Pool),
+            RndvBuf::Host(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Host),
+            RndvBuf::Vec(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Vec),
+        }
     }
 }
 
@@ -1505,6 +1580,28 @@ struct FrameSpec {
     ttl_ns: u64,
 }
 
+/// A frame's payload: owned (moved into a rendezvous send as it is) or borrowed (copied).
+enum FramePayload<'a> {
+    Owned(Vec<u8>),
+    Borrowed(&'a [u8]),
+}
+
+impl FramePayload<'_> {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            FramePayload::Owned(v) => v,
+            FramePayload::Borrowed(b) => b,
+        }
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        match self {
+            FramePayload::Owned(v) => v,
+            FramePayload::Borrowed(b) => b.to_vec(),
+        }
+    }
+}
+
 /// Queues an application frame to `node` on this shard, its owner: eager with its header in
 /// one buffer when the payload is at most [`NetConfig::rndv_threshold`], else by rendezvous
 /// with the payload as it is. The size is checked against the limit before anything else.
@@ -1514,9 +1611,19 @@ fn queue_frame(
     spec: FrameSpec,
     payload: Vec<u8>,
 ) -> Result<(), NetError> {
+    queue_frame_from(ctx, node, spec, FramePayload::Owned(payload))
+}
+
+/// [`queue_frame`] for an owned or a borrowed payload.
+fn queue_frame_from(
+    ctx: &ShardCtx,
+    node: NodeId,
+    spec: FrameSpec,
+    payload: FramePayload<'_>,
+) -> Result<(), NetError> {
     let net = ctx.net();
     let cfg = &net.settings.cfg;
-    let len = payload.len() as u64;
+    let len = payload.as_slice().len() as u64;
     if len > cfg.max_message_size {
         return Err(NetError::TooLarge {
             len,
@@ -1540,7 +1647,7 @@ fn queue_frame(
             .frame_header(spec.kind)
             .map_err(|_| NetError::NotConnected { node })?
     };
-    let item = if payload.len() > cfg.rndv_threshold {
+    let item = if payload.as_slice().len() > cfg.rndv_threshold {
         let header = FrameHeader {
             flags: FrameFlags::RNDV,
             ..header
@@ -1548,11 +1655,11 @@ fn queue_frame(
         let mut am = Box::new([0u8; RNDV_AM_HEADER_LEN]);
         am[..AM_HEADER_LEN].copy_from_slice(&frame_am_header(net.settings.node_id, 0));
         am[AM_HEADER_LEN..].copy_from_slice(&header.to_bytes());
-        Outbound::Rndv(am, payload)
+        Outbound::Rndv(am, payload.into_vec())
     } else {
         let flen = frame_len(len, &net.limits).map_err(|source| NetError::Wire { source })?;
         let mut frame = vec![0u8; flen];
-        encode_frame(&header, &payload, &mut frame, &net.limits)
+        encode_frame(&header, payload.as_slice(), &mut frame, &net.limits)
             .map_err(|source| NetError::Wire { source })?;
         Outbound::Eager(frame_am_header(net.settings.node_id, 0), frame)
     };
@@ -1563,25 +1670,96 @@ fn queue_frame(
     }
 }
 
-/// Cancels a pending request when its future ends or is dropped (no-op once completed).
+/// Cancels a pending request when its future ends or is dropped (no-op once completed). An
+/// RPC request that was still pending (its caller gave up: dropped, or timed out) is followed
+/// by an [`FrameKind::RpcCancel`] frame with its `id` and `req_id`, so that the server can stop
+/// working on it.
 struct PendingGuard<'a> {
-    net: &'a NetState,
-    req_id: ReqId,
+    ctx: &'a ShardCtx,
+    node: NodeId,
+    spec: FrameSpec,
 }
 
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
-        self.net.pending.borrow_mut().cancel(self.req_id);
+        let net = self.ctx.net();
+        let was_pending = net.pending.borrow_mut().cancel(self.spec.req_id).is_some();
+        if was_pending && self.spec.kind == FrameKind::RpcRequest {
+            let cancel = FrameSpec {
+                kind: FrameKind::RpcCancel,
+                ttl_ns: NO_DEADLINE_TTL,
+                ..self.spec
+            };
+            // Best effort: a connection that has gone has taken the request with it.
+            if queue_frame(self.ctx, self.node, cancel, Vec::new()).is_ok() {
+                net.count(|s| s.cancels_sent += 1);
+            }
+        }
     }
 }
 
-/// Sends a request to `node` on this shard, its owner, and waits for the reply.
+/// Set by a caller on another shard that stopped waiting for a forwarded request (its future
+/// was dropped), so that the owner shard drops the request too (and, for RPC, sends the
+/// cancel). `Send + Sync`: the flag and the owner task's waker cross between the two threads.
+#[derive(Default)]
+struct ForwardCancel {
+    cancelled: AtomicBool,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl ForwardCancel {
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        let w = self
+            .waker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// Resolves once [`ForwardCancel::cancel`] has been called.
+    fn wait(&self) -> impl Future<Output = ()> + '_ {
+        poll_fn(move |cx| {
+            if self.cancelled.load(Ordering::SeqCst) {
+                return Poll::Ready(());
+            }
+            *self
+                .waker
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cx.waker().clone());
+            // Looked at again after the waker is in place: a cancel in between is not lost.
+            if self.cancelled.load(Ordering::SeqCst) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+    }
+}
+
+/// Cancels the owner's side of a forwarded request when the caller's future is dropped before
+/// the answer came back.
+struct CancelOnDrop(Option<Arc<ForwardCancel>>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.cancel();
+        }
+    }
+}
+
+/// Sends a request to `node` on this shard, its owner, and waits for the reply, at most
+/// `timeout`; the frame's `ttl_ns` is `ttl` (at most `timeout`).
 async fn request_local(
     ctx: &Rc<ShardCtx>,
     node: NodeId,
     (kind, id): (FrameKind, u32),
     payload: Vec<u8>,
-    timeout: Duration,
+    (timeout, ttl): (Duration, Duration),
 ) -> Reply {
     if !is_request_kind(kind) {
         return Err(NetError::BadKind {
@@ -1602,12 +1780,19 @@ async fn request_local(
             waiter: waiter.clone(),
         },
     );
-    let _guard = PendingGuard { net, req_id };
     let spec = FrameSpec {
         kind,
         id,
         req_id,
-        ttl_ns: ttl_from_deadline(now, deadline),
+        ttl_ns: ttl_from_deadline(now, now.saturating_add(ttl.min(timeout))),
+    };
+    let _guard = PendingGuard {
+        ctx,
+        node,
+        spec: FrameSpec {
+            ttl_ns: NO_DEADLINE_TTL,
+            ..spec
+        },
     };
     queue_frame(ctx, node, spec, payload)?;
     let got = future::or(async { waiter.next().await }, async {
@@ -1879,6 +2064,65 @@ impl ShardCtx {
         Ok(())
     }
 
+    /// Registers, on this shard, the rendezvous handler of incoming request frames of `kind`
+    /// ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`] or [`FrameKind::RmaGet`]; others are
+    /// refused with [`NetError::BadKind`]), replacing any previous one: for a frame whose
+    /// payload came by rendezvous, `choose` picks the buffer the data is pulled into before any
+    /// byte is received, and `on_data` gets it once the data is in it. The counterpart of
+    /// [`ShardCtx::set_net_handler_rndv`] for requests; the buffer is a [`RndvBuf`], so that
+    /// one handler may choose a different kind of memory per frame (e.g. per RPC function).
+    ///
+    /// `choose` runs on the net task after the frame's checks (size limit, connection,
+    /// `ttl_ns`) and sees its header (`payload_len` is the data's length); returning `None`
+    /// declines the data (the sender's transfer completes, nothing is received; a request
+    /// declined that way gets no reply unless `choose` sends one, e.g. with
+    /// [`ShardCtx::reply_now`]). `on_data` gets `Ok(buf)` with the data in its first
+    /// `payload_len` bytes, or an error ([`NetError::BufferTooSmall`], [`NetError::Receive`],
+    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`]). Both run on this shard and
+    /// must not block; `on_data` may run after handlers of frames that arrived later.
+    ///
+    /// Eager frames of `kind` still go to the handler of [`ShardCtx::set_frame_handler`];
+    /// without a rendezvous handler, rendezvous data is pulled into a `Vec<u8>` for it.
+    pub fn set_frame_handler_rndv<C, D>(
+        &self,
+        kind: FrameKind,
+        choose: C,
+        on_data: D,
+    ) -> Result<(), NetError>
+    where
+        C: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader) -> Option<RndvBuf> + 'static,
+        D: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Result<RndvBuf, NetError>) + 'static,
+    {
+        if !is_request_kind(kind) {
+            return Err(NetError::BadKind {
+                kind,
+                op: "register a rendezvous frame handler",
+            });
+        }
+        let on_data = Rc::new(on_data);
+        let handler: RndvHandler = Rc::new(move |ctx, node, header, rndv| {
+            let Some(buf) = choose(ctx, node, &header) else {
+                // Dropping `rndv` declines the data.
+                ctx.net().count(|s| s.declined += 1);
+                return;
+            };
+            let (c, on_data) = (ctx.clone(), on_data.clone());
+            glommio::spawn_local(async move {
+                let res = buf.pull(&c, node, rndv).await;
+                if res.is_err() {
+                    c.net().count(|s| s.declined += 1);
+                }
+                on_data(&c, node, &header, res);
+            })
+            .detach();
+        });
+        self.net()
+            .frame_rndv_handlers
+            .borrow_mut()
+            .insert(kind, handler);
+        Ok(())
+    }
+
     /// Sends one application frame of `kind` with `id` and `req_id` (no deadline) to the
     /// connected `node`, from any shard (forwarded to the owner). Resolves once the frame is
     /// queued on the owner's endpoint. Payloads over [`NetConfig::rndv_threshold`] go by
@@ -1914,7 +2158,9 @@ impl ShardCtx {
     /// connection fails or closes first (every pending request of the node fails then);
     /// [`NetError::ShuttingDown`] when this node stops; [`NetError::NotConnected`],
     /// [`NetError::TooLarge`], [`NetError::BadKind`] before sending. Dropping the future
-    /// forgets the request (a late reply is dropped and counted).
+    /// forgets the request on the owner shard too (a late reply is dropped and counted), and
+    /// an RPC request given up is followed by a cancel frame (see
+    /// [`ShardCtx::request_with_ttl`]).
     pub async fn request(
         self: &Rc<Self>,
         node: NodeId,
@@ -1923,16 +2169,66 @@ impl ShardCtx {
         payload: Vec<u8>,
         timeout: Duration,
     ) -> Result<(FrameHeader, Vec<u8>), NetError> {
+        self.request_with_ttl(node, kind, id, payload, timeout, timeout)
+            .await
+    }
+
+    /// [`ShardCtx::request`] whose frame announces `ttl` (at most `timeout`) as the time the
+    /// receiver has, while the caller waits up to `timeout`: a receiver that gives up at its
+    /// deadline can still answer within the caller's (the RPC layer's server-side expiry).
+    ///
+    /// Dropping the future before it resolves gives the request up on the owner shard, also
+    /// when it was forwarded there from another shard; an [`FrameKind::RpcRequest`] given up
+    /// that way (or by its timeout) is followed by an [`FrameKind::RpcCancel`] frame with the
+    /// same `id` and `req_id` ([`NetStats::cancels_sent`]).
+    pub async fn request_with_ttl(
+        self: &Rc<Self>,
+        node: NodeId,
+        kind: FrameKind,
+        id: u32,
+        payload: Vec<u8>,
+        timeout: Duration,
+        ttl: Duration,
+    ) -> Result<(FrameHeader, Vec<u8>), NetError> {
         self.check_len(&payload)?;
         let owner = self.owner_of(node);
         if owner == self.id() {
-            request_local(self, node, (kind, id), payload, timeout).await
+            request_local(self, node, (kind, id), payload, (timeout, ttl)).await
         } else {
-            self.forward(owner, move |c| async move {
-                request_local(&c, node, (kind, id), payload, timeout).await
-            })
-            .await?
+            let cancel = Arc::new(ForwardCancel::default());
+            let mut on_drop = CancelOnDrop(Some(cancel.clone()));
+            let got = self
+                .forward(owner, move |c| async move {
+                    future::or(
+                        request_local(&c, node, (kind, id), payload, (timeout, ttl)),
+                        async {
+                            cancel.wait().await;
+                            Err(NetError::TimedOut { what: "request" })
+                        },
+                    )
+                    .await
+                })
+                .await;
+            // Answered (or failed): nothing to cancel on the owner.
+            on_drop.0 = None;
+            got?
         }
+    }
+
+    /// Answers `request` like [`ShardCtx::reply`], at once and without a task, on the shard
+    /// that owns `node` (where frame handlers run); the payload is copied into the frame (a
+    /// payload over [`NetConfig::rndv_threshold`] is copied once more, into the rendezvous
+    /// send). Errors: [`NetError::BadKind`], [`NetError::TooLarge`], and
+    /// [`NetError::NotConnected`] when `node` has no ready connection on this shard.
+    pub fn reply_now(
+        &self,
+        node: NodeId,
+        request: &FrameHeader,
+        kind: FrameKind,
+        payload: &[u8],
+    ) -> Result<(), NetError> {
+        let spec = reply_spec(request, kind)?;
+        queue_frame_from(self, node, spec, FramePayload::Borrowed(payload))
     }
 
     /// Answers `request` (a frame header given to a [`ShardCtx::set_frame_handler`] handler)
@@ -1947,18 +2243,7 @@ impl ShardCtx {
         kind: FrameKind,
         payload: Vec<u8>,
     ) -> Result<(), NetError> {
-        if !reply_fits(request.kind, kind) {
-            return Err(NetError::BadKind {
-                kind,
-                op: "answer this request",
-            });
-        }
-        let spec = FrameSpec {
-            kind,
-            id: request.id,
-            req_id: request.req_id,
-            ttl_ns: NO_DEADLINE_TTL,
-        };
+        let spec = reply_spec(request, kind)?;
         self.send_spec(node, spec, payload).await
     }
 
@@ -1990,6 +2275,23 @@ impl ShardCtx {
     pub fn on_peer_lost(&self, hook: impl Fn(Option<NodeId>, &NetError) + 'static) {
         self.net().lost_hooks.borrow_mut().push(Rc::new(hook));
     }
+}
+
+/// The frame that answers `request` with `kind`: its `id` and `req_id`, no deadline
+/// ([`NetError::BadKind`] when `kind` does not answer that request's kind).
+fn reply_spec(request: &FrameHeader, kind: FrameKind) -> Result<FrameSpec, NetError> {
+    if !reply_fits(request.kind, kind) {
+        return Err(NetError::BadKind {
+            kind,
+            op: "answer this request",
+        });
+    }
+    Ok(FrameSpec {
+        kind,
+        id: request.id,
+        req_id: request.req_id,
+        ttl_ns: NO_DEADLINE_TTL,
+    })
 }
 
 /// The error mode for `transports` (see the module docs).

@@ -1,0 +1,394 @@
+//! The calling side: [`Rpc`] and [`ArchivedReply`].
+
+use std::marker::PhantomData;
+use std::time::{Duration, Instant};
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+use rkyv::Archived;
+use shardcx_shards::proto::rpc::{decode_error, request_prefix, CallFlags};
+use shardcx_shards::proto::{FrameHeader, FrameKind, FunctionId, ReqId};
+use shardcx_shards::NetError;
+
+use super::server::{aligned_copy, with_archived, ARCHIVE_ALIGN};
+use super::{Discover, RpcError, RpcFunction, RpcStats, RpcType, Signature};
+use crate::node::{connect_lazily, within};
+use crate::{Error, Node, Peer};
+
+/// Most times an idempotent call is sent again after its connection failed.
+const MAX_RETRIES: u32 = 3;
+/// Most the server's deadline is set before the caller's (see [`server_ttl`]).
+const MAX_GRACE: Duration = Duration::from_millis(10);
+
+/// This shard's handle for calling remote functions ([`Node::rpc`], [`Rpc::current`]).
+/// `!Send`: it belongs to the shard's thread; clone it freely within the shard.
+#[derive(Clone)]
+pub struct Rpc {
+    node: Node,
+}
+
+/// A call's reply as its validated archive, in the buffer it was received in (copied only if
+/// that buffer was not 16-byte aligned): zero-copy access with [`ArchivedReply::get`].
+pub struct ArchivedReply<R> {
+    buf: ReplyBuf,
+    _reply: PhantomData<fn() -> R>,
+}
+
+enum ReplyBuf {
+    Received(Vec<u8>),
+    Aligned(AlignedVec<ARCHIVE_ALIGN>),
+}
+
+/// What identifies the function called, on the wire.
+#[derive(Clone, Copy)]
+struct Target {
+    id: FunctionId,
+    schema: u64,
+    idempotent: bool,
+}
+
+impl Node {
+    /// This shard's RPC handle.
+    pub fn rpc(&self) -> Rpc {
+        Rpc { node: self.clone() }
+    }
+
+    /// This shard's RPC server counters.
+    pub fn rpc_stats(&self) -> RpcStats {
+        self.local().rpc.stats()
+    }
+}
+
+impl Rpc {
+    /// The RPC handle of the shard running on this thread, if any.
+    pub fn current() -> Option<Rpc> {
+        Node::current().map(|node| Rpc { node })
+    }
+
+    /// The node this handle calls from.
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// This shard's RPC server counters.
+    pub fn stats(&self) -> RpcStats {
+        self.node.rpc_stats()
+    }
+
+    /// The deadline of calls made without one.
+    pub fn default_deadline(&self) -> Duration {
+        self.node
+            .local()
+            .rpc
+            .config
+            .default_deadline
+            .unwrap_or_else(|| self.node.default_deadline())
+    }
+
+    /// Calls `F` on `peer` with `args` within the default deadline, and returns its reply.
+    pub async fn call<F: RpcFunction>(
+        &self,
+        peer: Peer,
+        args: &F::Args,
+    ) -> Result<F::Reply, RpcError> {
+        self.call_within::<F>(peer, args, self.default_deadline())
+            .await
+    }
+
+    /// [`Rpc::call`] with its own deadline.
+    pub async fn call_within<F: RpcFunction>(
+        &self,
+        peer: Peer,
+        args: &F::Args,
+        timeout: Duration,
+    ) -> Result<F::Reply, RpcError> {
+        let bytes = self.exchange(peer, target::<F>(), args, timeout).await?;
+        deserialize_reply::<F::Reply>(&bytes)
+    }
+
+    /// [`Rpc::call`], returning the reply's validated archive instead of deserializing it.
+    pub async fn call_archived<F: RpcFunction>(
+        &self,
+        peer: Peer,
+        args: &F::Args,
+    ) -> Result<ArchivedReply<F::Reply>, RpcError> {
+        self.call_archived_within::<F>(peer, args, self.default_deadline())
+            .await
+    }
+
+    /// [`Rpc::call_archived`] with its own deadline.
+    pub async fn call_archived_within<F: RpcFunction>(
+        &self,
+        peer: Peer,
+        args: &F::Args,
+        timeout: Duration,
+    ) -> Result<ArchivedReply<F::Reply>, RpcError> {
+        let bytes = self.exchange(peer, target::<F>(), args, timeout).await?;
+        ArchivedReply::new(bytes)
+    }
+
+    /// Calls a function by its published signature (from [`Rpc::lookup`] or a registry), for a
+    /// client built without the function's marker type. `A` and `R` must be the server's
+    /// argument and reply types (or types with the same archived layout): the schema hash
+    /// sent is the signature's, so nothing else checks it; other types fail validation
+    /// ([`RpcError::BadRequest`], [`RpcError::BadReply`]). `timeout`: `None` for the default.
+    pub async fn call_signature<A: RpcType, R: RpcType>(
+        &self,
+        peer: Peer,
+        signature: &Signature,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<R, RpcError> {
+        let t = Target {
+            id: FunctionId::new(signature.id),
+            schema: signature.schema,
+            idempotent: false,
+        };
+        let timeout = timeout.unwrap_or_else(|| self.default_deadline());
+        let bytes = self.exchange(peer, t, args, timeout).await?;
+        deserialize_reply::<R>(&bytes)
+    }
+
+    /// Sends a one-way call of `F` to `peer`: resolves once it is queued on the connection
+    /// (within the default deadline). Nothing comes back, not even the server's errors (it
+    /// counts them); a one-way call is not deduplicated.
+    pub async fn notify<F: RpcFunction>(&self, peer: Peer, args: &F::Args) -> Result<(), RpcError> {
+        let timeout = self.default_deadline();
+        let start = Instant::now();
+        let t = target::<F>();
+        let encode = || encode_request(t.schema, CallFlags::ONE_WAY, args);
+        let ctx = self.node.shard_ctx();
+        let node = peer.node_id();
+        let mut connected = false;
+        let op = async {
+            loop {
+                let payload = encode()?;
+                let sent = ctx
+                    .send_frame(
+                        node,
+                        FrameKind::RpcRequest,
+                        t.id.get(),
+                        ReqId::NONE,
+                        payload,
+                    )
+                    .await;
+                match sent {
+                    Err(NetError::NotConnected { .. }) if !connected => {
+                        let left = timeout.saturating_sub(start.elapsed());
+                        connect_lazily(&self.node, node, left)
+                            .await
+                            .map_err(|e| RpcError::from_net(e, timeout))?;
+                        connected = true;
+                    }
+                    other => return other.map_err(|e| RpcError::from_net(Error::Net(e), timeout)),
+                }
+            }
+        };
+        within("rpc notify", timeout, async { Ok(op.await) })
+            .await
+            .map_err(|e| RpcError::from_net(e, timeout))?
+    }
+
+    /// The signatures of the functions `peer` serves (built-ins included).
+    pub async fn discover(&self, peer: Peer) -> Result<Vec<Signature>, RpcError> {
+        self.call::<Discover>(peer, &()).await
+    }
+
+    /// The signature of the function named `name` on `peer` ([`RpcError::UnknownName`] if it
+    /// serves none).
+    pub async fn lookup(&self, peer: Peer, name: &str) -> Result<Signature, RpcError> {
+        self.discover(peer)
+            .await?
+            .into_iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| RpcError::UnknownName {
+                name: name.to_owned(),
+            })
+    }
+
+    /// Sends a request and returns the reply's archive (see the module docs for retries).
+    async fn exchange<A: RpcType>(
+        &self,
+        peer: Peer,
+        t: Target,
+        args: &A,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, RpcError> {
+        let flags = if t.idempotent {
+            CallFlags::IDEMPOTENT
+        } else {
+            CallFlags::NONE
+        };
+        let payload = encode_request(t.schema, flags, args)?;
+        let len = (payload.len() - shardcx_shards::proto::REQUEST_PREFIX_LEN) as u64;
+        if let Some(max) = self.node.local().rpc.config.max_args_size {
+            if len > max {
+                return Err(RpcError::TooLarge { len, max });
+            }
+        }
+        let node = peer.node_id();
+        let exchange = self.send_until_answered(node, t, payload, flags, args, timeout);
+        // On the owner shard the request's own deadline bounds everything; a forward may wait
+        // for a lane permit first, so bound it as a whole.
+        let (header, bytes) = if self.node.owner_of(peer) == self.node.shard() {
+            exchange.await?
+        } else {
+            within("rpc call", timeout, async { Ok(exchange.await) })
+                .await
+                .map_err(|e| RpcError::from_net(e, timeout))??
+        };
+        match header.kind {
+            FrameKind::RpcResponse => Ok(bytes),
+            FrameKind::RpcError => {
+                let body = decode_error(&bytes)
+                    .map_err(|e| RpcError::BadReply(format!("malformed error reply: {e}")))?;
+                Err(RpcError::from_body(&body, t.id, t.schema, len))
+            }
+            other => Err(RpcError::BadReply(format!("a {other:?} frame answered"))),
+        }
+    }
+
+    /// Sends the request, connecting on first use, and again for an idempotent function whose
+    /// connection failed, while time is left.
+    async fn send_until_answered<A: RpcType>(
+        &self,
+        node: shardcx_shards::proto::NodeId,
+        t: Target,
+        payload: Vec<u8>,
+        flags: CallFlags,
+        args: &A,
+        timeout: Duration,
+    ) -> Result<(FrameHeader, Vec<u8>), RpcError> {
+        let start = Instant::now();
+        let ctx = self.node.shard_ctx();
+        let mut payload = Some(payload);
+        let (mut connected, mut retries) = (false, 0);
+        loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(RpcError::TimedOut { after: timeout });
+            }
+            let p = match payload.take() {
+                Some(p) => p,
+                None => encode_request(t.schema, flags, args)?,
+            };
+            let got = ctx
+                .request_with_ttl(
+                    node,
+                    FrameKind::RpcRequest,
+                    t.id.get(),
+                    p,
+                    left,
+                    server_ttl(left),
+                )
+                .await;
+            let e = match got {
+                Ok(answer) => return Ok(answer),
+                Err(e) => RpcError::from_net(Error::Net(e), timeout),
+            };
+            match e {
+                // Provably never sent: connect (on first use) and send.
+                RpcError::Net(Error::Net(NetError::NotConnected { .. })) if !connected => {
+                    let left = timeout.saturating_sub(start.elapsed());
+                    match connect_lazily(&self.node, node, left).await {
+                        Ok(()) => connected = true,
+                        // An idempotent call whose connection failed waits for the peer to
+                        // come back while time is left: connects back off (a peer that stays
+                        // away ends in `BackingOff` or `TimedOut`).
+                        Err(Error::Net(_) | Error::Forward(_)) if t.idempotent && retries > 0 => {}
+                        Err(e) => return Err(RpcError::from_net(e, timeout)),
+                    }
+                }
+                e if t.idempotent && e.is_connection_failure() && retries < MAX_RETRIES => {
+                    retries += 1;
+                    connected = false;
+                }
+                e => return Err(e),
+            }
+        }
+    }
+}
+
+/// The time the server is given out of `left`: a little less (1/16, at most [`MAX_GRACE`]), so
+/// that its `DeadlineExpired` can arrive before the caller's own deadline.
+fn server_ttl(left: Duration) -> Duration {
+    left - (left / 16).min(MAX_GRACE)
+}
+
+fn target<F: RpcFunction>() -> Target {
+    Target {
+        id: F::ID,
+        schema: F::schema(),
+        idempotent: F::IDEMPOTENT,
+    }
+}
+
+/// A request payload: the envelope's prefix, then the arguments' archive written straight
+/// after it (16-byte aligned in the payload, since the prefix is 16 bytes).
+fn encode_request<A: RpcType>(
+    schema: u64,
+    flags: CallFlags,
+    args: &A,
+) -> Result<Vec<u8>, RpcError> {
+    let mut payload = Vec::with_capacity(64);
+    payload.extend_from_slice(&request_prefix(schema, flags));
+    rkyv::api::high::to_bytes_in::<_, rancor::Error>(args, payload)
+        .map_err(|e| RpcError::BadRequest(format!("arguments not serialized: {e}")))
+}
+
+fn deserialize_reply<R: RpcType>(bytes: &[u8]) -> Result<R, RpcError> {
+    with_archived::<R, _>(bytes, |a| rkyv::deserialize::<R, rancor::Error>(a))
+        .and_then(|r| r)
+        .map_err(|e| RpcError::BadReply(e.to_string()))
+}
+
+impl<R: RpcType> ArchivedReply<R> {
+    fn new(bytes: Vec<u8>) -> Result<Self, RpcError> {
+        let buf = if (bytes.as_ptr() as usize) % ARCHIVE_ALIGN == 0 {
+            ReplyBuf::Received(bytes)
+        } else {
+            ReplyBuf::Aligned(aligned_copy(&bytes))
+        };
+        let reply = Self {
+            buf,
+            _reply: PhantomData,
+        };
+        rkyv::access::<Archived<R>, rancor::Error>(reply.bytes())
+            .map_err(|e| RpcError::BadReply(e.to_string()))?;
+        Ok(reply)
+    }
+
+    /// The reply's archive. Validated again on every call (bytecheck, linear in its size:
+    /// without `unsafe`, a validated reference cannot be kept next to its buffer); hold on to
+    /// the reference rather than calling this in a loop.
+    pub fn get(&self) -> &Archived<R> {
+        #[allow(clippy::expect_used)]
+        // Invariant: `new` validated these very bytes, which never change afterwards (the
+        // buffer is owned here and never handed out mutably).
+        rkyv::access::<Archived<R>, rancor::Error>(self.bytes()).expect("validated in new")
+    }
+
+    /// The archive's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match &self.buf {
+            ReplyBuf::Received(v) => v,
+            ReplyBuf::Aligned(v) => v,
+        }
+    }
+
+    /// The reply, deserialized.
+    pub fn deserialize(&self) -> Result<R, RpcError> {
+        rkyv::deserialize::<R, rancor::Error>(self.get())
+            .map_err(|e| RpcError::BadReply(e.to_string()))
+    }
+}
+
+impl<R> std::fmt::Debug for ArchivedReply<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let len = match &self.buf {
+            ReplyBuf::Received(v) => v.len(),
+            ReplyBuf::Aligned(v) => v.len(),
+        };
+        f.debug_struct("ArchivedReply").field("len", &len).finish()
+    }
+}
