@@ -83,6 +83,50 @@ pub struct RpcStats {
     pub one_way: u64,
 }
 
+impl std::ops::AddAssign for RpcStats {
+    fn add_assign(&mut self, o: RpcStats) {
+        let RpcStats {
+            served,
+            failed,
+            panicked,
+            unknown_function,
+            schema_mismatch,
+            malformed,
+            too_large,
+            too_old,
+            expired,
+            cancelled,
+            replayed,
+            duplicates_dropped,
+            one_way,
+        } = o;
+        self.served += served;
+        self.failed += failed;
+        self.panicked += panicked;
+        self.unknown_function += unknown_function;
+        self.schema_mismatch += schema_mismatch;
+        self.malformed += malformed;
+        self.too_large += too_large;
+        self.too_old += too_old;
+        self.expired += expired;
+        self.cancelled += cancelled;
+        self.replayed += replayed;
+        self.duplicates_dropped += duplicates_dropped;
+        self.one_way += one_way;
+    }
+}
+
+/// The node's counters from its shards' (e.g. the results of a [`crate::NodeBuilder::run`]
+/// whose closures return [`crate::Node::rpc_stats`]).
+impl std::iter::Sum for RpcStats {
+    fn sum<I: Iterator<Item = RpcStats>>(iter: I) -> RpcStats {
+        iter.fold(RpcStats::default(), |mut t, s| {
+            t += s;
+            t
+        })
+    }
+}
+
 /// What a handler's run came to: the reply's archive, or an error reply.
 type Outcome = Result<Vec<u8>, Failure>;
 

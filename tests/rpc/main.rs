@@ -1,6 +1,7 @@
 //! Typed RPC through the facade: a server node and a client node of two shards each in one
 //! process, over tcp on loopback. The client calls from both of its shards, so calls go from
-//! the shard that owns the server and from the one that forwards to it.
+//! the shard that owns the server and from the one that forwards to it. Module `large`: large
+//! arguments.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
 
@@ -9,6 +10,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
+
+mod large;
 
 use glommio::timer::sleep;
 use shardcx::proto::rpc::{decode_error, request_prefix, CallFlags, RpcErrorCode};
@@ -164,10 +167,25 @@ fn server() -> NodeBuilder {
         })
 }
 
-/// Runs `server` (listening, registered as service "svc" when `register`) and the client node;
-/// `body` runs on both client shards with the server as a peer. Returns the client shards'
-/// results and the server's counters summed over its shards.
+/// Runs `server` (listening, registered as service "svc" when `register`) and the client node
+/// [`node`]`(CLIENT)`; `body` runs on both client shards with the server as a peer. Returns the
+/// client shards' results and the server's counters summed over its shards.
 fn pair<T, B, Fut>(server: NodeBuilder, register: bool, body: B) -> (Vec<T>, RpcStats)
+where
+    T: Send + 'static,
+    B: Fn(Node, Peer) -> Fut + Send + Clone + 'static,
+    Fut: Future<Output = T> + 'static,
+{
+    pair_with(server, node(CLIENT), register, body)
+}
+
+/// [`pair`] with its own client node.
+fn pair_with<T, B, Fut>(
+    server: NodeBuilder,
+    client: NodeBuilder,
+    register: bool,
+    body: B,
+) -> (Vec<T>, RpcStats)
 where
     T: Send + 'static,
     B: Fn(Node, Peer) -> Fut + Send + Clone + 'static,
@@ -202,7 +220,7 @@ where
             .expect("server")
     });
     let c = std::thread::spawn(move || {
-        node(CLIENT)
+        client
             .run(move |node: Node| {
                 let (addr, body) = (addr.clone(), body.clone());
                 async move {
@@ -224,27 +242,7 @@ where
         Ok(out) => out,
         Err(p) => std::panic::resume_unwind(p),
     };
-    (out, sum(&stats))
-}
-
-fn sum(stats: &[RpcStats]) -> RpcStats {
-    let mut t = RpcStats::default();
-    for s in stats {
-        t.served += s.served;
-        t.failed += s.failed;
-        t.panicked += s.panicked;
-        t.unknown_function += s.unknown_function;
-        t.schema_mismatch += s.schema_mismatch;
-        t.malformed += s.malformed;
-        t.too_large += s.too_large;
-        t.too_old += s.too_old;
-        t.expired += s.expired;
-        t.cancelled += s.cancelled;
-        t.replayed += s.replayed;
-        t.duplicates_dropped += s.duplicates_dropped;
-        t.one_way += s.one_way;
-    }
-    t
+    (out, stats.into_iter().sum())
 }
 
 /// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.
