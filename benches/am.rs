@@ -1,6 +1,6 @@
 //! `cargo bench --bench am`: the messaging tests of `shardcx bench` (am-lat, am-rate, am-bw,
-//! tag-lat, put-bw, get-bw) with the server in this process, over shared memory, one client
-//! shard. The same code as the command (`shardcx::bench`); `shardcx bench` runs the server in
+//! tag-lat, rpc-lat, rpc-rate, rpc-notify, put-bw, get-bw) with the server in this process, over
+//! shared memory, one client shard. The same code as the command (`shardcx::bench`); `shardcx bench` runs the server in
 //! a process of its own and has every option.
 //!
 //! Extra arguments after `--` are test names (e.g. `cargo bench --bench am -- am-lat`).

@@ -15,9 +15,11 @@ use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
@@ -28,8 +30,8 @@ use shardcx_shards::{Placement, RemoteRegion};
 use super::server::{TAG_PING, TAG_PONG, TAG_STOP, TAG_STREAM};
 use super::{
     header, net_config, parse_header, pin_current, reachable, BenchError, Budget, Figures,
-    Measurement, Route, ShardFigures, Test, Transport, ACK, ECHO, ECHO_REPLY, FLAG_ACK, PEERS,
-    PEERS_REPLY, REGION, REGION_REPLY, SINK, TAG_START,
+    Measurement, Route, RpcEcho, RpcSink, ShardFigures, Test, Transport, ACK, ECHO, ECHO_REPLY,
+    FLAG_ACK, PEERS, PEERS_REPLY, REGION, REGION_REPLY, SINK, TAG_START,
 };
 use crate::{AmId, AmMsg, Node, Peer, TAG_MASK_EXACT};
 
@@ -397,6 +399,12 @@ impl Session {
                 self.am_stream(size, window, budget, warmup, progress).await
             }
             Test::TagLat => self.tag_lat(size, budget, warmup, progress).await,
+            Test::RpcLat => self.rpc_lat(size, budget, warmup, progress).await,
+            Test::RpcRate | Test::RpcNotify => {
+                let one_way = test == Test::RpcNotify;
+                self.rpc_rate(one_way, size, cfg.window, budget, warmup, progress)
+                    .await
+            }
             Test::PutBw | Test::GetBw => {
                 let window = cfg.window.min((BW_IN_FLIGHT / size.max(1)).max(1));
                 self.rma(test == Test::PutBw, size, window, budget, warmup, progress)
@@ -489,6 +497,76 @@ impl Session {
         // Ends the peer's stream whatever happened (it also ends by itself when idle).
         let _ = self.peer.tag_send(TAG_STOP | stream, &[]).await;
         r
+    }
+
+    /// `rpc-lat`: one [`RpcEcho`] call at a time, its reply read in place.
+    async fn rpc_lat(
+        &self,
+        size: usize,
+        budget: Budget,
+        warmup: u64,
+        progress: &Progress,
+    ) -> Result<Figures, BenchError> {
+        let rpc = self.node.rpc();
+        let payload = vec![0xC3u8; size];
+        let round_trip = || async {
+            let r = rpc
+                .call_archived_within::<RpcEcho>(self.peer, &payload, DEADLINE)
+                .await?;
+            let got = r.get().len();
+            if got != size {
+                return Err(BenchError::Protocol(format!(
+                    "rpc echo of {size} bytes came back with {got}"
+                )));
+            }
+            Ok::<(), BenchError>(())
+        };
+        measure(size, budget, warmup, 1, progress, round_trip).await
+    }
+
+    /// `rpc-rate`: windows of `window` [`RpcSink`] calls in flight together, polled by this
+    /// task (no task per call); a window ends when every call has its reply. `rpc-notify`
+    /// (`one_way`): `window - 1` one-way calls, then one answered call.
+    async fn rpc_rate(
+        &self,
+        one_way: bool,
+        size: usize,
+        window: usize,
+        budget: Budget,
+        warmup: u64,
+        progress: &Progress,
+    ) -> Result<Figures, BenchError> {
+        let rpc = self.node.rpc();
+        let payload = vec![0x96u8; size];
+        let call = || async {
+            let r = rpc
+                .call_archived_within::<RpcSink>(self.peer, &payload, DEADLINE)
+                .await?;
+            let got = r.get().to_native();
+            if got != size as u64 {
+                return Err(BenchError::Protocol(format!(
+                    "rpc sink of {size} bytes says it got {got}"
+                )));
+            }
+            Ok::<(), BenchError>(())
+        };
+        let window_trip = || async {
+            if one_way {
+                // As `am-rate`: one-way, and the last one answered (after the others, on the
+                // same connection and handled in order).
+                for _ in 1..window {
+                    rpc.notify::<RpcSink>(self.peer, &payload).await?;
+                }
+                return call().await;
+            }
+            join_all((0..window).map(|_| call()))
+                .await
+                .into_iter()
+                .collect::<Result<(), BenchError>>()
+        };
+        let w = window as u64;
+        // `Iters` counts calls: each measured window is `w` of them.
+        measure(size, budget, warmup.div_ceil(w), w, progress, window_trip).await
     }
 
     /// `put-bw` and `get-bw`: `window` tasks, each doing one operation at a time.
@@ -609,6 +687,85 @@ where
     Ok(f)
 }
 
+/// Runs `futures` together on the calling task and returns their outputs in order. Each
+/// future is polled again only when its own waker fires, so a window of `n` calls costs `O(n)`
+/// polls, not `O(n^2)`.
+async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let mut pending: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let n = pending.len();
+    let mut out: Vec<Option<F::Output>> = (0..n).map(|_| None).collect();
+    let ready = Arc::new(Ready {
+        // Every future is polled once first.
+        woken: Mutex::new((0..n).collect()),
+        task: Mutex::new(None),
+    });
+    let wakers: Vec<Waker> = (0..n)
+        .map(|index| {
+            Waker::from(Arc::new(Slot {
+                index,
+                ready: ready.clone(),
+            }))
+        })
+        .collect();
+    let mut left = n;
+    std::future::poll_fn(|cx| {
+        *lock(&ready.task) = Some(cx.waker().clone());
+        loop {
+            let woken = std::mem::take(&mut *lock(&ready.woken));
+            if woken.is_empty() {
+                break;
+            }
+            for i in woken {
+                if out[i].is_some() {
+                    continue;
+                }
+                let mut fcx = Context::from_waker(&wakers[i]);
+                if let Poll::Ready(v) = pending[i].as_mut().poll(&mut fcx) {
+                    out[i] = Some(v);
+                    left -= 1;
+                }
+            }
+        }
+        if left == 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
+}
+
+/// The futures of a [`join_all`] that asked to be polled again, and the task polling them.
+struct Ready {
+    woken: Mutex<Vec<usize>>,
+    task: Mutex<Option<Waker>>,
+}
+
+/// The waker of one future of a [`join_all`].
+struct Slot {
+    index: usize,
+    ready: Arc<Ready>,
+}
+
+impl Wake for Slot {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        lock(&self.ready.woken).push(self.index);
+        if let Some(w) = lock(&self.ready.task).as_ref() {
+            w.wake_by_ref();
+        }
+    }
+}
+
+/// Locks `m`; a panic while it was held leaves plain data, still usable.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// Ends the shard's wait for an answer that is [`DEADLINE`] overdue (give or take a tenth), by
 /// closing the shard's answer channel: the wait then fails with a clear error.
 async fn watchdog(watch: Rc<Watch>) {
@@ -685,5 +842,49 @@ impl Progress {
             let _ = write!(e, "\r{}\r", " ".repeat(self.label.len() + 40));
             let _ = e.flush();
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
+mod tests {
+    use super::*;
+
+    /// Ready after `left` polls that each wake the task first; counts its polls.
+    struct Countdown {
+        left: u32,
+        polls: Rc<Cell<u32>>,
+        value: usize,
+    }
+
+    impl Future for Countdown {
+        type Output = usize;
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<usize> {
+            self.polls.set(self.polls.get() + 1);
+            if self.left == 0 {
+                return Poll::Ready(self.value);
+            }
+            self.left -= 1;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+
+    #[test]
+    fn join_all_keeps_order_and_polls_only_the_woken() {
+        let polls = Rc::new(Cell::new(0));
+        let waits = [5u32, 0, 3, 9, 1, 0, 2];
+        let futs = waits.iter().enumerate().map(|(value, &left)| Countdown {
+            left,
+            polls: polls.clone(),
+            value,
+        });
+        let out = futures_lite::future::block_on(join_all(futs));
+        assert_eq!(out, (0..waits.len()).collect::<Vec<_>>());
+        // Each future is polled once more than it waits: never again after it is ready, and
+        // never for another future's wake-up.
+        let want: u32 = waits.iter().map(|w| w + 1).sum();
+        assert_eq!(polls.get(), want);
+        assert!(futures_lite::future::block_on(join_all(Vec::<Countdown>::new())).is_empty());
     }
 }

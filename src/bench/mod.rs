@@ -28,18 +28,33 @@
 //! | `am-rate` | one-way active messages, `window` in flight: the last of each window asks for an acknowledgement | one window (send `window` messages, get the ack) |
 //! | `am-bw` | as `am-rate`, for large sizes (window capped to 32 MiB in flight) | one window |
 //! | `tag-lat` | tag send of `size` bytes, the peer's tag receive sends it back | round trip |
+//! | `rpc-lat` | a typed call ([`RpcEcho`]): a `Vec<u8>` of `size` bytes, answered with the same bytes | round trip |
+//! | `rpc-rate` | `window` typed calls ([`RpcSink`]) in flight together, each answered with the length it got | one window (start `window` calls, get every reply) |
+//! | `rpc-notify` | as `am-rate`, with RPC: `window - 1` one-way calls ([`RpcSink`], [`crate::rpc::Rpc::notify`]), then one answered call | one window |
 //! | `put-bw` | a checked-mode put of `size` bytes, `window` in flight | one put (its completion) |
 //! | `get-bw` | a checked-mode get of `size` bytes, `window` in flight | one get |
 //! | `hop` | forward an empty job to the next client shard and await it (needs 2 shards or more) | one hop |
 //!
 //! `put-bw`/`get-bw` measure checked mode only (put/get carried as messages and checked by the
 //! target's shard); trusted mode (native UCX RMA, [`crate::Peer::put_trusted`]) is not in the
-//! suite. `rpc-lat` comes with RPC.
+//! suite.
+//!
+//! `rpc-lat` and `rpc-rate` measure the RPC layer ([`crate::rpc`]) against the AM tests it is
+//! built on: the server's handlers are plain ones ([`crate::NodeBuilder::rpc`]), run inline on
+//! the receiving shard with the argument read in place, so no task is spawned per call; the
+//! client reads the reply's archive in place ([`crate::rpc::Rpc::call_archived_within`]) and
+//! checks its length. Every `rpc-rate` call is answered (two messages per call, where `am-rate`
+//! sends one message per iteration and one acknowledgement per window); a window is `window`
+//! calls started together, and the next window starts when all of them have their reply.
+//! `rpc-notify` sends what `am-rate` sends (one-way messages, one answer per window) through the
+//! RPC layer: compare it with `am-rate` for the layer's cost per message, and `rpc-rate` for
+//! what answered calls cost.
 //!
 //! Latencies are **round trips**, in microseconds, from hdrhistogram (3 significant digits),
 //! recorded after the warm-up. ucx_perftest's latency tests print half a round trip;
-//! `scripts/compare-perftest` doubles them. `msgs/s` counts the iterations' messages (one per
-//! iteration; `window` per window for `am-rate`/`am-bw`) over the measured time, `MB/s` is
+//! `scripts/compare-perftest` doubles them. `msgs/s` counts the iterations' messages over the
+//! measured time: one per iteration (a call counts as one, its reply included), `window` per
+//! window for the windowed tests (`am-rate`, `am-bw`, `rpc-rate`, `rpc-notify`). `MB/s` is
 //! `msgs/s × size / 10^6` (one direction). The merged row adds the shards' histograms and counts,
 //! over the longest shard's time.
 //!
@@ -63,17 +78,19 @@
 //!
 //! ```text
 //! {
-//!   "test": "am-lat",        // test name, as above
+//!   "test": "am-lat",        // test name, as above (am-lat, am-rate, am-bw, tag-lat,
+//!                            // rpc-lat, rpc-rate, rpc-notify, put-bw, get-bw, hop)
 //!   "size": 8,               // bytes per message (0 for hop)
 //!   "shards": 2,             // client shards
 //!   "transport": "shm",      // shm | tcp | auto
 //!   "iters": 40000,          // latency samples, all shards: iterations, or windows for
-//!                            // am-rate/am-bw (where --iters counts messages)
+//!                            // am-rate/am-bw/rpc-rate/rpc-notify (where --iters counts
+//!                            // messages or calls)
 //!   "p50_us": 4.1,           // merged histogram, microseconds (round trip or per window, see above)
 //!   "p99_us": 6.3,
 //!   "p999_us": 11.2,
 //!   "max_us": 80.5,
-//!   "msgs_per_s": 480000.0,  // all shards
+//!   "msgs_per_s": 480000.0,  // all shards (calls per second for the rpc tests)
 //!   "mb_per_s": 3.84,        // all shards, 10^6 bytes per second
 //!   "per_shard": [           // one object per client shard, same fields, plus:
 //!     {"shard": 0, "route": "owner", "iters": 20000, "p50_us": 4.0, ...}
@@ -117,6 +134,15 @@ pub const REGION: AmId = AmId::new(0x5343_0008);
 /// Active message: the answer to [`REGION`], the region's descriptor.
 pub const REGION_REPLY: AmId = AmId::new(0x5343_0009);
 
+crate::rpc_function!(
+    /// RPC of `rpc-lat`: the argument's bytes, echoed back.
+    pub RpcEcho: Vec<u8> => Vec<u8>, id = 0x5343_0101, name = "shardcx.bench.echo"
+);
+crate::rpc_function!(
+    /// RPC of `rpc-rate` and `rpc-notify`: answers the argument's length.
+    pub RpcSink: Vec<u8> => u64, id = 0x5343_0102, name = "shardcx.bench.sink"
+);
+
 /// Largest message the benchmark nodes send or accept (16 MiB payloads plus headers).
 pub const MAX_MESSAGE: u64 = 17 << 20;
 
@@ -127,6 +153,9 @@ pub enum BenchError {
     /// A node could not start, or an operation failed.
     #[error(transparent)]
     Node(#[from] crate::Error),
+    /// A remote call failed.
+    #[error(transparent)]
+    Rpc(#[from] crate::rpc::RpcError),
     /// The other side answered something unexpected, or nothing in time.
     #[error("{0}")]
     Protocol(String),
@@ -154,6 +183,12 @@ pub enum Test {
     AmBw,
     /// Tag send/recv ping-pong.
     TagLat,
+    /// Typed RPC round trips, one call at a time.
+    RpcLat,
+    /// Typed RPCs with a window of calls in flight.
+    RpcRate,
+    /// One-way typed RPCs with a window, the last one answered (as `AmRate`).
+    RpcNotify,
     /// Checked-mode puts with a window.
     PutBw,
     /// Checked-mode gets with a window.
@@ -236,11 +271,14 @@ pub struct Measurement {
 
 impl Test {
     /// Every test, in the order the suite runs them.
-    pub const ALL: [Test; 7] = [
+    pub const ALL: [Test; 10] = [
         Test::AmLat,
         Test::AmRate,
         Test::AmBw,
         Test::TagLat,
+        Test::RpcLat,
+        Test::RpcRate,
+        Test::RpcNotify,
         Test::PutBw,
         Test::GetBw,
         Test::Hop,
@@ -253,6 +291,9 @@ impl Test {
             Test::AmRate => "am-rate",
             Test::AmBw => "am-bw",
             Test::TagLat => "tag-lat",
+            Test::RpcLat => "rpc-lat",
+            Test::RpcRate => "rpc-rate",
+            Test::RpcNotify => "rpc-notify",
             Test::PutBw => "put-bw",
             Test::GetBw => "get-bw",
             Test::Hop => "hop",
@@ -267,8 +308,8 @@ impl Test {
     /// Message sizes run when `--size` is not given.
     pub fn default_sizes(self) -> &'static [usize] {
         match self {
-            Test::AmLat => &[8, 4096],
-            Test::AmRate => &[64],
+            Test::AmLat | Test::RpcLat => &[8, 4096],
+            Test::AmRate | Test::RpcRate | Test::RpcNotify => &[64],
             Test::AmBw => &[64 << 10, 1 << 20, 16 << 20],
             Test::TagLat => &[8],
             Test::PutBw | Test::GetBw => &[4096, 1 << 20],
@@ -281,9 +322,9 @@ impl Test {
     pub fn default_iters(self, size: usize) -> u64 {
         let by_bytes = |budget: u64, lo: u64, hi: u64| (budget / size.max(1) as u64).clamp(lo, hi);
         match self {
-            Test::AmLat | Test::TagLat => by_bytes(64 << 20, 200, 10_000),
-            // Messages (not windows).
-            Test::AmRate => 100_000,
+            Test::AmLat | Test::TagLat | Test::RpcLat => by_bytes(64 << 20, 200, 10_000),
+            // Messages or calls (not windows).
+            Test::AmRate | Test::RpcRate | Test::RpcNotify => 100_000,
             Test::AmBw => by_bytes(256 << 20, 16, 100_000),
             Test::PutBw | Test::GetBw => by_bytes(64 << 20, 64, 10_000),
             Test::Hop => 10_000,
@@ -293,8 +334,8 @@ impl Test {
     /// What one latency sample is, for table headings.
     pub fn sample(self) -> &'static str {
         match self {
-            Test::AmLat | Test::TagLat => "round trip",
-            Test::AmRate | Test::AmBw => "per window",
+            Test::AmLat | Test::TagLat | Test::RpcLat => "round trip",
+            Test::AmRate | Test::AmBw | Test::RpcRate | Test::RpcNotify => "per window",
             Test::PutBw | Test::GetBw => "per operation, window in flight",
             Test::Hop => "per hop",
         }
@@ -376,7 +417,7 @@ impl Figures {
         self.msgs_per_s() * self.size as f64 / 1e6
     }
 
-    /// The latency samples: measured iterations, or windows for `am-rate`/`am-bw`.
+    /// The latency samples: measured iterations, or windows for the windowed tests.
     pub fn iters(&self) -> u64 {
         self.hist.len()
     }

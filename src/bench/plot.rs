@@ -1,8 +1,8 @@
 //! `--plot FILE`: an SVG with two panels, hand-written (no plotting dependency).
 //!
 //! Left: latency percentiles (p50 solid, p99 dashed, p99.9 dotted) against message size for the
-//! round-trip tests (`am-lat`, `tag-lat`). Right: bandwidth (MB/s, all shards) against size for
-//! every test with a size. Both axes are logarithmic; one colour per (test, transport, shards),
+//! round-trip tests (`am-lat`, `tag-lat`, `rpc-lat`). Right: bandwidth (MB/s, all shards)
+//! against size for every test with a size. Both axes are logarithmic; one colour per (test, transport, shards),
 //! merged figures.
 
 use std::fmt::Write as _;
@@ -48,7 +48,7 @@ pub fn svg(results: &[Measurement]) -> String {
             .map(|m| (m.size.max(1) as f64, m.merged()))
             .collect();
         let name = format!("{test} {tls} x{shards}");
-        if matches!(test, Test::AmLat | Test::TagLat) {
+        if matches!(test, Test::AmLat | Test::TagLat | Test::RpcLat) {
             for (q, qn, dash) in [
                 (0.5, "p50", ""),
                 (0.99, "p99", "6,3"),

@@ -4,8 +4,9 @@
 //! [`super::peer_ids`], peer `j` pinned to the `j`-th server CPU), then the main node at the
 //! listen address, which knows their addresses and answers [`super::PEERS`]. Every node has the
 //! same handlers: echo ([`super::ECHO`]), sink with acknowledgements ([`super::SINK`]), tag
-//! ping-pong streams ([`super::TAG_START`]) and one remote-memory region per shard
-//! ([`super::REGION`]). Everything runs until the [`Shutdown`] switch is triggered; then each
+//! ping-pong streams ([`super::TAG_START`]), one remote-memory region per shard
+//! ([`super::REGION`]), and the plain RPC handlers of [`super::RpcEcho`] (the argument's bytes
+//! back) and [`super::RpcSink`] (the argument's length). Everything runs until the [`Shutdown`] switch is triggered; then each
 //! node drains and closes as any node does (see [`crate::shutdown`]).
 
 use std::cell::RefCell;
@@ -19,10 +20,11 @@ use shardcx_shards::proto::NodeId;
 use shardcx_shards::{Placement, ShardsBuilder};
 
 use super::{
-    net_config, parse_header, peer_ids, pin_current, BenchError, Transport, ACK, ECHO, ECHO_REPLY,
-    FLAG_ACK, PEERS, PEERS_REPLY, REGION, REGION_REPLY, SINK, TAG_START,
+    net_config, parse_header, peer_ids, pin_current, BenchError, RpcEcho, RpcSink, Transport, ACK,
+    ECHO, ECHO_REPLY, FLAG_ACK, PEERS, PEERS_REPLY, REGION, REGION_REPLY, SINK, TAG_START,
 };
 use crate::rma::Permissions;
+use crate::rpc::RpcContext;
 use crate::{AmMsg, Error, Node, NodeBuilder, Peer, Region, Shutdown};
 
 /// Tag bits of a ping (see [`crate::bench::client`]): `PING | stream`.
@@ -157,7 +159,14 @@ fn node(cfg: &ServeConfig, shards: usize, io: u64) -> NodeBuilder {
 
 /// The handlers every benchmark node serves.
 pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
-    b.on_am(ECHO, || {
+    // Plain RPC handlers: inline on the receiving shard, arguments read in place.
+    b.rpc::<RpcEcho, _, _>(|| {
+        |_ctx: &RpcContext, args: &rkyv::Archived<Vec<u8>>| Ok(args.as_slice().to_vec())
+    })
+    .rpc::<RpcSink, _, _>(|| {
+        |_ctx: &RpcContext, args: &rkyv::Archived<Vec<u8>>| Ok(args.len() as u64)
+    })
+    .on_am(ECHO, || {
         |_node: &Node, msg: AmMsg| {
             glommio::spawn_local(async move {
                 // A client that has gone away: nothing to answer.

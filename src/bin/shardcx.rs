@@ -34,12 +34,14 @@ commands:
   bench                      run the benchmark suite (starts a local peer process unless
                              --connect is given) and print a table per test
       --connect ADDR         use the node running at ADDR (`shardcx node`)
-      --test LIST            am-lat,am-rate,am-bw,tag-lat,put-bw,get-bw,hop (default: all)
+      --test LIST            am-lat,am-rate,am-bw,tag-lat,rpc-lat,rpc-rate,rpc-notify,
+                             put-bw,get-bw,hop (default: all)
       --size LIST            message sizes, e.g. 8,4k,1m (default: per test)
       --iters N              measured iterations per test and shard (default: per test)
       --duration S           or: seconds per test and shard
       --warmup N             iterations before measuring (default: iters/10, at most 1000)
-      --window N             operations in flight for am-rate/am-bw/put-bw/get-bw (default 64)
+      --window N             operations in flight for am-rate/am-bw/rpc-rate/rpc-notify/
+                             put-bw/get-bw (default 64)
       --shards LIST          client shard counts, each run in turn (default 1; hop needs 2)
       --transport LIST       shm,tcp,auto (default shm)
       --cores C[/S]          CPUs of the client shards [/ of the local peers]

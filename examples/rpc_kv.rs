@@ -1,0 +1,534 @@
+//! A small sharded key-value service over typed RPC: `kv.put`, `kv.get` and `kv.scan`,
+//! declared with `rpc_function!`, their arguments and replies rkyv archives.
+//!
+//! ```text
+//! cargo run --release --example rpc_kv                                 # server and client here
+//! cargo run --release --example rpc_kv -- --listen 127.0.0.1:13340     # server, until Ctrl-C
+//! cargo run --release --example rpc_kv -- --connect 127.0.0.1:13340    # client workload
+//! ```
+//!
+//! Options: `--shards N` server shards (default 2), `--keys N` keys of the workload (default
+//! 10000), `--tls LIST` UCX transports (default `tcp`: listening and connecting need tcp in
+//! UCX 1.12). The key is fixed: it is an example.
+//!
+//! ## Where a key lives
+//!
+//! Every call from one client node arrives at one server shard: the shard that owns that
+//! client's connection (peers are hashed to shards). So the server routes by key itself: each
+//! key has a *home shard*, `fnv1a(key) % shards`, and a handler whose key lives elsewhere runs
+//! the operation there with `ShardCtx::forward` (a cross-shard hop, no network). Each shard's
+//! keys sit in a `BTreeMap` of its own (a thread-local: nothing is shared, nothing locked).
+//! A scan asks every shard for its first `limit` keys with the prefix, merges them in key
+//! order and keeps the first `limit`. The client needs to know nothing about the layout.
+//!
+//! ## The client's workload
+//!
+//! It prints the server's functions (`Rpc::discover`) and checks that `kv.get` found by name
+//! (`Rpc::lookup`) has the schema this build has; puts `--keys` keys (32 calls in flight),
+//! gets each back one call at a time (latency percentiles, calls/s) and checks its value; gets
+//! missing keys, overwrites one, runs scans checked against a local model, and checks that an
+//! over-large scan is refused with the server's error. It exits 0 only if every check passed,
+//! and fails with a message on the first call that errors or on [`WORKLOAD_LIMIT`].
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // An example may panic on its own set-up.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use shardcx::rpc::{RpcContext, RpcError, RpcFunction};
+use shardcx::{rpc_function, Node, NodeBuilder, ShardId};
+
+const PSK: &[u8] = b"rpc_kv example pre-shared key";
+/// Deadline of every call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The whole client workload must finish within this.
+const WORKLOAD_LIMIT: Duration = Duration::from_secs(120);
+/// Largest `limit` of a scan.
+const MAX_SCAN: u32 = 10_000;
+/// Puts in flight during the put phase.
+const PUT_WINDOW: usize = 32;
+
+/// Arguments of `kv.put`.
+#[derive(Debug, Clone, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct PutArgs {
+    /// The key.
+    pub key: String,
+    /// Its new value.
+    pub value: Vec<u8>,
+}
+
+/// Arguments of `kv.scan`.
+#[derive(Debug, Clone, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ScanArgs {
+    /// Keys that start with this.
+    pub prefix: String,
+    /// At most this many entries (at most [`MAX_SCAN`]).
+    pub limit: u32,
+}
+
+rpc_function!(
+    /// Stores a value; answers whether the key had one already.
+    pub Put: PutArgs => bool, id = 1, name = "kv.put"
+);
+rpc_function!(
+    /// The value of a key, if any.
+    pub Get: String => Option<Vec<u8>>, id = 2, name = "kv.get", idempotent = true
+);
+rpc_function!(
+    /// The first `limit` entries whose key starts with `prefix`, in key order.
+    pub Scan: ScanArgs => Vec<(String, Vec<u8>)>, id = 3, name = "kv.scan", idempotent = true
+);
+
+thread_local! {
+    /// This shard's keys (the keys whose home is this shard).
+    static STORE: RefCell<BTreeMap<String, Vec<u8>>> = const { RefCell::new(BTreeMap::new()) };
+}
+
+/// A key's home shard: 64-bit FNV-1a of its bytes, modulo the shard count (stable across
+/// runs, unlike std's randomly keyed hasher).
+fn home(key: &str, shards: usize) -> ShardId {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    // Shard counts fit u16.
+    ShardId::new((h % shards.max(1) as u64) as u16)
+}
+
+/// Runs `job` on shard `shard` of this node: here, or forwarded there.
+async fn on_shard<R: Send + 'static>(
+    node: &Node,
+    shard: ShardId,
+    job: impl FnOnce() -> R + Send + 'static,
+) -> Result<R, String> {
+    if shard == node.shard() {
+        return Ok(job());
+    }
+    node.shard_ctx()
+        .forward(shard, move |_| async move { job() })
+        .await
+        .map_err(|e| format!("forward to shard {shard}: {e}"))
+}
+
+/// The first `limit` entries of this shard with `prefix`.
+fn scan_here(prefix: &str, limit: usize) -> Vec<(String, Vec<u8>)> {
+    STORE.with(|s| {
+        s.borrow()
+            .range(prefix.to_owned()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .take(limit)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    })
+}
+
+/// A node builder with this example's settings: `shards` shards, 1 MiB of io memory each (two
+/// nodes may share this process and the 8 MiB memlock limit).
+fn builder(shards: usize, tls: &str) -> NodeBuilder {
+    Node::builder()
+        .shards(shards)
+        .placement(shardcx::shards::Placement::Unpinned)
+        .transports(tls)
+        .psk(PSK)
+        .io_memory(1 << 20)
+        .default_deadline(CALL_TIMEOUT)
+}
+
+/// The server: the three functions, on every shard.
+fn server(shards: usize, tls: &str, listen: SocketAddr) -> NodeBuilder {
+    builder(shards, tls)
+        .listen(listen)
+        .rpc_async::<Put, _, _, _>(|| {
+            |ctx: RpcContext, args: PutArgs| async move {
+                let node = ctx.node().clone();
+                let at = home(&args.key, node.shard_count());
+                on_shard(&node, at, move || {
+                    STORE.with(|s| s.borrow_mut().insert(args.key, args.value).is_some())
+                })
+                .await
+            }
+        })
+        .rpc_async::<Get, _, _, _>(|| {
+            |ctx: RpcContext, key: String| async move {
+                let node = ctx.node().clone();
+                let at = home(&key, node.shard_count());
+                on_shard(&node, at, move || {
+                    STORE.with(|s| s.borrow().get(&key).cloned())
+                })
+                .await
+            }
+        })
+        .rpc_async::<Scan, _, _, _>(|| {
+            |ctx: RpcContext, args: ScanArgs| async move {
+                if args.limit > MAX_SCAN {
+                    return Err(format!("scan limit {} over {MAX_SCAN}", args.limit));
+                }
+                let node = ctx.node().clone();
+                let limit = args.limit as usize;
+                let mut all = Vec::new();
+                for s in 0..node.shard_count() {
+                    let prefix = args.prefix.clone();
+                    // Shard counts fit u16.
+                    let part = on_shard(&node, ShardId::new(s as u16), move || {
+                        scan_here(&prefix, limit)
+                    })
+                    .await?;
+                    all.extend(part);
+                }
+                all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+                all.truncate(limit);
+                Ok(all)
+            }
+        })
+}
+
+/// Runs the server `b` on a thread of its own until its shutdown switch is triggered; its
+/// listen address comes back on `bound` once it listens.
+fn serve(
+    b: NodeBuilder,
+    bound: mpsc::Sender<SocketAddr>,
+) -> std::thread::JoinHandle<Result<(), String>> {
+    std::thread::spawn(move || serve_here(b, bound))
+}
+
+fn serve_here(b: NodeBuilder, bound: mpsc::Sender<SocketAddr>) -> Result<(), String> {
+    b.run(move |node: Node| {
+        let bound = bound.clone();
+        async move {
+            if node.shard().index() == 0 {
+                if let Some(a) = node.listen_addr() {
+                    let _ = bound.send(a);
+                }
+            }
+            node.stopped().await;
+        }
+    })
+    .map(drop)
+    .map_err(|e| format!("server node: {e}"))
+}
+
+/// What the client measured.
+struct Figures {
+    puts_per_s: f64,
+    gets_per_s: f64,
+    get_hist: Histogram<u64>,
+    checks: u64,
+}
+
+/// The value of key number `i`: 1 to 64 bytes.
+fn value_of(i: usize) -> Vec<u8> {
+    let len = 1 + (i * 7919) % 64;
+    (0..len).map(|k| (i.wrapping_mul(31) + k) as u8).collect()
+}
+
+/// Key number `i` of run `run`.
+fn key_of(run: &str, i: usize) -> String {
+    format!("{run}key{i:05}")
+}
+
+fn call_failed(what: &str) -> impl Fn(RpcError) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+/// The client workload against the server at `addr` (one client shard).
+fn client(addr: SocketAddr, keys: usize, tls: &str) -> Result<Figures, String> {
+    let out = builder(1, tls)
+        .run(move |node: Node| async move {
+            let work = workload(node, addr, keys);
+            let limit = async {
+                glommio::timer::sleep(WORKLOAD_LIMIT).await;
+                Err(format!(
+                    "the workload did not finish within {WORKLOAD_LIMIT:?}"
+                ))
+            };
+            futures_lite::future::or(work, limit).await
+        })
+        .map_err(|e| format!("client node: {e}"))?;
+    out.into_iter()
+        .next()
+        .unwrap_or_else(|| Err("the client node ran no shard".into()))
+}
+
+async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, String> {
+    let peer = node
+        .connect_within(addr, CALL_TIMEOUT)
+        .await
+        .map_err(|e| format!("connect to {addr}: {e}"))?;
+    let rpc = node.rpc();
+    let mut checks = 0u64;
+    // Every key of this run starts with the client's node id (fresh each start), so the
+    // workload can run again and again against one server.
+    let run = format!("{:016x}/", node.id().get());
+
+    // Discovery: what the server serves, and `kv.get` by name.
+    let sigs = rpc.discover(peer).await.map_err(call_failed("discover"))?;
+    println!("server {addr} serves:");
+    for s in &sigs {
+        println!(
+            "  {:>10}  {:<20} schema {:016x}  version {}",
+            s.id, s.name, s.schema, s.version
+        );
+    }
+    let get = rpc
+        .lookup(peer, Get::NAME)
+        .await
+        .map_err(call_failed("lookup kv.get"))?;
+    if get != Get::signature() {
+        return Err(format!(
+            "kv.get on the server is {get:?}, this build has {:?}",
+            Get::signature()
+        ));
+    }
+    checks += 1;
+
+    // Puts, `PUT_WINDOW` in flight: task `w` puts keys w, w + PUT_WINDOW, ...
+    let t0 = Instant::now();
+    let tasks: Vec<_> = (0..PUT_WINDOW)
+        .map(|w| {
+            let (rpc, run) = (rpc.clone(), run.clone());
+            glommio::spawn_local(async move {
+                for i in (w..keys).step_by(PUT_WINDOW) {
+                    let args = PutArgs {
+                        key: key_of(&run, i),
+                        value: value_of(i),
+                    };
+                    let existed = rpc
+                        .call_within::<Put>(peer, &args, CALL_TIMEOUT)
+                        .await
+                        .map_err(|e| format!("put {}: {e}", args.key))?;
+                    if existed {
+                        return Err(format!("put {}: the key existed already", args.key));
+                    }
+                }
+                Ok::<u64, String>(((w..keys).step_by(PUT_WINDOW)).len() as u64)
+            })
+        })
+        .collect();
+    for t in tasks {
+        checks += t.await?;
+    }
+    let puts_per_s = keys as f64 / t0.elapsed().as_secs_f64();
+
+    // Gets, one at a time, every value checked.
+    let mut get_hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+    let t0 = Instant::now();
+    for i in 0..keys {
+        let key = key_of(&run, i);
+        let start = Instant::now();
+        let got = rpc
+            .call_within::<Get>(peer, &key, CALL_TIMEOUT)
+            .await
+            .map_err(|e| format!("get {key}: {e}"))?;
+        get_hist.saturating_record(start.elapsed().as_nanos() as u64);
+        if got.as_deref() != Some(&value_of(i)[..]) {
+            return Err(format!("get {key}: {got:?}, expected {:?}", value_of(i)));
+        }
+        checks += 1;
+    }
+    let gets_per_s = keys as f64 / t0.elapsed().as_secs_f64();
+
+    // Missing keys.
+    for suffix in ["", "key", "nokey", "key999999"] {
+        let key = format!("{run}{suffix}");
+        let got = rpc
+            .call_within::<Get>(peer, &key, CALL_TIMEOUT)
+            .await
+            .map_err(|e| format!("get {key:?}: {e}"))?;
+        if got.is_some() {
+            return Err(format!("get {key:?}: {got:?}, expected none"));
+        }
+        checks += 1;
+    }
+
+    // An overwrite.
+    let mut model: BTreeMap<String, Vec<u8>> =
+        (0..keys).map(|i| (key_of(&run, i), value_of(i))).collect();
+    if keys > 0 {
+        let args = PutArgs {
+            key: key_of(&run, 0),
+            value: b"overwritten".to_vec(),
+        };
+        let existed = rpc
+            .call_within::<Put>(peer, &args, CALL_TIMEOUT)
+            .await
+            .map_err(call_failed("overwrite"))?;
+        let got = rpc
+            .call_within::<Get>(peer, &args.key, CALL_TIMEOUT)
+            .await
+            .map_err(call_failed("get after overwrite"))?;
+        if !existed || got.as_deref() != Some(&b"overwritten"[..]) {
+            return Err(format!(
+                "overwrite of {}: existed {existed}, then {got:?}",
+                args.key
+            ));
+        }
+        model.insert(args.key, args.value);
+        checks += 1;
+    }
+
+    // Scans, checked against the model.
+    for (suffix, limit) in [
+        ("key000", 1000),
+        ("key0012", 5),
+        ("key1", 25),
+        ("key", 3),
+        ("", 10),
+        ("zzz", 10),
+        ("key00", 0),
+    ] {
+        let prefix = format!("{run}{suffix}");
+        let prefix = prefix.as_str();
+        let args = ScanArgs {
+            prefix: prefix.to_owned(),
+            limit,
+        };
+        let got = rpc
+            .call_within::<Scan>(peer, &args, CALL_TIMEOUT)
+            .await
+            .map_err(|e| format!("scan {prefix:?}: {e}"))?;
+        let want: Vec<(String, Vec<u8>)> = model
+            .range(prefix.to_owned()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .take(limit as usize)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if got != want {
+            return Err(format!(
+                "scan {prefix:?} limit {limit}: {} entries (first {:?}), expected {} (first {:?})",
+                got.len(),
+                got.first().map(|e| &e.0),
+                want.len(),
+                want.first().map(|e| &e.0)
+            ));
+        }
+        checks += 1;
+    }
+
+    // A scan over the limit: the handler's error, typed.
+    let too_many = ScanArgs {
+        prefix: String::new(),
+        limit: MAX_SCAN + 1,
+    };
+    match rpc.call_within::<Scan>(peer, &too_many, CALL_TIMEOUT).await {
+        Err(RpcError::Failed(msg)) if msg.contains("over") => checks += 1,
+        other => {
+            return Err(format!(
+                "a scan over the limit answered {other:?}, expected a failure"
+            ))
+        }
+    }
+
+    Ok(Figures {
+        puts_per_s,
+        gets_per_s,
+        get_hist,
+        checks,
+    })
+}
+
+struct Opts {
+    listen: Option<SocketAddr>,
+    connect: Option<SocketAddr>,
+    shards: usize,
+    keys: usize,
+    tls: String,
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: rpc_kv [--listen ADDR | --connect ADDR] [--shards N] [--keys N] [--tls LIST]"
+    );
+    std::process::exit(2)
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        listen: None,
+        connect: None,
+        shards: 2,
+        keys: 10_000,
+        tls: "tcp".into(),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut v = || args.next().unwrap_or_else(|| usage());
+        match a.as_str() {
+            "--listen" => o.listen = Some(v().parse().unwrap_or_else(|_| usage())),
+            "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
+            "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
+            "--keys" => o.keys = v().parse().unwrap_or_else(|_| usage()),
+            "--tls" => o.tls = v(),
+            _ => usage(),
+        }
+    }
+    if o.shards == 0 || (o.listen.is_some() && o.connect.is_some()) {
+        usage();
+    }
+    o
+}
+
+fn report(f: &Figures, keys: usize) {
+    let us = |q: f64| f.get_hist.value_at_quantile(q) as f64 / 1000.0;
+    println!(
+        "{keys} puts ({PUT_WINDOW} in flight): {:.0} calls/s",
+        f.puts_per_s
+    );
+    println!(
+        "{keys} gets (one at a time): {:.0} calls/s, latency p50 {:.1} us, p99 {:.1} us, max {:.1} us",
+        f.gets_per_s,
+        us(0.5),
+        us(0.99),
+        f.get_hist.max() as f64 / 1000.0
+    );
+    println!("rpc_kv: all {} checks passed", f.checks);
+}
+
+fn main() {
+    let o = opts();
+    let result = match (o.listen, o.connect) {
+        (Some(addr), None) => {
+            let b = server(o.shards, &o.tls, addr);
+            if let Err(e) = b.shutdown_handle().trigger_on_signals() {
+                eprintln!("rpc_kv: cannot install the signal handlers: {e}");
+                std::process::exit(1);
+            }
+            let (tx, rx) = mpsc::channel();
+            let server = serve(b, tx);
+            if let Ok(a) = rx.recv_timeout(Duration::from_secs(30)) {
+                println!(
+                    "rpc_kv: {} shard(s) listening on {a}; Ctrl-C stops",
+                    o.shards
+                );
+            }
+            server
+                .join()
+                .unwrap_or_else(|_| Err("the server panicked".into()))
+        }
+        (None, Some(addr)) => client(addr, o.keys, &o.tls).map(|f| report(&f, o.keys)),
+        (None, None) => {
+            let b = server(o.shards, &o.tls, "127.0.0.1:0".parse().unwrap());
+            let stop = b.shutdown_handle();
+            let (tx, rx) = mpsc::channel();
+            let server = serve(b, tx);
+            let r = match rx.recv_timeout(Duration::from_secs(30)) {
+                Ok(addr) => client(addr, o.keys, &o.tls).map(|f| report(&f, o.keys)),
+                Err(_) => Err("the server did not start within 30 s".into()),
+            };
+            stop.trigger();
+            let s = server
+                .join()
+                .unwrap_or_else(|_| Err("the server panicked".into()));
+            r.and(s)
+        }
+        _ => usage(),
+    };
+    if let Err(e) = result {
+        eprintln!("rpc_kv failed: {e}");
+        std::process::exit(1);
+    }
+}
