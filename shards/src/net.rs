@@ -105,10 +105,20 @@
 //! [`ShardCtx::request_with_ttl`] announces less time to the receiver than the caller waits,
 //! so that a receiver can report its own deadline expiring before the caller gives up.
 //!
+//! Deadlines cost no timer per request: the net task keeps one timer, armed for the earliest
+//! deadline of the shard (its connections' and its requests'), and fails the requests whose
+//! deadline has passed when it fires. A request is therefore failed at its deadline plus the
+//! timer's lateness (glommio's timer resolution and the executor's wake-up, as with a timer of
+//! its own), plus, on a busy shard, the time the net task takes to get its turn. The timer is
+//! moved only to an earlier deadline: when the earliest request is answered, the timer fires
+//! at its (now useless) deadline and is set again for the next one, so answered requests cost
+//! no timer operation, and an idle shard has no timer (or at most one stale one) armed.
+//!
 //! The net task also follows proto's calling order: after each input it drains
 //! `poll_transmit` (into the connection's sender task, which owns the endpoint and sends frames
 //! in order) and `poll_event`, and it sleeps until the earliest `poll_timeout` (handshake
-//! deadline, heartbeats, suspicion and death) or the next input. An endpoint error becomes
+//! deadline, heartbeats, suspicion and death, and the pending requests' deadlines) or the
+//! next input. An endpoint error becomes
 //! [`Connection::handle_transport_error`]. A connection that fails or closes is removed; its
 //! sender task flushes what is queued (a `Reject`, a `Close`) within a linger time and drops
 //! the endpoint.
@@ -156,7 +166,7 @@ use std::time::{Duration, Instant};
 
 use futures_lite::future;
 use glommio::sync::Semaphore;
-use glommio::timer::sleep;
+use glommio::timer::{sleep, Timer};
 use glommio::Task;
 
 use crate::boot::ShardCtx;
@@ -164,6 +174,7 @@ use crate::error::NetError;
 use crate::pool::PoolBuf;
 use crate::proto::conn::{DropReason, FailReason, Received};
 use crate::proto::handshake::{HandshakeError, HandshakeMessage, RejectReason};
+use crate::proto::request::DedupHasher;
 use crate::proto::wire::{
     decode_frame, encode_frame, frame_len, payload_offset, ttl_from_deadline, HEADER_LEN,
     NO_DEADLINE_TTL,
@@ -197,6 +208,10 @@ const DIRECTORY_MAGIC: u32 = u32::from_le_bytes(*b"SCXD");
 const DRAIN_POLL: Duration = Duration::from_millis(2);
 /// Largest worker address accepted in a directory or a hello.
 const MAX_ADDR_LEN: usize = 64 << 10;
+/// Entries of a shard's owner cache (see [`ShardCtx::owner_of`]).
+const OWNER_CACHE: usize = 16;
+/// Inputs the net task handles with one reading of the clock.
+const BATCH_CLOCK: u32 = 32;
 
 /// Settings of the connections between nodes.
 #[derive(Debug, Clone)]
@@ -309,7 +324,51 @@ type Reply = Result<(FrameHeader, Vec<u8>), NetError>;
 struct Pending {
     node: NodeId,
     kind: FrameKind,
-    waiter: Rc<Queue<Reply>>,
+    /// The frame's `id` (for the [`FrameKind::RpcCancel`] sent when it times out).
+    id: u32,
+    waiter: Rc<Slot<Reply>>,
+}
+
+/// Where the answer of one request lands, for the one task that waits for it (cheaper than a
+/// [`Queue`]: one allocation per request).
+struct Slot<T> {
+    value: RefCell<Option<T>>,
+    waker: RefCell<Option<Waker>>,
+}
+
+impl<T> Slot<T> {
+    fn new() -> Rc<Self> {
+        Rc::new(Self {
+            value: RefCell::new(None),
+            waker: RefCell::new(None),
+        })
+    }
+
+    /// Stores the answer (the first one wins) and wakes the waiting task.
+    fn push(&self, value: T) {
+        {
+            let mut v = self.value.borrow_mut();
+            if v.is_some() {
+                return;
+            }
+            *v = Some(value);
+        }
+        let w = self.waker.borrow_mut().take();
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// Resolves with the answer.
+    fn wait(&self) -> impl Future<Output = T> + '_ {
+        poll_fn(move |cx| match self.value.borrow_mut().take() {
+            Some(v) => Poll::Ready(v),
+            None => {
+                *self.waker.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+    }
 }
 
 /// A frame for a sender task: UCX AM header and payload.
@@ -377,11 +436,13 @@ pub(crate) struct NetState {
     inbox: Rc<Queue<Inbound>>,
     directories: Rc<Queue<Vec<u8>>>,
     bootstrap_lock: Semaphore,
-    peers: RefCell<HashMap<NodeId, Peer>>,
-    handlers: RefCell<HashMap<AmId, Handler>>,
-    rndv_handlers: RefCell<HashMap<AmId, RndvHandler>>,
-    frame_handlers: RefCell<HashMap<FrameKind, FrameHandler>>,
-    frame_rndv_handlers: RefCell<HashMap<FrameKind, RndvHandler>>,
+    // Looked up several times per frame: hashed with proto's keyed multiply-fold hash rather
+    // than SipHash (keys from the network; one random key per shard, see `DedupHasher`).
+    peers: RefCell<HashMap<NodeId, Peer, DedupHasher>>,
+    handlers: RefCell<HashMap<AmId, Handler, DedupHasher>>,
+    rndv_handlers: RefCell<HashMap<AmId, RndvHandler, DedupHasher>>,
+    frame_handlers: RefCell<HashMap<FrameKind, FrameHandler, DedupHasher>>,
+    frame_rndv_handlers: RefCell<HashMap<FrameKind, RndvHandler, DedupHasher>>,
     pending: RefCell<PendingTable<Pending>>,
     limits: Limits,
     stats: Cell<NetStats>,
@@ -392,6 +453,11 @@ pub(crate) struct NetState {
     /// The listener's accept loop (shard 0 of a listening node), until it stops accepting.
     acceptor: RefCell<Option<Task<()>>>,
     live_senders: Rc<Cell<usize>>,
+    /// When the net task's timer fires ([`Timestamp::MAX`]: no timer armed). A request due
+    /// earlier wakes the net task to re-arm it (see [`request_local`]).
+    timer_at: Cell<Timestamp>,
+    /// Recently looked-up owners ([`ShardCtx::owner_of`]), direct-mapped by node id.
+    owners: [Cell<Option<(NodeId, ShardId)>>; OWNER_CACHE],
 }
 
 impl NetConfig {
@@ -600,6 +666,7 @@ impl NetState {
         let limits = Limits {
             max_message_size: settings.cfg.max_message_size,
         };
+        let hasher = DedupHasher::random();
         Ok(Self {
             settings,
             epoch: Instant::now(),
@@ -608,11 +675,11 @@ impl NetState {
             directories: Queue::new(),
             bootstrap_lock: Semaphore::new(1),
             limits,
-            peers: RefCell::new(HashMap::new()),
-            handlers: RefCell::new(HashMap::new()),
-            rndv_handlers: RefCell::new(HashMap::new()),
-            frame_handlers: RefCell::new(HashMap::new()),
-            frame_rndv_handlers: RefCell::new(HashMap::new()),
+            peers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            rndv_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            frame_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            frame_rndv_handlers: RefCell::new(HashMap::with_hasher(hasher)),
             pending: RefCell::new(PendingTable::new()),
             stats: Cell::new(NetStats::default()),
             generation: Cell::new(0),
@@ -620,6 +687,8 @@ impl NetState {
             acceptor: RefCell::new(None),
             lost_hooks: RefCell::new(Vec::new()),
             live_senders: Rc::new(Cell::new(0)),
+            timer_at: Cell::new(Timestamp::MAX),
+            owners: Default::default(),
         })
     }
 
@@ -824,28 +893,66 @@ async fn accept_loop(ctx: Weak<ShardCtx>, listener: Listener, dir: Rc<Vec<u8>>) 
 }
 
 /// The per-shard net task: inputs, timers, outputs (see the module docs).
+///
+/// One timer serves the connections' deadlines and the requests' ([`handle_timeouts`]). It is
+/// re-armed only when the next deadline is earlier than the time it is set for: a deadline
+/// that moved later (its request was answered) is waited for by letting the timer fire early
+/// and arming it again then, so that answered requests cost no timer operation.
 async fn net_loop(ctx: Rc<ShardCtx>) {
     let net = ctx.net().clone();
+    let mut timer: Option<(Timer, bool)> = None;
     loop {
-        let first = match next_timeout(&net) {
-            Some(t) => {
-                let d = t.saturating_duration_since(net.now());
-                future::or(async { net.inbox.next().await.map(Some) }, async {
-                    sleep(d).await;
-                    Some(None)
-                })
-                .await
+        if let Some(t) = next_timeout(&net) {
+            if t < net.timer_at.get() {
+                // Not before `t` on the net clock: the timer's instant is taken after `now`.
+                timer = Some((Timer::new(t.saturating_duration_since(net.now())), false));
+                net.timer_at.set(t);
             }
-            None => net.inbox.next().await.map(Some),
-        };
+        }
+        let first = poll_fn(|cx| {
+            if let Some(item) = net.inbox.try_next() {
+                return Poll::Ready(Some(Some(item)));
+            }
+            if net.inbox.closed.get() {
+                return Poll::Ready(None);
+            }
+            *net.inbox.waker.borrow_mut() = Some(cx.waker().clone());
+            let Some((t, charged)) = timer.as_mut() else {
+                return Poll::Pending;
+            };
+            // The timer is polled (put in the reactor) once; after that the clock says whether
+            // it is due: a wake-up by the timer implies it.
+            let due = if *charged {
+                net.now() >= net.timer_at.get()
+            } else {
+                *charged = true;
+                std::pin::Pin::new(t).poll(cx).is_ready()
+            };
+            if due {
+                timer = None;
+                net.timer_at.set(Timestamp::MAX);
+                Poll::Ready(Some(None))
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
         let Some(first) = first else { return };
         let mut item = first;
+        // The clock is read once per batch of inputs (and every BATCH_CLOCK of them): what
+        // it dates is the connections' liveness, whose timers count in heartbeat intervals.
+        let mut now = net.now();
+        let mut handled = 0u32;
         loop {
             // Each frame reaches its handler before the next input is handled: a `Close` (or
             // an endpoint error) that follows data frames must not fail the requests and
             // receives those frames answer.
             if let Some(i) = item {
-                match handle_inbound(&ctx, &net, i) {
+                handled += 1;
+                if handled % BATCH_CLOCK == 0 {
+                    now = net.now();
+                }
+                match handle_inbound(&ctx, &net, i, now) {
                     Some(Delivery::Eager {
                         node,
                         header,
@@ -862,7 +969,7 @@ async fn net_loop(ctx: Rc<ShardCtx>) {
                 None => break,
             };
         }
-        handle_timeouts(&net);
+        handle_timeouts(&ctx, &net);
     }
 }
 
@@ -1091,16 +1198,35 @@ fn reply_fits(request: FrameKind, reply: FrameKind) -> bool {
     )
 }
 
+/// The earliest deadline of this shard: its connections' and its pending requests'.
 fn next_timeout(net: &NetState) -> Option<Timestamp> {
-    net.peers
+    let conns = net
+        .peers
         .borrow()
         .values()
         .filter_map(|p| p.conn.poll_timeout())
-        .min()
+        .min();
+    let requests = net.pending.borrow_mut().poll_timeout();
+    match (conns, requests) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
-fn handle_timeouts(net: &NetState) {
+/// Fails the requests whose deadline has passed ([`NetError::TimedOut`], and a cancel frame
+/// for an RPC request), and runs the connections' timers that are due.
+fn handle_timeouts(ctx: &ShardCtx, net: &NetState) {
     let now = net.now();
+    loop {
+        // Not borrowed across the cancel: `queue_frame` does not touch the table, but a waker
+        // might run code that does.
+        let expired = net.pending.borrow_mut().poll_expired(now);
+        let Some((req_id, p)) = expired else { break };
+        if p.kind == FrameKind::RpcRequest {
+            send_cancel(ctx, p.node, p.id, req_id);
+        }
+        p.waiter.push(Err(NetError::TimedOut { what: "request" }));
+    }
     let due: Vec<NodeId> = net
         .peers
         .borrow()
@@ -1141,9 +1267,13 @@ fn count_received(net: &NetState, header: &FrameHeader, received: Received) -> b
     }
 }
 
-/// Handles one input; returns an application frame to deliver.
-fn handle_inbound(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound) -> Option<Delivery> {
-    let now = net.now();
+/// Handles one input arrived by `now`; returns an application frame to deliver.
+fn handle_inbound(
+    ctx: &Rc<ShardCtx>,
+    net: &NetState,
+    item: Inbound,
+    now: Timestamp,
+) -> Option<Delivery> {
     match item {
         Inbound::Wake => None,
         Inbound::Malformed => {
@@ -1678,23 +1808,34 @@ struct PendingGuard<'a> {
     ctx: &'a ShardCtx,
     node: NodeId,
     spec: FrameSpec,
+    /// Cleared once the request has its answer: whoever gave it removed the entry.
+    armed: bool,
 }
 
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
         let net = self.ctx.net();
         let was_pending = net.pending.borrow_mut().cancel(self.spec.req_id).is_some();
         if was_pending && self.spec.kind == FrameKind::RpcRequest {
-            let cancel = FrameSpec {
-                kind: FrameKind::RpcCancel,
-                ttl_ns: NO_DEADLINE_TTL,
-                ..self.spec
-            };
-            // Best effort: a connection that has gone has taken the request with it.
-            if queue_frame(self.ctx, self.node, cancel, Vec::new()).is_ok() {
-                net.count(|s| s.cancels_sent += 1);
-            }
+            send_cancel(self.ctx, self.node, self.spec.id, self.spec.req_id);
         }
+    }
+}
+
+/// Sends the [`FrameKind::RpcCancel`] of an RPC request given up (dropped or timed out).
+fn send_cancel(ctx: &ShardCtx, node: NodeId, id: u32, req_id: ReqId) {
+    let cancel = FrameSpec {
+        kind: FrameKind::RpcCancel,
+        id,
+        req_id,
+        ttl_ns: NO_DEADLINE_TTL,
+    };
+    // Best effort: a connection that has gone has taken the request with it.
+    if queue_frame(ctx, node, cancel, Vec::new()).is_ok() {
+        ctx.net().count(|s| s.cancels_sent += 1);
     }
 }
 
@@ -1754,6 +1895,11 @@ impl Drop for CancelOnDrop {
 
 /// Sends a request to `node` on this shard, its owner, and waits for the reply, at most
 /// `timeout`; the frame's `ttl_ns` is `ttl` (at most `timeout`).
+///
+/// The deadline has no timer of its own: the net task's timer, armed for the shard's earliest
+/// deadline ([`net_loop`]), fails the request at its deadline, as precisely as a timer of its
+/// own would (glommio's timers, and the executor's wake-up). Only when the net task has ended
+/// (after [`shutdown`]) does a request wait with a timer of its own.
 async fn request_local(
     ctx: &Rc<ShardCtx>,
     node: NodeId,
@@ -1771,12 +1917,13 @@ async fn request_local(
     let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
     let now = net.now();
     let deadline = now.saturating_add(timeout);
-    let waiter = Queue::new();
+    let waiter = Slot::new();
     let req_id = net.pending.borrow_mut().insert(
         deadline,
         Pending {
             node,
             kind,
+            id,
             waiter: waiter.clone(),
         },
     );
@@ -1786,21 +1933,32 @@ async fn request_local(
         req_id,
         ttl_ns: ttl_from_deadline(now, now.saturating_add(ttl.min(timeout))),
     };
-    let _guard = PendingGuard {
+    let mut guard = PendingGuard {
         ctx,
         node,
         spec: FrameSpec {
             ttl_ns: NO_DEADLINE_TTL,
             ..spec
         },
+        armed: true,
     };
     queue_frame(ctx, node, spec, payload)?;
-    let got = future::or(async { waiter.next().await }, async {
-        sleep(deadline.saturating_duration_since(net.now())).await;
-        None
-    })
-    .await;
-    got.unwrap_or(Err(NetError::TimedOut { what: "request" }))
+    if net.inbox.closed.get() {
+        let got = future::or(async { Some(waiter.wait().await) }, async {
+            sleep(deadline.saturating_duration_since(net.now())).await;
+            None
+        })
+        .await;
+        return got.unwrap_or(Err(NetError::TimedOut { what: "request" }));
+    }
+    if deadline < net.timer_at.get() {
+        // Due before the net task's timer: it re-arms on this wake-up.
+        net.inbox.push(Inbound::Wake);
+    }
+    let answer = waiter.wait().await;
+    // Every answer is given after its entry left the table (reply, expiry, failure, drain).
+    guard.armed = false;
+    answer
 }
 
 impl ShardCtx {
@@ -1820,9 +1978,25 @@ impl ShardCtx {
         self.net().settings.listen_addr.get().copied()
     }
 
-    /// The shard of this node that owns (holds the connection to) `node`.
+    /// The shard of this node that owns (holds the connection to) `node`. Remembered for
+    /// recently asked nodes (the shard count never changes), so that asking again per call
+    /// costs no hashing.
     pub fn owner_of(&self, node: NodeId) -> ShardId {
-        local_map(self).owner_of(node)
+        if self.shard_count() == 1 {
+            return ShardId::new(0);
+        }
+        let net = self.net();
+        let v = node.get();
+        // `usize::try_from` of a value below OWNER_CACHE cannot fail.
+        let slot = &net.owners[usize::try_from((v ^ (v >> 32)) % OWNER_CACHE as u64).unwrap_or(0)];
+        if let Some((n, s)) = slot.get() {
+            if n == node {
+                return s;
+            }
+        }
+        let s = local_map(self).owner_of(node);
+        slot.set(Some((node, s)));
+        s
     }
 
     /// This shard's connection counters.

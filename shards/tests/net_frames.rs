@@ -356,6 +356,65 @@ fn unanswered_requests_time_out() {
     }
 }
 
+/// A request whose deadline comes before every other timer of the owner shard's net task (a
+/// longer request pending, heartbeats 5 s apart) still times out at its own deadline: the
+/// net task's one timer is moved earlier for it.
+#[test]
+fn a_shorter_request_times_out_at_its_own_deadline() {
+    let _g = serial();
+    let quiet = || NetConfig {
+        heartbeat_interval: Duration::from_secs(5),
+        ..net_config()
+    };
+    let b = start_b(quiet(), |ctx: &Rc<ShardCtx>| {
+        ctx.set_frame_handler(FrameKind::RpcRequest, |_, _, _, _| {})
+            .unwrap();
+    });
+    let addr = b.addr;
+    let owner_a = ShardMap::new(2).unwrap().owner_of(B);
+    let got = run_a(quiet(), move |ctx| async move {
+        if ctx.id() != owner_a {
+            return None;
+        }
+        ctx.connect(addr).await.expect("connect");
+        let c = ctx.clone();
+        // Pending for 20 s: the net task's timer is armed for it (and for heartbeats, 5 s).
+        let long = glommio::spawn_local(async move {
+            c.request(
+                B,
+                FrameKind::RpcRequest,
+                1,
+                vec![1],
+                Duration::from_secs(20),
+            )
+            .await
+        });
+        glommio::timer::sleep(Duration::from_millis(20)).await;
+        let t0 = Instant::now();
+        let r = ctx
+            .request(
+                B,
+                FrameKind::RpcRequest,
+                1,
+                vec![2],
+                Duration::from_millis(50),
+            )
+            .await;
+        let took = t0.elapsed();
+        drop(long);
+        Some((r, took))
+    });
+    let _ = b.finish();
+    let (r, took) = got
+        .into_iter()
+        .flatten()
+        .next()
+        .expect("the owner's result");
+    assert_eq!(r, Err(NetError::TimedOut { what: "request" }));
+    assert!(took >= Duration::from_millis(50), "gave up early: {took:?}");
+    assert!(took < Duration::from_millis(1000), "took {took:?}");
+}
+
 #[test]
 fn pending_requests_fail_when_the_peer_shuts_down() {
     let _g = serial();

@@ -261,16 +261,22 @@ impl Rpc {
     ) -> Result<(FrameHeader, Vec<u8>), RpcError> {
         let start = Instant::now();
         let ctx = self.node.shard_ctx();
+        if timeout.is_zero() {
+            return Err(RpcError::TimedOut { after: timeout });
+        }
         let mut payload = Some(payload);
         let (mut connected, mut retries) = (false, 0);
         loop {
-            let left = timeout.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                return Err(RpcError::TimedOut { after: timeout });
-            }
-            let p = match payload.take() {
-                Some(p) => p,
-                None => encode_request(t.schema, flags, args)?,
+            // The first attempt has all the time (no clock reading on the common path).
+            let (left, p) = match payload.take() {
+                Some(p) => (timeout, p),
+                None => {
+                    let left = timeout.saturating_sub(start.elapsed());
+                    if left.is_zero() {
+                        return Err(RpcError::TimedOut { after: timeout });
+                    }
+                    (left, encode_request(t.schema, flags, args)?)
+                }
             };
             let got = ctx
                 .request_with_ttl(

@@ -349,6 +349,19 @@ macro_rules! rpc_function {
             const NAME: &'static str = $fname;
             $(const VERSION: u32 = $version;)?
             $(const IDEMPOTENT: bool = $idem;)?
+
+            // The default hash, computed once: it is sent and checked on every call.
+            fn schema() -> u64 {
+                static SCHEMA: ::std::sync::OnceLock<u64> = ::std::sync::OnceLock::new();
+                *SCHEMA.get_or_init(|| {
+                    $crate::rpc::schema_hash(
+                        ::std::any::type_name::<$args>(),
+                        ::std::any::type_name::<$reply>(),
+                        <Self as $crate::rpc::RpcFunction>::NAME,
+                        <Self as $crate::rpc::RpcFunction>::VERSION,
+                    )
+                })
+            }
         }
     };
 }
@@ -385,6 +398,21 @@ mod tests {
         ] {
             assert_ne!(base, other);
         }
+    }
+
+    crate::rpc_function!(Cached: (String, u8) => Vec<u64>, id = 5, name = "t.cached", version = 3);
+
+    #[test]
+    fn the_macro_caches_the_default_schema() {
+        let want = schema_hash(
+            type_name::<(String, u8)>(),
+            type_name::<Vec<u64>>(),
+            "t.cached",
+            3,
+        );
+        assert_eq!(Cached::schema(), want);
+        assert_eq!(Cached::schema(), want, "the cached value");
+        assert_eq!(Cached::signature().schema, want);
     }
 
     #[test]

@@ -408,8 +408,10 @@ impl ShardRpc {
         self.stats.set(s);
     }
 
-    fn now(&self) -> Timestamp {
-        Timestamp::from_nanos(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    /// `at` on the dedup window's clock.
+    fn timestamp(&self, at: Instant) -> Timestamp {
+        let since = at.saturating_duration_since(self.epoch);
+        Timestamp::from_nanos(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
     }
 
     /// Counts a failure by its code.
@@ -810,7 +812,11 @@ fn on_request_frame<P: AsRef<[u8]>>(
         req_id: header.req_id,
     };
     if !one_way {
-        let replay = match rpc.dedup.borrow_mut().check_and_insert(rpc.now(), key) {
+        let replay = match rpc
+            .dedup
+            .borrow_mut()
+            .check_and_insert(rpc.timestamp(arrived), key)
+        {
             DedupVerdict::Fresh => None,
             DedupVerdict::InProgress => {
                 rpc.count(|s| s.duplicates_dropped += 1);

@@ -12,7 +12,9 @@
 use crate::ids::{Incarnation, NodeId, ReqId};
 use crate::time::Timestamp;
 use std::cmp::Reverse;
+use std::collections::hash_map::{Entry, RandomState};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 use thiserror::Error;
 
@@ -37,9 +39,12 @@ use thiserror::Error;
 /// [`PendingTable::complete`] / [`PendingTable::cancel`]; when the time from
 /// [`PendingTable::poll_timeout`] is reached, call [`PendingTable::poll_expired`] until it returns
 /// `None`.
+///
+/// Ids are the table's own (sequential), so they are hashed with a [`DedupHasher`] of a fixed
+/// key: a peer can look ids up (with its replies) but cannot add any.
 #[derive(Clone, Debug)]
 pub struct PendingTable<T> {
-    entries: HashMap<ReqId, (Timestamp, T)>,
+    entries: HashMap<ReqId, (Timestamp, T), DedupHasher>,
     /// Min-heap of finite deadlines; entries already gone are skipped lazily.
     timers: BinaryHeap<Reverse<(Timestamp, ReqId)>>,
     next_id: u64,
@@ -79,21 +84,141 @@ enum DedupState<R> {
 /// At-most-once bookkeeping for incoming requests, bounded by count and age.
 ///
 /// Requests are keyed by [`DedupKey`]. An entry stays for at most `max_age` after it arrived and
-/// the window holds at most `max_entries`; the oldest go first. To stay at-most-once after
+/// the window holds at most `max_entries`; the oldest go first. A request arriving when the
+/// window is full evicts the oldest `max_entries / 16` entries (at least one) at once, so that
+/// the next ones find room: the window then holds between 15/16 of `max_entries` and all of it.
+/// To stay at-most-once after
 /// forgetting, the window keeps for each node the newest incarnation seen and a *floor*: the
 /// largest request id it has evicted for that incarnation. A request at or below the floor, or
 /// from an older incarnation, is [`DedupVerdict::TooOld`]: it may have run, so it is refused.
 /// This relies on each sender allocating request ids in increasing order (as [`PendingTable`]
 /// does); a fresh request delayed past the window is refused too, which is the safe direction.
 /// The per-node table grows with the number of distinct peer nodes, not with traffic.
+///
+/// # Cost and hashing
+///
+/// A fresh request costs one lookup of its key (which also inserts it) and one of its node's
+/// floor; [`DedupWindow::complete`] one more; its eviction one more. Keys are hashed with a
+/// keyed multiply-fold hash ([`DedupHasher`]), several times cheaper than std's SipHash, whose
+/// key is drawn per window from std's [`RandomState`] (as `HashMap::new` does). Request ids and
+/// node ids come from the network, but a peer that does not know the key cannot choose ids
+/// that collide; and were it to, the work per operation is bounded by the window's size
+/// (`max_entries` keys at most, and one floor per peer node).
 #[derive(Clone, Debug)]
 pub struct DedupWindow<R> {
     max_entries: usize,
     max_age: Duration,
-    entries: HashMap<DedupKey, DedupState<R>>,
+    entries: HashMap<DedupKey, DedupState<R>, DedupHasher>,
     order: VecDeque<(Timestamp, DedupKey)>,
-    floors: HashMap<NodeId, (Incarnation, ReqId)>,
+    floors: HashMap<NodeId, (Incarnation, ReqId), DedupHasher>,
     evicted: u64,
+}
+
+/// The keyed hash of [`DedupWindow`]'s tables: each 64-bit word `x` of the key is folded into
+/// the state as `fold(x ^ k0, state ^ k1)`, where `fold` is the 128-bit product's halves
+/// xored together (the construction of foldhash and wyhash). Not a cryptographic hash: its
+/// key makes collisions hard to aim at, and the window's bound caps what one would cost.
+#[derive(Clone)]
+pub struct DedupHasher {
+    k0: u64,
+    k1: u64,
+}
+
+impl DedupHasher {
+    /// A hasher with the key `(k0, k1)`.
+    pub fn with_key(k0: u64, k1: u64) -> DedupHasher {
+        DedupHasher { k0, k1 }
+    }
+
+    /// A hasher with a key from std's [`RandomState`].
+    pub fn random() -> DedupHasher {
+        let s = RandomState::new();
+        let draw = |i: u64| {
+            let mut h = s.build_hasher();
+            h.write_u64(i);
+            h.finish()
+        };
+        DedupHasher::with_key(draw(0), draw(1))
+    }
+}
+
+impl std::fmt::Debug for DedupHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key stays secret.
+        f.write_str("DedupHasher")
+    }
+}
+
+impl BuildHasher for DedupHasher {
+    type Hasher = FoldHasher;
+
+    fn build_hasher(&self) -> FoldHasher {
+        FoldHasher {
+            // Not `k1` itself: the first word's product would be zero.
+            state: self.k1 ^ 0x243f_6a88_85a3_08d3,
+            k0: self.k0,
+            k1: self.k1,
+        }
+    }
+}
+
+/// The hasher of [`DedupHasher`].
+#[derive(Clone, Debug)]
+pub struct FoldHasher {
+    state: u64,
+    k0: u64,
+    k1: u64,
+}
+
+/// The two halves of the 128-bit product of `a` and `b`, xored.
+fn fold(a: u64, b: u64) -> u64 {
+    let p = u128::from(a) * u128::from(b);
+    // Truncations intended: the low and the high half.
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+impl Hasher for FoldHasher {
+    fn write_u64(&mut self, x: u64) {
+        self.state = fold(x ^ self.k0, self.state ^ self.k1);
+    }
+
+    // Integers are one word each (not their bytes through `write`): ids and enum
+    // discriminants are what these tables hold.
+    fn write_u8(&mut self, x: u8) {
+        self.write_u64(u64::from(x));
+    }
+
+    fn write_u16(&mut self, x: u16) {
+        self.write_u64(u64::from(x));
+    }
+
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+
+    fn write_isize(&mut self, x: isize) {
+        self.write_u64(x as u64);
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(b));
+        }
+        // The length, so that trailing zero bytes still count.
+        self.write_u64(bytes.len() as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        // One more round, so that the last word's bits reach the top ones (hashbrown's
+        // control bytes) and the low ones (its bucket index).
+        fold(self.state ^ self.k0, self.k1.rotate_left(23) | 1)
+    }
 }
 
 /// Credit-based flow control for one peer.
@@ -146,7 +271,10 @@ impl<T> PendingTable<T> {
     /// An empty table.
     pub fn new() -> PendingTable<T> {
         PendingTable {
-            entries: HashMap::new(),
+            entries: HashMap::with_hasher(DedupHasher::with_key(
+                0x9e37_79b9_7f4a_7c15,
+                0xc2b2_ae3d_27d4_eb4f,
+            )),
             timers: BinaryHeap::new(),
             next_id: 1,
         }
@@ -285,19 +413,35 @@ impl<T> Default for PendingTable<T> {
 impl<R> DedupWindow<R> {
     /// A window holding at most `max_entries` requests (at least 1) for at most `max_age` each.
     pub fn new(max_entries: usize, max_age: Duration) -> DedupWindow<R> {
+        DedupWindow::with_hasher(max_entries, max_age, DedupHasher::random())
+    }
+
+    /// [`DedupWindow::new`] hashing with `hasher` (a fixed key makes runs reproducible).
+    pub fn with_hasher(
+        max_entries: usize,
+        max_age: Duration,
+        hasher: DedupHasher,
+    ) -> DedupWindow<R> {
         DedupWindow {
             max_entries: max_entries.max(1),
             max_age,
-            entries: HashMap::new(),
+            entries: HashMap::with_hasher(hasher.clone()),
             order: VecDeque::new(),
-            floors: HashMap::new(),
+            floors: HashMap::with_hasher(hasher),
             evicted: 0,
         }
     }
 
     /// Classifies a request arriving at `now` and records it if fresh.
+    ///
+    /// When the window is full, its oldest entries are evicted first (see the type's docs); a
+    /// copy of one of them is then [`DedupVerdict::TooOld`], refused like any request below
+    /// the floor.
     pub fn check_and_insert(&mut self, now: Timestamp, key: DedupKey) -> DedupVerdict<'_, R> {
         self.expire(now);
+        if self.entries.len() >= self.max_entries {
+            self.evict_batch();
+        }
         match self.floors.get(&key.node) {
             Some((inc, _)) if key.incarnation < *inc => return DedupVerdict::TooOld,
             Some((inc, floor)) if key.incarnation == *inc && key.req_id <= *floor => {
@@ -316,20 +460,17 @@ impl<R> DedupWindow<R> {
                 self.floors.insert(key.node, (key.incarnation, ReqId::NONE));
             }
         }
-        if self.entries.contains_key(&key) {
-            return match self.entries.get(&key) {
-                Some(DedupState::Done(r)) => DedupVerdict::Done(r),
-                _ => DedupVerdict::InProgress,
-            };
-        }
-        while self.entries.len() >= self.max_entries {
-            if !self.evict_oldest() {
-                break;
+        match self.entries.entry(key) {
+            Entry::Occupied(e) => match e.into_mut() {
+                DedupState::Done(r) => DedupVerdict::Done(r),
+                DedupState::InProgress => DedupVerdict::InProgress,
+            },
+            Entry::Vacant(e) => {
+                e.insert(DedupState::InProgress);
+                self.order.push_back((now, key));
+                DedupVerdict::Fresh
             }
         }
-        self.entries.insert(key, DedupState::InProgress);
-        self.order.push_back((now, key));
-        DedupVerdict::Fresh
     }
 
     /// Records the reply of a request that finished, for resending to duplicates. Returns
@@ -374,6 +515,16 @@ impl<R> DedupWindow<R> {
     /// Entries evicted so far (by age or count).
     pub fn evicted(&self) -> u64 {
         self.evicted
+    }
+
+    /// Evicts the oldest `max_entries / 16` entries (at least one).
+    fn evict_batch(&mut self) {
+        let batch = (self.max_entries / 16).max(1);
+        for _ in 0..batch {
+            if !self.evict_oldest() {
+                break;
+            }
+        }
     }
 
     fn evict_oldest(&mut self) -> bool {
@@ -596,6 +747,72 @@ mod tests {
             w.check_and_insert(t(12), key(1, 5, 3)),
             DedupVerdict::TooOld
         );
+    }
+
+    #[test]
+    fn dedup_evicts_the_oldest_in_batches() {
+        let mut w: DedupWindow<u32> = DedupWindow::new(64, Duration::from_secs(10));
+        for r in 1..=64 {
+            assert_eq!(w.check_and_insert(t(r), key(1, 1, r)), DedupVerdict::Fresh);
+        }
+        assert_eq!((w.len(), w.evicted()), (64, 0));
+        assert!(w.complete(key(1, 1, 10), 10));
+        // Full: the 65th evicts the 4 oldest (64 / 16) at once, and the next 3 find room.
+        assert_eq!(
+            w.check_and_insert(t(65), key(1, 1, 65)),
+            DedupVerdict::Fresh
+        );
+        assert_eq!((w.len(), w.evicted()), (61, 4));
+        for r in 66..=68 {
+            assert_eq!(w.check_and_insert(t(r), key(1, 1, r)), DedupVerdict::Fresh);
+        }
+        assert_eq!((w.len(), w.evicted()), (64, 4));
+        // The evicted are below the floor. A full window evicts before it looks (5 to 8 here),
+        // so a copy of an entry of that batch is too old as well.
+        for r in 1..=8 {
+            assert_eq!(
+                w.check_and_insert(t(70), key(1, 1, r)),
+                DedupVerdict::TooOld
+            );
+        }
+        assert_eq!(
+            (w.len(), w.evicted()),
+            (60, 8),
+            "refused copies are not recorded"
+        );
+        assert_eq!(
+            w.check_and_insert(t(70), key(1, 1, 10)),
+            DedupVerdict::Done(&10)
+        );
+        assert_eq!(
+            w.check_and_insert(t(70), key(1, 1, 11)),
+            DedupVerdict::InProgress
+        );
+    }
+
+    #[test]
+    fn dedup_hasher_is_keyed() {
+        use std::hash::BuildHasher;
+        let a = DedupHasher::with_key(1, 2);
+        let b = DedupHasher::with_key(3, 4);
+        let k = key(7, 8, 9);
+        assert_eq!(a.hash_one(k), DedupHasher::with_key(1, 2).hash_one(k));
+        assert_ne!(a.hash_one(k), b.hash_one(k));
+        // Every field counts, and neighbouring ids spread over the top and the low bits.
+        assert_ne!(a.hash_one(k), a.hash_one(key(7, 8, 10)));
+        assert_ne!(a.hash_one(k), a.hash_one(key(7, 9, 9)));
+        assert_ne!(a.hash_one(k), a.hash_one(key(8, 8, 9)));
+        let top: std::collections::HashSet<u64> =
+            (0..256).map(|r| a.hash_one(key(7, 8, r)) >> 57).collect();
+        let low: std::collections::HashSet<u64> =
+            (0..256).map(|r| a.hash_one(key(7, 8, r)) & 127).collect();
+        assert!(
+            top.len() > 64 && low.len() > 64,
+            "{} {}",
+            top.len(),
+            low.len()
+        );
+        assert_eq!(format!("{a:?}"), "DedupHasher", "the key is not printed");
     }
 
     #[test]
