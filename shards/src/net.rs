@@ -2186,22 +2186,8 @@ impl ShardCtx {
         C: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader) -> Option<B> + 'static,
         D: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Result<B, NetError>) + 'static,
     {
-        let on_data = Rc::new(on_data);
-        let handler: RndvHandler = Rc::new(move |ctx, node, header, rndv| {
-            let Some(buf) = choose(ctx, node, &header) else {
-                // Dropping `rndv` declines the data.
-                ctx.net().count(|s| s.declined += 1);
-                return;
-            };
-            let (c, on_data) = (ctx.clone(), on_data.clone());
-            glommio::spawn_local(async move {
-                let res = pull(&c, node, rndv, buf).await;
-                if res.is_err() {
-                    c.net().count(|s| s.declined += 1);
-                }
-                on_data(&c, node, &header, res);
-            })
-            .detach();
+        let handler = rndv_handler(choose, on_data, |c, node, rndv, buf| async move {
+            pull(&c, node, rndv, buf).await
         });
         self.net().rndv_handlers.borrow_mut().insert(id, handler);
     }
@@ -2273,22 +2259,8 @@ impl ShardCtx {
                 op: "register a rendezvous frame handler",
             });
         }
-        let on_data = Rc::new(on_data);
-        let handler: RndvHandler = Rc::new(move |ctx, node, header, rndv| {
-            let Some(buf) = choose(ctx, node, &header) else {
-                // Dropping `rndv` declines the data.
-                ctx.net().count(|s| s.declined += 1);
-                return;
-            };
-            let (c, on_data) = (ctx.clone(), on_data.clone());
-            glommio::spawn_local(async move {
-                let res = buf.pull(&c, node, rndv).await;
-                if res.is_err() {
-                    c.net().count(|s| s.declined += 1);
-                }
-                on_data(&c, node, &header, res);
-            })
-            .detach();
+        let handler = rndv_handler(choose, on_data, |c, node, rndv, buf: RndvBuf| async move {
+            buf.pull(&c, node, rndv).await
         });
         self.net()
             .frame_rndv_handlers
@@ -2449,6 +2421,35 @@ impl ShardCtx {
     pub fn on_peer_lost(&self, hook: impl Fn(Option<NodeId>, &NetError) + 'static) {
         self.net().lost_hooks.borrow_mut().push(Rc::new(hook));
     }
+}
+
+/// A rendezvous handler: `choose` picks the buffer on the net task (`None` declines the data);
+/// a task then pulls the data into it with `pull` and hands the result to `on_data`.
+fn rndv_handler<B, C, D, P, F>(choose: C, on_data: D, pull: P) -> RndvHandler
+where
+    B: 'static,
+    C: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader) -> Option<B> + 'static,
+    D: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Result<B, NetError>) + 'static,
+    P: Fn(Rc<ShardCtx>, NodeId, AmRndv, B) -> F + 'static,
+    F: Future<Output = Result<B, NetError>> + 'static,
+{
+    let (on_data, pull) = (Rc::new(on_data), Rc::new(pull));
+    Rc::new(move |ctx, node, header, rndv| {
+        let Some(buf) = choose(ctx, node, &header) else {
+            // Dropping `rndv` declines the data.
+            ctx.net().count(|s| s.declined += 1);
+            return;
+        };
+        let (c, on_data, pull) = (ctx.clone(), on_data.clone(), pull.clone());
+        glommio::spawn_local(async move {
+            let res = pull(c.clone(), node, rndv, buf).await;
+            if res.is_err() {
+                c.net().count(|s| s.declined += 1);
+            }
+            on_data(&c, node, &header, res);
+        })
+        .detach();
+    })
 }
 
 /// The frame that answers `request` with `kind`: its `id` and `req_id`, no deadline
