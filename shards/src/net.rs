@@ -114,6 +114,11 @@
 //! at its (now useless) deadline and is set again for the next one, so answered requests cost
 //! no timer operation, and an idle shard has no timer (or at most one stale one) armed.
 //!
+//! An eager application frame is sent inline by the caller that queues it (on the owner
+//! shard), without a switch to the connection's sender task, when nothing queued must go
+//! first: it is done at once when UCX completes the send in place, and otherwise handed to the
+//! sender task, which keeps its buffer alive and reports its failure as for its own sends.
+//!
 //! The net task also follows proto's calling order: after each input it drains
 //! `poll_transmit` (into the connection's sender task, which owns the endpoint and sends frames
 //! in order) and `poll_event`, and it sleeps until the earliest `poll_timeout` (handshake
@@ -161,7 +166,7 @@ use std::net::SocketAddr;
 use std::rc::{Rc, Weak};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use futures_lite::future;
@@ -185,7 +190,8 @@ use crate::proto::{
     State, Timestamp, WireError,
 };
 use crate::ucx::{
-    AlignedBuf, AmIdRaw, AmPayload, AmProto, AmRndv, Endpoint, EpOptions, ErrorMode, IoBufMut,
+    AlignedBuf, AmIdRaw, AmPayload, AmProto, AmRndv, AmSend, Endpoint, EpOptions, ErrorMode,
+    IoBufMut,
 };
 use crate::ucx::{Listener, Worker, WorkerAddress};
 
@@ -371,13 +377,20 @@ impl<T> Slot<T> {
     }
 }
 
-/// A frame for a sender task: UCX AM header and payload.
+/// A frame for a sender task: UCX AM header and payload; or a frame already posted by
+/// [`queue_frame`] (see [`send_inline`]).
 enum Outbound {
     /// A [`FRAME_AM`] message: the payload is the (address and) encoded frame.
     Eager([u8; AM_HEADER_LEN], Vec<u8>),
     /// A [`FRAME_RNDV_AM`] message: the header carries the frame header, the payload is the
     /// application payload itself (not copied).
     Rndv(Box<[u8; RNDV_AM_HEADER_LEN]>, Vec<u8>),
+    /// A [`FRAME_AM`] message posted inline whose completion UCX has not reported yet: the
+    /// sender awaits it (keeping its buffer alive) as if it had posted it itself.
+    Posted(AmSend<Vec<u8>>),
+    /// A [`FRAME_AM`] message posted inline failed at once: the sender reports the transport
+    /// error and stops, as after a send of its own failed.
+    Failed,
 }
 
 /// An application frame of a ready connection, for [`dispatch`].
@@ -424,6 +437,8 @@ struct Queue<T> {
 struct Peer {
     conn: Connection,
     out: Rc<Queue<Outbound>>,
+    /// The sender task's endpoint, for [`send_inline`]; it goes when the sender ends.
+    ep: Weak<Endpoint>,
     generation: u64,
     waiters: Vec<Waiter>,
 }
@@ -635,6 +650,11 @@ impl<T> Queue<T> {
         if let Some(w) = w {
             w.wake();
         }
+    }
+
+    /// Whether the queue is open and holds nothing.
+    fn is_idle(&self) -> bool {
+        !self.closed.get() && self.items.borrow().is_empty()
     }
 
     fn try_next(&self) -> Option<T> {
@@ -1403,6 +1423,9 @@ fn insert_peer(ctx: &Rc<ShardCtx>, net: &NetState, node: NodeId, conn: Connectio
     let out = Queue::new();
     let live = net.live_senders.clone();
     live.set(live.get() + 1);
+    // The sender holds the only strong reference: the endpoint goes when the sender ends.
+    let ep = Rc::new(ep);
+    let weak_ep = Rc::downgrade(&ep);
     let send = sender(
         Rc::downgrade(ctx),
         ep,
@@ -1422,6 +1445,7 @@ fn insert_peer(ctx: &Rc<ShardCtx>, net: &NetState, node: NodeId, conn: Connectio
         Peer {
             conn,
             out,
+            ep: weak_ep,
             generation,
             waiters: Vec::new(),
         },
@@ -1434,10 +1458,11 @@ fn insert_peer(ctx: &Rc<ShardCtx>, net: &NetState, node: NodeId, conn: Connectio
 /// too, but its completion (the peer has pulled the data) is awaited by a task of its own,
 /// within [`NetConfig::rndv_timeout`], so that heartbeats and small frames are not held up
 /// behind a large transfer. Those tasks count as live senders, so that shutdown waits for them
-/// within the linger time.
+/// within the linger time. A frame that [`send_inline`] posted and UCX did not complete at once
+/// is awaited here in its queue position.
 async fn sender(
     ctx: Weak<ShardCtx>,
-    ep: Endpoint,
+    ep: Rc<Endpoint>,
     out: Rc<Queue<Outbound>>,
     inbox: Rc<Queue<Inbound>>,
     (node, generation): (NodeId, u64),
@@ -1499,6 +1524,17 @@ async fn sender(
                     inbox.push(Inbound::TransportError { node, generation });
                     break;
                 }
+            }
+            Next::Frame(Some(Outbound::Posted(send))) => {
+                let (res, _payload) = send.await;
+                if res.is_err() {
+                    inbox.push(Inbound::TransportError { node, generation });
+                    break;
+                }
+            }
+            Next::Frame(Some(Outbound::Failed)) => {
+                inbox.push(Inbound::TransportError { node, generation });
+                break;
             }
             Next::Frame(None) => break,
             Next::Failed => {
@@ -1791,12 +1827,57 @@ fn queue_frame_from(
         let mut frame = vec![0u8; flen];
         encode_frame(&header, payload.as_slice(), &mut frame, &net.limits)
             .map_err(|source| NetError::Wire { source })?;
-        Outbound::Eager(frame_am_header(net.settings.node_id, 0), frame)
+        let am = frame_am_header(net.settings.node_id, 0);
+        match send_inline(ctx, p, am, frame) {
+            Inline::Done => return Ok(()),
+            Inline::Queue(item) => item,
+        }
     };
     if p.out.push(item) {
         Ok(())
     } else {
         Err(NetError::NotConnected { node })
+    }
+}
+
+/// What [`send_inline`] leaves for the connection's sender task.
+enum Inline {
+    /// UCX completed the send in place: nothing is left.
+    Done,
+    /// To be pushed to the out queue: the frame itself, or its posted send, or its failure.
+    Queue(Outbound),
+}
+
+/// Sends an eager frame from the caller, without waking the sender task, when nothing queued
+/// must go first: the out queue is open and empty, and the sender's endpoint is alive.
+///
+/// Frames leave in queue order because the sender posts a frame in the same poll in which it
+/// takes it from the queue (an eager send's first poll posts it; a rendezvous send is polled
+/// once before anything else): an empty queue means every earlier frame, rendezvous posts
+/// included, is already with UCX, which keeps the order of sends posted on one endpoint. A
+/// send that UCX completed in place (`ucp_am_send_nbx` returned `NULL`) is done; one still in
+/// flight goes to the queue as [`Outbound::Posted`], so that the sender keeps its buffer alive
+/// and fails the connection if it fails, and later frames queue behind it; one that failed at
+/// once goes as [`Outbound::Failed`], which the sender reports as it would its own failure.
+fn send_inline(ctx: &ShardCtx, p: &Peer, am: [u8; AM_HEADER_LEN], frame: Vec<u8>) -> Inline {
+    let ep = match p.ep.upgrade() {
+        Some(ep) if p.out.is_idle() => ep,
+        _ => return Inline::Queue(Outbound::Eager(am, frame)),
+    };
+    let mut send = ep.am_send(FRAME_AM, &am, frame, AmProto::Eager);
+    // The first poll posts the send. No task waits on it yet: if it is still in flight, the
+    // sender's first poll of `Outbound::Posted` replaces the no-op waker with its own (and the
+    // push that hands it over wakes the sender anyway).
+    let first = std::pin::Pin::new(&mut send).poll(&mut Context::from_waker(Waker::noop()));
+    ctx.wake_driver();
+    match first {
+        Poll::Ready((Ok(()), _payload)) => Inline::Done,
+        Poll::Ready((Err(_), _payload)) => Inline::Queue(Outbound::Failed),
+        Poll::Pending => {
+            #[cfg(test)]
+            tests::INLINE_IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+            Inline::Queue(Outbound::Posted(send))
+        }
     }
 }
 
@@ -2489,6 +2570,112 @@ pub(crate) fn error_mode_for(transports: Option<&str>) -> ErrorMode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU64, AtomicUsize};
+    use std::sync::mpsc;
+
+    /// Eager frames that [`send_inline`] posted and UCX did not complete in place.
+    pub(super) static INLINE_IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
+
+    const KEY: &[u8] = b"sixteen byte key, and some more";
+    const LIMIT: Duration = Duration::from_secs(60);
+    const SEQ: AmId = AmId::new(1);
+
+    fn node(id: NodeId) -> crate::ShardsBuilder {
+        crate::ShardsBuilder::new()
+            .shard_count(1)
+            .placement(crate::Placement::Unpinned)
+            .transports("tcp")
+            .io_memory(1 << 20)
+            .node_id(id)
+            .psk(KEY)
+            .net(NetConfig {
+                connect_timeout: Duration::from_secs(3),
+                handshake_timeout: Duration::from_secs(3),
+                linger: Duration::from_millis(200),
+                ..NetConfig::default()
+            })
+    }
+
+    /// A burst of eager frames just under the rendezvous threshold, sent without yielding, so
+    /// that TCP usually cannot take them all at once: those posted inline and those queued
+    /// behind a send still in flight all arrive, intact and in order.
+    #[test]
+    fn a_burst_of_eager_frames_arrives_in_order() {
+        const FRAMES: u64 = 3000;
+        let len = NetConfig::default().rndv_threshold;
+        let (a, b) = (NodeId::new(0xA), NodeId::new(0xB));
+        let got = Arc::new(AtomicUsize::new(0));
+        let bad = Arc::new(AtomicUsize::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let tx = Arc::new(Mutex::new(tx));
+        let (got2, bad2, done2) = (got.clone(), bad.clone(), done.clone());
+        let hb = std::thread::spawn(move || {
+            node(b)
+                .listen("127.0.0.1:0".parse().expect("an address"))
+                .run(move |ctx: Rc<ShardCtx>| {
+                    let (got, bad, done, tx) =
+                        (got2.clone(), bad2.clone(), done2.clone(), tx.clone());
+                    async move {
+                        let next = Cell::new(0u64);
+                        ctx.set_net_handler(SEQ, move |_, _, payload| {
+                            let seq = payload
+                                .get(..8)
+                                .and_then(|s| s.try_into().ok())
+                                .map(u64::from_le_bytes);
+                            let intact = payload.len() == len
+                                && payload[8..].iter().all(|&x| x == seq.unwrap_or(0) as u8);
+                            if seq != Some(next.get()) || !intact {
+                                bad.fetch_add(1, Ordering::Relaxed);
+                            }
+                            next.set(seq.unwrap_or(0) + 1);
+                            got.fetch_add(1, Ordering::Release);
+                        });
+                        let addr = ctx.listen_addr().expect("listening");
+                        let _ = tx.lock().map(|t| t.send(addr));
+                        let deadline = Instant::now() + LIMIT;
+                        while !done.load(Ordering::Acquire) && Instant::now() < deadline {
+                            sleep(Duration::from_millis(5)).await;
+                        }
+                    }
+                })
+                .expect("node B runs")
+        });
+        let addr = rx.recv_timeout(LIMIT).expect("node B started");
+        let before = INLINE_IN_FLIGHT.load(Ordering::Relaxed);
+        let got2 = got.clone();
+        let sent = node(a)
+            .run(move |ctx: Rc<ShardCtx>| {
+                let got = got2.clone();
+                async move {
+                    ctx.connect(addr).await.expect("connected");
+                    for seq in 0..FRAMES {
+                        let mut payload = vec![seq as u8; len];
+                        payload[..8].copy_from_slice(&seq.to_le_bytes());
+                        ctx.send_am(b, SEQ, payload).await.expect("queued");
+                    }
+                    let deadline = Instant::now() + LIMIT;
+                    while got.load(Ordering::Acquire) < FRAMES as usize && Instant::now() < deadline
+                    {
+                        sleep(Duration::from_millis(1)).await;
+                    }
+                    ctx.net_stats()
+                }
+            })
+            .expect("node A runs");
+        done.store(true, Ordering::Release);
+        hb.join().expect("node B ends");
+        assert_eq!(got.load(Ordering::Acquire), FRAMES as usize, "{sent:?}");
+        assert_eq!(
+            bad.load(Ordering::Relaxed),
+            0,
+            "frames out of order or damaged"
+        );
+        // Whether UCX left some inline sends in flight depends on the socket buffers and the
+        // timing (it completed all of them in place in some debug runs): said, not asserted.
+        let in_flight = INLINE_IN_FLIGHT.load(Ordering::Relaxed) - before;
+        eprintln!("{in_flight} inline sends were left in flight and queued for the sender");
+    }
 
     #[test]
     fn directory_round_trip_and_rejects_garbage() {
