@@ -304,6 +304,9 @@ pub struct NetStats {
     pub declined: u64,
     /// [`FrameKind::RpcCancel`] frames sent for RPC requests given up before their reply.
     pub cancels_sent: u64,
+    /// Eager frames sent inline by the caller (see "Frames") whose send UCX had not completed
+    /// at once: handed to the connection's sender task, which waits for them in order.
+    pub inline_in_flight: u64,
 }
 
 /// Node identity and settings, resolved once in [`crate::ShardsBuilder::run`]; `Send`.
@@ -1874,8 +1877,7 @@ fn send_inline(ctx: &ShardCtx, p: &Peer, am: [u8; AM_HEADER_LEN], frame: Vec<u8>
         Poll::Ready((Ok(()), _payload)) => Inline::Done,
         Poll::Ready((Err(_), _payload)) => Inline::Queue(Outbound::Failed),
         Poll::Pending => {
-            #[cfg(test)]
-            tests::INLINE_IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+            ctx.net().count(|s| s.inline_in_flight += 1);
             Inline::Queue(Outbound::Posted(send))
         }
     }
@@ -2570,112 +2572,6 @@ pub(crate) fn error_mode_for(transports: Option<&str>) -> ErrorMode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicU64, AtomicUsize};
-    use std::sync::mpsc;
-
-    /// Eager frames that [`send_inline`] posted and UCX did not complete in place.
-    pub(super) static INLINE_IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
-
-    const KEY: &[u8] = b"sixteen byte key, and some more";
-    const LIMIT: Duration = Duration::from_secs(60);
-    const SEQ: AmId = AmId::new(1);
-
-    fn node(id: NodeId) -> crate::ShardsBuilder {
-        crate::ShardsBuilder::new()
-            .shard_count(1)
-            .placement(crate::Placement::Unpinned)
-            .transports("tcp")
-            .io_memory(1 << 20)
-            .node_id(id)
-            .psk(KEY)
-            .net(NetConfig {
-                connect_timeout: Duration::from_secs(3),
-                handshake_timeout: Duration::from_secs(3),
-                linger: Duration::from_millis(200),
-                ..NetConfig::default()
-            })
-    }
-
-    /// A burst of eager frames just under the rendezvous threshold, sent without yielding, so
-    /// that TCP usually cannot take them all at once: those posted inline and those queued
-    /// behind a send still in flight all arrive, intact and in order.
-    #[test]
-    fn a_burst_of_eager_frames_arrives_in_order() {
-        const FRAMES: u64 = 3000;
-        let len = NetConfig::default().rndv_threshold;
-        let (a, b) = (NodeId::new(0xA), NodeId::new(0xB));
-        let got = Arc::new(AtomicUsize::new(0));
-        let bad = Arc::new(AtomicUsize::new(0));
-        let done = Arc::new(AtomicBool::new(false));
-        let (tx, rx) = mpsc::channel();
-        let tx = Arc::new(Mutex::new(tx));
-        let (got2, bad2, done2) = (got.clone(), bad.clone(), done.clone());
-        let hb = std::thread::spawn(move || {
-            node(b)
-                .listen("127.0.0.1:0".parse().expect("an address"))
-                .run(move |ctx: Rc<ShardCtx>| {
-                    let (got, bad, done, tx) =
-                        (got2.clone(), bad2.clone(), done2.clone(), tx.clone());
-                    async move {
-                        let next = Cell::new(0u64);
-                        ctx.set_net_handler(SEQ, move |_, _, payload| {
-                            let seq = payload
-                                .get(..8)
-                                .and_then(|s| s.try_into().ok())
-                                .map(u64::from_le_bytes);
-                            let intact = payload.len() == len
-                                && payload[8..].iter().all(|&x| x == seq.unwrap_or(0) as u8);
-                            if seq != Some(next.get()) || !intact {
-                                bad.fetch_add(1, Ordering::Relaxed);
-                            }
-                            next.set(seq.unwrap_or(0) + 1);
-                            got.fetch_add(1, Ordering::Release);
-                        });
-                        let addr = ctx.listen_addr().expect("listening");
-                        let _ = tx.lock().map(|t| t.send(addr));
-                        let deadline = Instant::now() + LIMIT;
-                        while !done.load(Ordering::Acquire) && Instant::now() < deadline {
-                            sleep(Duration::from_millis(5)).await;
-                        }
-                    }
-                })
-                .expect("node B runs")
-        });
-        let addr = rx.recv_timeout(LIMIT).expect("node B started");
-        let before = INLINE_IN_FLIGHT.load(Ordering::Relaxed);
-        let got2 = got.clone();
-        let sent = node(a)
-            .run(move |ctx: Rc<ShardCtx>| {
-                let got = got2.clone();
-                async move {
-                    ctx.connect(addr).await.expect("connected");
-                    for seq in 0..FRAMES {
-                        let mut payload = vec![seq as u8; len];
-                        payload[..8].copy_from_slice(&seq.to_le_bytes());
-                        ctx.send_am(b, SEQ, payload).await.expect("queued");
-                    }
-                    let deadline = Instant::now() + LIMIT;
-                    while got.load(Ordering::Acquire) < FRAMES as usize && Instant::now() < deadline
-                    {
-                        sleep(Duration::from_millis(1)).await;
-                    }
-                    ctx.net_stats()
-                }
-            })
-            .expect("node A runs");
-        done.store(true, Ordering::Release);
-        hb.join().expect("node B ends");
-        assert_eq!(got.load(Ordering::Acquire), FRAMES as usize, "{sent:?}");
-        assert_eq!(
-            bad.load(Ordering::Relaxed),
-            0,
-            "frames out of order or damaged"
-        );
-        // Whether UCX left some inline sends in flight depends on the socket buffers and the
-        // timing (it completed all of them in place in some debug runs): said, not asserted.
-        let in_flight = INLINE_IN_FLIGHT.load(Ordering::Relaxed) - before;
-        eprintln!("{in_flight} inline sends were left in flight and queued for the sender");
-    }
 
     #[test]
     fn directory_round_trip_and_rejects_garbage() {

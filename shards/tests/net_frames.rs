@@ -356,6 +356,77 @@ fn unanswered_requests_time_out() {
     }
 }
 
+/// A burst of eager frames just under the rendezvous threshold, sent without yielding, so that
+/// TCP usually cannot take them all at once: those sent inline by the caller and those queued
+/// behind a send still in flight all arrive, intact and in order.
+#[test]
+fn a_burst_of_eager_frames_arrives_in_order() {
+    const FRAMES: u64 = 3000;
+    const SEQ: AmId = AmId::new(13);
+    let _g = serial();
+    let len = NetConfig::default().rndv_threshold;
+    let got = Arc::new(AtomicUsize::new(0));
+    let bad = Arc::new(AtomicUsize::new(0));
+    let (got_b, bad_b) = (got.clone(), bad.clone());
+    let b = start_b(net_config(), move |ctx: &Rc<ShardCtx>| {
+        let (got, bad) = (got_b.clone(), bad_b.clone());
+        let next = std::cell::Cell::new(0u64);
+        ctx.set_net_handler(SEQ, move |_, _, payload| {
+            let seq = payload
+                .get(..8)
+                .and_then(|s| s.try_into().ok())
+                .map(u64::from_le_bytes);
+            let intact =
+                payload.len() == len && payload[8..].iter().all(|&x| x == seq.unwrap_or(0) as u8);
+            if seq != Some(next.get()) || !intact {
+                bad.fetch_add(1, Ordering::Relaxed);
+            }
+            next.set(seq.unwrap_or(0) + 1);
+            got.fetch_add(1, Ordering::Release);
+        });
+    });
+    let addr = b.addr;
+    let owner_a = ShardMap::new(2).unwrap().owner_of(B);
+    let got_a = got.clone();
+    let sent = run_a(net_config(), move |ctx| {
+        let got = got_a.clone();
+        async move {
+            if ctx.id() != owner_a {
+                return None;
+            }
+            ctx.connect(addr).await.expect("connected");
+            for seq in 0..FRAMES {
+                let mut payload = vec![seq as u8; len];
+                payload[..8].copy_from_slice(&seq.to_le_bytes());
+                ctx.send_am(B, SEQ, payload).await.expect("queued");
+            }
+            let deadline = Instant::now() + LIMIT;
+            while got.load(Ordering::Acquire) < FRAMES as usize && Instant::now() < deadline {
+                sleep(Duration::from_millis(1)).await;
+            }
+            Some(ctx.net_stats())
+        }
+    });
+    let _ = b.finish();
+    let sent = sent
+        .into_iter()
+        .flatten()
+        .next()
+        .expect("the owner's stats");
+    assert_eq!(got.load(Ordering::Acquire), FRAMES as usize, "{sent:?}");
+    assert_eq!(
+        bad.load(Ordering::Relaxed),
+        0,
+        "frames out of order or damaged"
+    );
+    // Whether UCX left some inline sends in flight depends on the socket buffers and the
+    // timing (it completed all of them in place in some debug runs): said, not asserted.
+    eprintln!(
+        "{} inline sends were left in flight and queued for the sender",
+        sent.inline_in_flight
+    );
+}
+
 /// A request whose deadline comes before every other timer of the owner shard's net task (a
 /// longer request pending, heartbeats 5 s apart) still times out at its own deadline: the
 /// net task's one timer is moved earlier for it.

@@ -428,13 +428,7 @@ impl Session {
                 .am_send_within(ECHO, &header(self.me, seq, 0), &payload, DEADLINE)
                 .await?;
             let r = self.answer(ECHO_REPLY, seq).await?;
-            if r.payload().len() != size {
-                return Err(BenchError::Protocol(format!(
-                    "echo of {size} bytes came back with {}",
-                    r.payload().len()
-                )));
-            }
-            Ok::<(), BenchError>(())
+            echoed("echo", size, r.payload().len())
         };
         measure(size, budget, warmup, 1, progress, round_trip).await
     }
@@ -513,13 +507,7 @@ impl Session {
             let r = rpc
                 .call_archived_within::<RpcEcho>(self.peer, &payload, DEADLINE)
                 .await?;
-            let got = r.get().len();
-            if got != size {
-                return Err(BenchError::Protocol(format!(
-                    "rpc echo of {size} bytes came back with {got}"
-                )));
-            }
-            Ok::<(), BenchError>(())
+            echoed("rpc echo", size, r.get().len())
         };
         measure(size, budget, warmup, 1, progress, round_trip).await
     }
@@ -654,6 +642,17 @@ impl Session {
                 .map_err(|e| BenchError::from(crate::Error::from(e)))
         };
         measure(0, budget, warmup, 1, progress, hop).await
+    }
+}
+
+/// Checks that an echo of `size` bytes came back whole.
+fn echoed(what: &str, size: usize, got: usize) -> Result<(), BenchError> {
+    if got == size {
+        Ok(())
+    } else {
+        Err(BenchError::Protocol(format!(
+            "{what} of {size} bytes came back with {got}"
+        )))
     }
 }
 

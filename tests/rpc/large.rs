@@ -10,12 +10,10 @@ use std::sync::MutexGuard;
 use shardcx::rma::{Permissions, RemoteRegion};
 use shardcx::rpc::{ArgsLocation, RndvBuf, RpcConfig, RpcContext, RpcError};
 use shardcx::shards::ucx::AlignedBuf;
-use shardcx::shards::Placement;
-use shardcx::{rpc_function, Node, NodeBuilder, NodeId, Peer};
+use shardcx::{rpc_function, Node, NodeBuilder, NodeId, Peer, RpcStats};
 
 use super::pair_with;
 
-const KEY: &[u8] = b"facade rpc_large test key, 16+";
 const CLIENT: NodeId = NodeId::new(0xC2);
 const SERVER: NodeId = NodeId::new(0x5F);
 const MIB: usize = 1 << 20;
@@ -81,16 +79,19 @@ fn data(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// The tests' node, with pool blocks up to 4 MiB: room for a 1 MiB argument and its envelope.
 fn node(id: NodeId) -> NodeBuilder {
-    Node::builder()
-        .shards(2)
-        .placement(Placement::Unpinned)
-        .transports("tcp")
-        .io_memory(1 << 20)
-        .node_id(id)
-        .psk(KEY)
-        // Pool blocks up to 4 MiB: room for a 1 MiB argument and its envelope.
-        .with_shards(|s| s.arena_len(4 << 20))
+    super::node(id).with_shards(|s| s.arena_len(4 << 20))
+}
+
+/// [`super::pair_with`] with this module's server (settings `cfg`) and client.
+fn pair<T, B, Fut>(cfg: RpcConfig, body: B) -> (Vec<T>, RpcStats)
+where
+    T: Send + 'static,
+    B: Fn(Node, Peer) -> Fut + Send + Clone + 'static,
+    Fut: std::future::Future<Output = T> + 'static,
+{
+    pair_with(server(cfg), node(CLIENT), false, body)
 }
 
 fn sum_handler() -> impl Fn(&RpcContext, &rkyv::Archived<Vec<u8>>) -> Result<(u64, u8), String> {
@@ -146,36 +147,31 @@ fn server(cfg: RpcConfig) -> NodeBuilder {
 #[test]
 fn large_arguments_land_in_the_chosen_buffer() {
     let _g = serial();
-    let (_, stats) = pair_with(
-        server(RpcConfig::default()),
-        node(CLIENT),
-        false,
-        |node: Node, peer: Peer| async move {
-            let rpc = node.rpc();
-            let seed = node.shard().index() as u8;
-            let big = data(MIB, seed);
-            let want = checksum(&big);
-            let at = |r: Result<(u64, u8), RpcError>, what: &str| {
-                let (sum, loc) = r.unwrap_or_else(|e| panic!("{what}: {e}"));
-                assert_eq!(sum, want, "{what}: checksum");
-                loc
-            };
-            assert_eq!(at(rpc.call::<InPool>(peer, &big).await, "pool"), 2);
-            assert_eq!(at(rpc.call::<InHost>(peer, &big).await, "host"), 3);
-            assert_eq!(at(rpc.call::<InVec>(peer, &big).await, "vec"), 1);
-            assert_eq!(at(rpc.call::<AsyncPool>(peer, &big).await, "async"), 2);
-            // A small argument comes in the frame, whatever the chooser.
-            let small = data(100, seed);
-            let (sum, loc) = rpc.call::<InPool>(peer, &small).await.expect("small");
-            assert_eq!((sum, loc), (checksum(&small), 0));
-            // Pool blocks go back: many more calls than the pool has 2 MiB blocks.
-            for i in 0..8u8 {
-                let d = data(MIB, i);
-                let (sum, loc) = rpc.call::<InPool>(peer, &d).await.expect("again");
-                assert_eq!((sum, loc), (checksum(&d), 2));
-            }
-        },
-    );
+    let (_, stats) = pair(RpcConfig::default(), |node: Node, peer: Peer| async move {
+        let rpc = node.rpc();
+        let seed = node.shard().index() as u8;
+        let big = data(MIB, seed);
+        let want = checksum(&big);
+        let at = |r: Result<(u64, u8), RpcError>, what: &str| {
+            let (sum, loc) = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(sum, want, "{what}: checksum");
+            loc
+        };
+        assert_eq!(at(rpc.call::<InPool>(peer, &big).await, "pool"), 2);
+        assert_eq!(at(rpc.call::<InHost>(peer, &big).await, "host"), 3);
+        assert_eq!(at(rpc.call::<InVec>(peer, &big).await, "vec"), 1);
+        assert_eq!(at(rpc.call::<AsyncPool>(peer, &big).await, "async"), 2);
+        // A small argument comes in the frame, whatever the chooser.
+        let small = data(100, seed);
+        let (sum, loc) = rpc.call::<InPool>(peer, &small).await.expect("small");
+        assert_eq!((sum, loc), (checksum(&small), 0));
+        // Pool blocks go back: many more calls than the pool has 2 MiB blocks.
+        for i in 0..8u8 {
+            let d = data(MIB, i);
+            let (sum, loc) = rpc.call::<InPool>(peer, &d).await.expect("again");
+            assert_eq!((sum, loc), (checksum(&d), 2));
+        }
+    });
     assert_eq!(stats.served, 2 * 13);
     assert_eq!(stats.failed, 0);
     assert_eq!(
@@ -192,42 +188,37 @@ fn declined_and_oversized_arguments_get_typed_errors() {
         max_args_size: Some(256 << 10),
         ..RpcConfig::default()
     };
-    let (_, stats) = pair_with(
-        server(cfg),
-        node(CLIENT),
-        false,
-        |node: Node, peer: Peer| async move {
-            let rpc = node.rpc();
-            // Under the limit, over the rendezvous threshold: the chooser sees it and declines.
-            let mid = data(128 << 10, 1);
-            match rpc.call::<Declined>(peer, &mid).await {
-                Err(RpcError::Busy) => {}
-                other => panic!("declined: {other:?}"),
+    let (_, stats) = pair(cfg, |node: Node, peer: Peer| async move {
+        let rpc = node.rpc();
+        // Under the limit, over the rendezvous threshold: the chooser sees it and declines.
+        let mid = data(128 << 10, 1);
+        match rpc.call::<Declined>(peer, &mid).await {
+            Err(RpcError::Busy) => {}
+            other => panic!("declined: {other:?}"),
+        }
+        // Over the limit: refused before any chooser runs.
+        let big = data(MIB, 1);
+        match rpc.call::<Declined>(peer, &big).await {
+            Err(RpcError::TooLarge { .. }) => {}
+            other => panic!("declined and over the limit: {other:?}"),
+        }
+        match rpc.call::<InPool>(peer, &big).await {
+            Err(RpcError::TooLarge { len, max }) => {
+                assert_eq!(max, 256 << 10);
+                assert!(len > MIB as u64, "len {len}");
             }
-            // Over the limit: refused before any chooser runs.
-            let big = data(MIB, 1);
-            match rpc.call::<Declined>(peer, &big).await {
-                Err(RpcError::TooLarge { .. }) => {}
-                other => panic!("declined and over the limit: {other:?}"),
-            }
-            match rpc.call::<InPool>(peer, &big).await {
-                Err(RpcError::TooLarge { len, max }) => {
-                    assert_eq!(max, 256 << 10);
-                    assert!(len > MIB as u64, "len {len}");
-                }
-                other => panic!("over the limit: {other:?}"),
-            }
-            // The server keeps serving, large and small.
-            let ok = data(128 << 10, 2);
-            let (sum, loc) = rpc.call::<InPool>(peer, &ok).await.expect("after");
-            assert_eq!((sum, loc), (checksum(&ok), 2));
-            let (sum, _) = rpc
-                .call::<Declined>(peer, &[7u8; 10].to_vec())
-                .await
-                .expect("small");
-            assert_eq!(sum, checksum(&[7u8; 10]));
-        },
-    );
+            other => panic!("over the limit: {other:?}"),
+        }
+        // The server keeps serving, large and small.
+        let ok = data(128 << 10, 2);
+        let (sum, loc) = rpc.call::<InPool>(peer, &ok).await.expect("after");
+        assert_eq!((sum, loc), (checksum(&ok), 2));
+        let (sum, _) = rpc
+            .call::<Declined>(peer, &[7u8; 10].to_vec())
+            .await
+            .expect("small");
+        assert_eq!(sum, checksum(&[7u8; 10]));
+    });
     assert_eq!(
         DECLINES.load(Ordering::SeqCst),
         2,
@@ -240,41 +231,36 @@ fn declined_and_oversized_arguments_get_typed_errors() {
 #[test]
 fn a_handler_gets_large_arguments_from_a_region_of_the_caller() {
     let _g = serial();
-    let (_, stats) = pair_with(
-        server(RpcConfig::default()),
-        node(CLIENT),
-        false,
-        |node: Node, peer: Peer| async move {
-            let rpc = node.rpc();
-            let len = MIB + 3;
-            let region = node
-                .register_region(data(len, 5), Permissions::READ, Some(peer))
-                .expect("region");
-            let args = RegionRef {
-                desc: region.descriptor().to_bytes().to_vec(),
-                len: len as u64,
-            };
-            for i in 0..3u8 {
-                let want = region
-                    .write(|m| {
-                        m[..8].fill(i);
-                        checksum(m)
-                    })
-                    .unwrap();
-                let got = rpc.call::<FromRegion>(peer, &args).await.expect("region");
-                assert_eq!(got, want);
-            }
-            // Past the end: the get is refused, the call fails with the reason.
-            let past = RegionRef {
-                len: len as u64 + 1,
-                ..args
-            };
-            match rpc.call::<FromRegion>(peer, &past).await {
-                Err(RpcError::Failed(m)) => assert!(!m.is_empty()),
-                other => panic!("past the end: {other:?}"),
-            }
-        },
-    );
+    let (_, stats) = pair(RpcConfig::default(), |node: Node, peer: Peer| async move {
+        let rpc = node.rpc();
+        let len = MIB + 3;
+        let region = node
+            .register_region(data(len, 5), Permissions::READ, Some(peer))
+            .expect("region");
+        let args = RegionRef {
+            desc: region.descriptor().to_bytes().to_vec(),
+            len: len as u64,
+        };
+        for i in 0..3u8 {
+            let want = region
+                .write(|m| {
+                    m[..8].fill(i);
+                    checksum(m)
+                })
+                .unwrap();
+            let got = rpc.call::<FromRegion>(peer, &args).await.expect("region");
+            assert_eq!(got, want);
+        }
+        // Past the end: the get is refused, the call fails with the reason.
+        let past = RegionRef {
+            len: len as u64 + 1,
+            ..args
+        };
+        match rpc.call::<FromRegion>(peer, &past).await {
+            Err(RpcError::Failed(m)) => assert!(!m.is_empty()),
+            other => panic!("past the end: {other:?}"),
+        }
+    });
     assert_eq!(stats.served, 6);
     assert_eq!(stats.failed, 2);
 }
