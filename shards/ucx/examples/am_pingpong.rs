@@ -7,75 +7,89 @@
 //!
 //! Each thread owns its own UCX context and worker (as shardcx's shards do); the workers
 //! connect by worker address. The client sends a message, the server echoes it back, and the
-//! client records the round trip. Large messages go by rendezvous and land in a buffer the
-//! receiving handler chose.
+//! client records the round trip. Both sides run the hot path of a shard, with nothing else in
+//! between, as `ucx_perftest` runs UCX's: the handler only records a message during
+//! `progress` (persistent data: a UCX descriptor, no copy by this crate), the loop handles it
+//! right after `progress` returns, and answers at once with [`Endpoint::am_send_now`] (no
+//! request, no callback, no allocation). Messages too long for UCX's short path go the owned
+//! way ([`Endpoint::am_send`]); rendezvous data lands in a buffer the receiving side chose.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::future::poll_fn;
 use std::rc::Rc;
 use std::sync::mpsc;
-use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use shardcx_ucx::{
-    block_on_with, AmPayload, AmProto, Config, Context, Endpoint, EpOptions, ErrorMode, Features,
-    Worker, WorkerAddress,
+    block_on_with, AmPayload, AmProto, Config, Context, Endpoint, EpOptions, Error, ErrorMode,
+    Features, Worker, WorkerAddress,
 };
 
 const PING: u16 = 1;
 const STOP: u16 = 2;
 
-#[derive(Default)]
-struct Inbox {
-    queue: RefCell<VecDeque<(u16, AmPayload)>>,
-    waker: RefCell<Option<Waker>>,
-}
+/// Messages recorded by the handlers during `progress`, handled after it returns.
+type Inbox = Rc<RefCell<VecDeque<(u16, AmPayload)>>>;
 
-impl Inbox {
-    fn install(self: &Rc<Self>, worker: &Worker, id: u16) {
-        let me = self.clone();
-        worker
-            .set_am_handler(id, move |_hdr, payload| {
-                me.queue.borrow_mut().push_back((id, payload));
-                if let Some(w) = me.waker.borrow_mut().take() {
-                    w.wake();
-                }
-            })
-            .expect("install handler");
-    }
-
-    async fn next(&self) -> (u16, AmPayload) {
-        poll_fn(|cx| match self.queue.borrow_mut().pop_front() {
-            Some(m) => Poll::Ready(m),
-            None => {
-                *self.waker.borrow_mut() = Some(cx.waker().clone());
-                Poll::Pending
-            }
+fn install(worker: &Worker, inbox: &Inbox, id: u16) {
+    let q = inbox.clone();
+    worker
+        .set_am_handler_persistent(id, move |_hdr, payload| {
+            q.borrow_mut().push_back((id, payload))
         })
-        .await
+        .expect("install handler");
+}
+
+/// Progress until a message is recorded, and return it.
+fn next(worker: &Worker, inbox: &Inbox) -> (u16, AmPayload) {
+    loop {
+        if let Some(m) = inbox.borrow_mut().pop_front() {
+            return m;
+        }
+        worker.progress();
     }
 }
 
-/// Receive one payload into `buf` (resized to fit), eager or rendezvous.
-async fn take(worker: &Worker, payload: AmPayload, mut buf: Vec<u8>) -> Vec<u8> {
+/// Sends `payload` on `ep`: inline when UCX takes it at once, else from an owned copy.
+fn send(worker: &Worker, ep: &Endpoint, id: u16, payload: &[u8]) {
+    match ep.am_send_now(id, b"", payload) {
+        Ok(()) => {}
+        Err(Error::NoResource) => {
+            let (res, _) = block_on_with(
+                &[worker],
+                spin(),
+                ep.am_send(id, b"", payload.to_vec(), AmProto::Auto),
+            );
+            res.expect("send");
+        }
+        Err(e) => panic!("send: {e}"),
+    }
+}
+
+/// Calls `f` with the bytes of `payload`: eager data in place, rendezvous data pulled into
+/// `buf` (resized to fit).
+fn with_bytes<R>(
+    worker: &Worker,
+    payload: AmPayload,
+    buf: &mut Vec<u8>,
+    f: impl FnOnce(&[u8]) -> R,
+) -> R {
     match payload {
-        AmPayload::Data(d) => {
-            buf.clear();
-            buf.extend_from_slice(d.as_slice());
-            buf
-        }
+        AmPayload::Data(d) => f(d.as_slice()),
         AmPayload::Rendezvous(r) => {
-            buf.resize(r.len(), 0);
-            let (res, buf) = worker.am_recv_data(r, buf).await;
+            let mut b = std::mem::take(buf);
+            b.resize(r.len(), 0);
+            let (res, b) = block_on_with(&[worker], spin(), worker.am_recv_data(r, b));
             res.expect("rendezvous receive");
-            buf
+            *buf = b;
+            f(buf)
         }
     }
 }
 
-/// The driver's spin window: `SHARDCX_SPIN_US` microseconds, or the driver's default.
+/// The spin window of the slow paths' driver: `SHARDCX_SPIN_US` microseconds, or the driver's
+/// default.
 fn spin() -> Duration {
     std::env::var("SHARDCX_SPIN_US")
         .ok()
@@ -130,23 +144,18 @@ fn server(
         .expect("send address");
     let peer = from_client.recv().expect("client address");
     let ep = Endpoint::connect_to_worker(&worker, &peer, opts(&tls)).expect("connect");
-    let inbox = Rc::new(Inbox::default());
-    inbox.install(&worker, PING);
-    inbox.install(&worker, STOP);
-    block_on_with(&[&worker], spin(), async {
-        let mut buf = Vec::new();
-        loop {
-            let (id, payload) = inbox.next().await;
-            if id == STOP {
-                break;
-            }
-            buf = take(&worker, payload, buf).await;
-            let (res, back) = ep.am_send(PING, b"", buf, AmProto::Auto).await;
-            res.expect("echo");
-            buf = back;
+    let inbox = Inbox::default();
+    install(&worker, &inbox, PING);
+    install(&worker, &inbox, STOP);
+    let mut buf = Vec::new();
+    loop {
+        let (id, payload) = next(&worker, &inbox);
+        if id == STOP {
+            break;
         }
-        ep.flush().await.expect("flush");
-    });
+        with_bytes(&worker, payload, &mut buf, |b| send(&worker, &ep, PING, b));
+    }
+    block_on_with(&[&worker], spin(), ep.flush()).expect("flush");
 }
 
 struct Row {
@@ -168,50 +177,48 @@ fn client(tls: &str, sizes: &[usize], iters: usize) -> Vec<Row> {
         .send(worker.address().expect("address"))
         .expect("send address");
     let ep = Endpoint::connect_to_worker(&worker, &peer, opts(tls)).expect("connect");
-    let inbox = Rc::new(Inbox::default());
-    inbox.install(&worker, PING);
-    let rows = block_on_with(&[&worker], spin(), async {
-        let mut rows = Vec::new();
-        for &size in sizes {
-            let n = if size >= 1 << 20 {
-                (iters / 20).max(20)
-            } else {
-                iters
-            };
-            let warmup = (n / 10).max(10);
-            let mut hist =
-                Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("histogram");
-            let mut out = vec![0xA5u8; size];
-            let mut back = Vec::with_capacity(size);
-            let mut started = Instant::now();
-            for i in 0..warmup + n {
-                if i == warmup {
-                    started = Instant::now();
-                }
-                let t0 = Instant::now();
-                let (res, sent) = ep.am_send(PING, b"", out, AmProto::Auto).await;
-                res.expect("ping");
-                out = sent;
-                let (_, payload) = inbox.next().await;
-                back = take(&worker, payload, back).await;
-                if i >= warmup {
-                    hist.record(t0.elapsed().as_nanos() as u64).expect("record");
-                }
+    let inbox = Inbox::default();
+    install(&worker, &inbox, PING);
+    let mut rows = Vec::new();
+    let mut back = Vec::new();
+    for &size in sizes {
+        let n = if size >= 1 << 20 {
+            (iters / 20).max(20)
+        } else {
+            iters
+        };
+        let warmup = (n / 10).max(10);
+        let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("histogram");
+        let out = vec![0xA5u8; size];
+        let mut started = Instant::now();
+        let mut checked = false;
+        for i in 0..warmup + n {
+            if i == warmup {
+                started = Instant::now();
             }
-            assert_eq!(back.len(), size, "echo length");
-            assert!(back.iter().all(|&b| b == 0xA5), "echo content");
-            rows.push(Row {
-                size,
-                iters: n,
-                hist,
-                elapsed: started.elapsed(),
+            let t0 = Instant::now();
+            send(&worker, &ep, PING, &out);
+            let (_, payload) = next(&worker, &inbox);
+            let ok = with_bytes(&worker, payload, &mut back, |b| {
+                // Checked once per size (and the length every time): the check is not timed
+                // work of UCX.
+                b.len() == size && (checked || b.iter().all(|&x| x == 0xA5))
             });
+            if i >= warmup {
+                hist.record(t0.elapsed().as_nanos() as u64).expect("record");
+            }
+            assert!(ok, "echo of {size} bytes came back wrong");
+            checked = true;
         }
-        let (res, _) = ep.am_send(STOP, b"", Vec::new(), AmProto::Auto).await;
-        res.expect("stop");
-        ep.flush().await.expect("flush");
-        rows
-    });
+        rows.push(Row {
+            size,
+            iters: n,
+            hist,
+            elapsed: started.elapsed(),
+        });
+    }
+    send(&worker, &ep, STOP, b"");
+    block_on_with(&[&worker], spin(), ep.flush()).expect("flush");
     handle.join().expect("server thread");
     rows
 }

@@ -39,13 +39,14 @@ type Handler = Box<dyn FnMut(&[u8], AmPayload)>;
 /// A registered handler; boxed, so its address is UCX's `arg`.
 pub(crate) struct AmSlot {
     id: AmIdRaw,
+    flags: u32,
     handler: RefCell<Handler>,
     worker: *const WorkerInner,
 }
 
 impl AmSlot {
     pub(crate) fn clear(&self, worker: sys::ucp_worker_h) {
-        let param = handler_param(self.id, None, ptr::null_mut());
+        let param = handler_param(self.id, self.flags, None, ptr::null_mut());
         // SAFETY: ucp.h (`ucp_worker_set_am_recv_handler`): a NULL callback clears the handler.
         unsafe { ffi::ucp_worker_set_am_recv_handler(worker, &param) };
     }
@@ -83,6 +84,7 @@ pub struct AmRndv {
 
 fn handler_param(
     id: AmIdRaw,
+    flags: u32,
     cb: Option<ffi::AmRecvCb>,
     arg: *mut c_void,
 ) -> sys::ucp_am_handler_param_t {
@@ -92,7 +94,7 @@ fn handler_param(
             | ffi::UCP_AM_HANDLER_PARAM_FIELD_CB
             | ffi::UCP_AM_HANDLER_PARAM_FIELD_ARG,
         id: id as std::ffi::c_uint,
-        flags: ffi::UCP_AM_FLAG_WHOLE_MSG,
+        flags,
         cb: cb.and_then(ffi::am_recv_cb),
         arg,
     }
@@ -315,13 +317,40 @@ impl Worker {
     where
         F: FnMut(&[u8], AmPayload) + 'static,
     {
+        self.install_am_handler(id, ffi::UCP_AM_FLAG_WHOLE_MSG, Box::new(handler))
+    }
+
+    /// [`Worker::set_am_handler`] with UCX's `UCP_AM_FLAG_PERSISTENT_DATA`: eager data always
+    /// reaches the handler as a UCX descriptor ([`AmData`] backed by UCX's memory), which the
+    /// handler may keep past the call and read with no copy by this crate. Where the transport
+    /// delivered the bytes inline (a short message in a shared-memory FIFO slot), UCX copies
+    /// them into a descriptor from its own memory pool first; where it delivered a descriptor
+    /// (larger eager messages), the bytes are not copied at all. The data pointer is aligned to
+    /// [`crate::AM_ALIGNMENT`].
+    ///
+    /// This is the receive side of a hot path that records messages inside `progress` and
+    /// handles them right after it returns: keep each [`AmData`] until handled, drop it to
+    /// release the descriptor (`ucp_am_data_release`).
+    pub fn set_am_handler_persistent<F>(&self, id: AmIdRaw, handler: F) -> Result<()>
+    where
+        F: FnMut(&[u8], AmPayload) + 'static,
+    {
+        self.install_am_handler(
+            id,
+            ffi::UCP_AM_FLAG_WHOLE_MSG | ffi::UCP_AM_FLAG_PERSISTENT_DATA,
+            Box::new(handler),
+        )
+    }
+
+    fn install_am_handler(&self, id: AmIdRaw, flags: u32, handler: Handler) -> Result<()> {
         let slot = Box::new(AmSlot {
             id,
-            handler: RefCell::new(Box::new(handler)),
+            flags,
+            handler: RefCell::new(handler),
             worker: Rc::as_ptr(&self.inner),
         });
         let arg = (&*slot as *const AmSlot) as *mut c_void;
-        let param = handler_param(id, Some(am_recv), arg);
+        let param = handler_param(id, flags, Some(am_recv), arg);
         // SAFETY: ucp.h (`ucp_worker_set_am_recv_handler`): live worker created with
         // UCP_FEATURE_AM (else UCX returns an error); `arg` is a boxed slot that the worker
         // keeps until it is destroyed, so it outlives every call of the handler. Old slots are
@@ -456,6 +485,72 @@ impl Endpoint {
         }
     }
 
+    /// Sends active message `id` with `header` and `payload` at once, if UCX can complete the
+    /// send in place (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): on `Ok` UCX has copied both and
+    /// needs neither any more, so they may be borrowed (stack, a received descriptor). When
+    /// UCX cannot (the message is longer than the transport's short-message limit, or its send
+    /// queue is full) it sends nothing and this returns [`Error::NoResource`]: send the bytes
+    /// with [`Endpoint::am_send`] instead, from a buffer that lives until completion.
+    ///
+    /// Nothing is allocated and no completion callback runs: this is the path of an inline
+    /// answer from a message handler. Refused with [`Error::InvalidArgument`] inside a UCX
+    /// callback (nothing in this crate calls it there).
+    pub fn am_send_now(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
+        self.inner.usable()?;
+        let worker = &self.inner.worker;
+        if worker.in_progress.get() {
+            return Err(Error::InvalidArgument("am_send_now inside a UCX callback"));
+        }
+        // Every field is written, with declared enum variants only; the mask names only the
+        // force-immediate flag, which keeps UCX on its short-message path (no request, no
+        // callback, no datatype other than contiguous bytes).
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: ffi::UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL,
+            flags: 0,
+            request: ptr::null_mut(),
+            cb: sys::ucp_request_param_t__bindgen_ty_1 { send: None },
+            datatype: ffi::UCP_DATATYPE_CONTIG_BYTES,
+            user_data: ptr::null_mut(),
+            reply_buffer: ptr::null_mut(),
+            memory_type: sys::ucs_memory_type::UCS_MEMORY_TYPE_HOST,
+            recv_info: sys::ucp_request_param_t__bindgen_ty_2 {
+                length: ptr::null_mut(),
+            },
+        };
+        let hdr = if header.is_empty() {
+            ptr::null()
+        } else {
+            header.as_ptr()
+        };
+        // SAFETY: ucp.h (`ucp_am_send_nbx`, `UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`: "force immediate
+        // complete operation, fail if the operation cannot be completed immediately"): live
+        // endpoint (held by `self`); `header` and `payload` are readable for the call, and with
+        // forced immediate completion UCX either has copied them when it returns (NULL) or has
+        // not started (an error status), so it keeps no reference to them.
+        let ret = unsafe {
+            sys::ucp_am_send_nbx(
+                self.inner.handle.get(),
+                id as std::ffi::c_uint,
+                hdr.cast(),
+                header.len() as sys::size_t,
+                payload.as_ptr().cast(),
+                payload.len() as sys::size_t,
+                &param,
+            )
+        };
+        match status::status_ptr(ret) {
+            status::StatusPtr::Done => Ok(()),
+            status::StatusPtr::Failed(e) => Err(e),
+            status::StatusPtr::Request(req) => {
+                // Not produced by any UCX release for a forced immediate completion; should a
+                // later one do it, the borrowed bytes must not be left with it: progress here
+                // (not inside a callback: checked above) until UCX is done, then free it.
+                finish_in_place(worker, req);
+                Ok(())
+            }
+        }
+    }
+
     /// Send active message `id` whose payload is gathered from several buffers (an iovec).
     pub fn am_send_iov<B: IoBuf>(
         &self,
@@ -473,6 +568,23 @@ impl Endpoint {
             flight: None,
         }
     }
+}
+
+/// Progresses `worker` until `req` (a request UCX returned for an operation on borrowed bytes)
+/// completes, then frees it.
+fn finish_in_place(worker: &WorkerInner, req: *mut c_void) {
+    loop {
+        // SAFETY: ucp.h (`ucp_request_check_status`): `req` is a live request of this worker,
+        // not yet freed.
+        let st = unsafe { ffi::ucp_request_check_status(req) };
+        if st != status::UCS_INPROGRESS {
+            break;
+        }
+        worker.progress();
+    }
+    // SAFETY: ucp.h (`ucp_request_free`): the request has completed; it is freed once and not
+    // used again.
+    unsafe { sys::ucp_request_free(req) };
 }
 
 /// What an [`AmSend`] sends: one buffer, or several gathered.

@@ -95,6 +95,11 @@ extern "C" {
         rkey_buffer_p: *mut *mut c_void,
         size_p: *mut sys::size_t,
     ) -> RawStatus;
+    pub(crate) fn ucp_worker_query(
+        worker: sys::ucp_worker_h,
+        attr: *mut sys::ucp_worker_attr_t,
+    ) -> RawStatus;
+    pub(crate) fn ucp_request_check_status(request: *mut c_void) -> RawStatus;
     pub(crate) fn ucp_ep_rkey_unpack(
         ep: sys::ucp_ep_h,
         rkey_buffer: *const c_void,
@@ -216,6 +221,9 @@ pub(crate) const UCP_FEATURE_AM: u64 = 1 << 6;
 // `ucp_worker_params_field`.
 pub(crate) const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
 pub(crate) const UCP_WORKER_PARAM_FIELD_NAME: u64 = 1 << 6;
+pub(crate) const UCP_WORKER_PARAM_FIELD_AM_ALIGNMENT: u64 = 1 << 7;
+// `ucp_worker_attr_field`.
+pub(crate) const UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER: u64 = 1 << 3;
 // `ucp_listener_params_field`.
 pub(crate) const UCP_LISTENER_PARAM_FIELD_SOCK_ADDR: u64 = 1 << 0;
 pub(crate) const UCP_LISTENER_PARAM_FIELD_CONN_HANDLER: u64 = 1 << 2;
@@ -246,6 +254,7 @@ pub(crate) const UCP_MEM_ATTR_FIELD_ADDRESS: u64 = 1 << 0;
 pub(crate) const UCP_MEM_ATTR_FIELD_LENGTH: u64 = 1 << 1;
 // `ucp_am_cb_flags`.
 pub(crate) const UCP_AM_FLAG_WHOLE_MSG: u32 = 1 << 0;
+pub(crate) const UCP_AM_FLAG_PERSISTENT_DATA: u32 = 1 << 1;
 // `ucp_send_am_flags`.
 pub(crate) const UCP_AM_SEND_FLAG_EAGER: u32 = 1 << 1;
 pub(crate) const UCP_AM_SEND_FLAG_RNDV: u32 = 1 << 2;
@@ -257,6 +266,7 @@ pub(crate) const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub(crate) const UCP_OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
 pub(crate) const UCP_OP_ATTR_FIELD_RECV_INFO: u32 = 1 << 7;
 pub(crate) const UCP_OP_ATTR_FLAG_NO_IMM_CMPL: u32 = 1 << 16;
+pub(crate) const UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL: u32 = 1 << 18;
 // `ucp_am_recv_attr_t`.
 pub(crate) const UCP_AM_RECV_ATTR_FLAG_DATA: u64 = 1 << 16;
 pub(crate) const UCP_AM_RECV_ATTR_FLAG_RNDV: u64 = 1 << 17;

@@ -81,4 +81,4 @@ pub use rma::{Get, MemHandle, MemSlice, PackedRkey, Put, RemoteKey};
 pub use status::{status_string, Error, RawStatus, Result};
 pub use tag::{TagRecv, TagRecvInfo, TagSend};
 pub use version::{version, VersionInfo};
-pub use worker::{Armed, Flush, WakeupFd, Worker, WorkerAddress};
+pub use worker::{Armed, Flush, WakeupFd, Worker, WorkerAddress, AM_ALIGNMENT};

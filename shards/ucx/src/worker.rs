@@ -40,6 +40,8 @@ pub(crate) struct WorkerInner {
     /// Set when the last owner is gone and teardown has begun.
     pub(crate) dying: Cell<bool>,
     pub(crate) wakeup: bool,
+    /// `UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER`, queried once.
+    pub(crate) max_am_header: usize,
     /// Keeps the context alive until after the worker is destroyed (declared last, dropped
     /// last).
     _context: Rc<ContextInner>,
@@ -107,10 +109,12 @@ impl Worker {
         // `ucs_thread_mode_t` enum, whose zero value is the declared `UCS_THREAD_MODE_SINGLE`;
         // all-zero is a valid value for every field, and the fields we use are then set.
         let mut params: sys::ucp_worker_params_t = unsafe { std::mem::zeroed() };
-        params.field_mask =
-            ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE | ffi::UCP_WORKER_PARAM_FIELD_NAME;
+        params.field_mask = ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE
+            | ffi::UCP_WORKER_PARAM_FIELD_NAME
+            | ffi::UCP_WORKER_PARAM_FIELD_AM_ALIGNMENT;
         params.thread_mode = sys::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE;
         params.name = name.as_ptr().cast::<c_char>();
+        params.am_alignment = AM_ALIGNMENT as sys::size_t;
         let mut handle = ptr::null_mut();
         // SAFETY: ucp.h (`ucp_worker_create`): a live context, parameters whose mask names only
         // set fields; on success a worker to destroy with `ucp_worker_destroy`.
@@ -130,9 +134,16 @@ impl Worker {
                 in_progress: Cell::new(false),
                 dying: Cell::new(false),
                 wakeup: context.inner.features.wakeup,
+                max_am_header: query_max_am_header(handle),
                 _context: context.inner.clone(),
             }),
         })
+    }
+
+    /// The largest active-message header this worker's endpoints can send
+    /// (`UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER`), as UCX reported it when the worker was created.
+    pub fn max_am_header(&self) -> usize {
+        self.inner.max_am_header
     }
 
     /// Make progress: run pending communication and callbacks. Returns the number of events
@@ -366,6 +377,29 @@ impl Future for Flush {
             Some(f) => f.poll(cx).map(|c| c.result()),
             None => Poll::Ready(Err(Error::Canceled)),
         }
+    }
+}
+
+/// Minimal alignment of active-message data pointers handed to handlers
+/// (`UCP_WORKER_PARAM_FIELD_AM_ALIGNMENT`): eager payloads arrive aligned for in-place reading
+/// of 16-aligned archives (rkyv).
+pub const AM_ALIGNMENT: usize = 16;
+
+/// `max_am_header` of a fresh worker (0 when the query fails: every header is then refused by
+/// callers that check it, and UCX itself still reports its own error).
+fn query_max_am_header(handle: sys::ucp_worker_h) -> usize {
+    // SAFETY: `ucp_worker_attr_t` holds integers, pointers and the `ucs_thread_mode_t` enum,
+    // whose zero value is the declared `UCS_THREAD_MODE_SINGLE`: all-zero is valid, and only the
+    // field named in the mask is read back.
+    let mut attr: sys::ucp_worker_attr_t = unsafe { std::mem::zeroed() };
+    attr.field_mask = ffi::UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    // SAFETY: ucp.h (`ucp_worker_query`): live worker, attribute struct with a field mask naming
+    // only `max_am_header`, which UCX fills in; nothing is allocated for it.
+    let st = unsafe { ffi::ucp_worker_query(handle, &mut attr) };
+    if st == status::UCS_OK {
+        attr.max_am_header as usize
+    } else {
+        0
     }
 }
 

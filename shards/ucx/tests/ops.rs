@@ -385,3 +385,119 @@ fn mapped_owned_memory_is_reachable_by_put_and_get() {
         );
     }
 }
+
+/// The hot path's receive side: a persistent handler records messages during `progress`; each
+/// eager payload is a UCX descriptor, readable after the callback has returned, aligned to
+/// `AM_ALIGNMENT`, and released when dropped.
+#[test]
+fn persistent_handler_keeps_eager_data_past_the_callback() {
+    for tls in transports() {
+        let p = pair(tls);
+        let q: Inbox = Rc::default();
+        let q2 = q.clone();
+        p.b.set_am_handler_persistent(9, move |hdr, payload| {
+            q2.borrow_mut().push_back((hdr.to_vec(), payload))
+        })
+        .expect("handler");
+        let sizes = [0usize, 1, 8, 100, 4000];
+        for (k, &size) in sizes.iter().enumerate() {
+            let payload = pattern(size, k as u8);
+            // In place when UCX can (after wire-up, within the short limit), else owned.
+            if let Err(Error::NoResource) = p.ab.am_send_now(9, &[k as u8; 24], &payload) {
+                let (res, _) = p.run(p.ab.am_send(9, &[k as u8; 24], payload, AmProto::Eager));
+                res.expect("owned send");
+            }
+        }
+        // Progress until every message is recorded; none is read before that, so each must
+        // have outlived its callback.
+        for _ in 0..1_000_000 {
+            if q.borrow().len() == sizes.len() {
+                break;
+            }
+            p.a.progress();
+            p.b.progress();
+        }
+        let got: Vec<_> = q.borrow_mut().drain(..).collect();
+        assert_eq!(got.len(), sizes.len(), "{tls}: every message recorded");
+        for (k, ((hdr, payload), &size)) in got.into_iter().zip(&sizes).enumerate() {
+            assert_eq!(hdr, vec![k as u8; 24], "{tls}: header {k}");
+            let AmPayload::Data(d) = payload else {
+                panic!("{tls}: {size} bytes arrived eager")
+            };
+            assert_eq!(
+                d.as_slice(),
+                &pattern(size, k as u8)[..],
+                "{tls}: bytes {k}"
+            );
+            if size > 0 {
+                assert_eq!(
+                    d.as_slice().as_ptr() as usize % shardcx_ucx::AM_ALIGNMENT,
+                    0,
+                    "{tls}: data aligned"
+                );
+            }
+        }
+        p.spin(1000);
+    }
+}
+
+/// `am_send_now` either hands the message to UCX at once (borrowed bytes, nothing kept) or
+/// refuses with `NoResource` and sends nothing: a message longer than the short path's limit
+/// is refused, and the receiver sees only the messages that were accepted.
+#[test]
+fn send_now_is_all_or_nothing() {
+    for tls in transports() {
+        let p = pair(tls);
+        let q = inbox(&p.b, 11);
+        // Wire the endpoint up first (over tcp its lanes connect on the first messages, and
+        // until then UCX has no short path).
+        let (res, _) = p.run(p.ab.am_send(11, &[0xFF], vec![0u8; 16], AmProto::Eager));
+        res.expect("wire-up send");
+        for _ in 0..1_000_000 {
+            if !q.borrow().is_empty() {
+                break;
+            }
+            p.a.progress();
+            p.b.progress();
+        }
+        assert_eq!(
+            q.borrow_mut().drain(..).count(),
+            1,
+            "{tls}: wire-up message"
+        );
+        let big = pattern(1 << 20, 5);
+        assert!(
+            matches!(p.ab.am_send_now(11, b"", &big), Err(Error::NoResource)),
+            "{tls}: 1 MiB is never sent in place"
+        );
+        let mut sent = 0usize;
+        for i in 0..64u8 {
+            // A stack buffer, overwritten right after the call: UCX must have copied it.
+            let mut bytes = [i; 16];
+            match p.ab.am_send_now(11, &[i], &bytes) {
+                Ok(()) => sent += 1,
+                Err(Error::NoResource) => {}
+                Err(e) => panic!("{tls}: {e}"),
+            }
+            bytes.fill(0xEE);
+            std::hint::black_box(&bytes);
+        }
+        assert!(sent > 0, "{tls}: small messages go in place");
+        for _ in 0..1_000_000 {
+            if q.borrow().len() == sent {
+                break;
+            }
+            p.a.progress();
+            p.b.progress();
+        }
+        let got: Vec<_> = q.borrow_mut().drain(..).collect();
+        assert_eq!(got.len(), sent, "{tls}: nothing refused arrived");
+        for (hdr, payload) in got {
+            let AmPayload::Data(d) = payload else {
+                panic!("{tls}: eager")
+            };
+            assert_eq!(d.as_slice(), &[hdr[0]; 16], "{tls}: the bytes at the call");
+        }
+        assert!(p.b.max_am_header() >= 64, "{tls}: room for a frame header");
+    }
+}
