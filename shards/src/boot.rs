@@ -6,7 +6,7 @@ use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use glommio::{Latency, LocalExecutorBuilder, Placement as GPlacement, Shares};
+use glommio::{LocalExecutorBuilder, Placement as GPlacement};
 
 use crate::driver::{self, Driver, DriverConfig, DriverStats};
 use crate::error::BootError;
@@ -65,31 +65,6 @@ pub struct ShardsBuilder {
 /// `am_echo --shards 2`'s forwarding shard had a 100 ms max round trip in every run). Set for
 /// every queue, it bounds that delay.
 const PREEMPT_TIMER: Duration = Duration::from_millis(1);
-
-/// Latency of the progress driver's task queue: while the driver spins, the shard looks at
-/// timers and other threads' wake-ups this often. A shorter one serves those sooner but
-/// preempts the spinning driver more often, which shows in the busy round trip's tail. The
-/// cross-shard lanes do not wait for it: the driver polls them on every round (see `mesh`).
-/// Measured on the 2-core VM, with the 1 ms [`PREEMPT_TIMER`] (`idle_wake` busy 8-byte RTT
-/// p99; `am_echo --shards 2`, both nodes in one process: forwarded shard p50 / max, owner shard
-/// p99).
-/// Each row came from editing this constant (and [`PREEMPT_TIMER`] for the last row) and
-/// running `cargo run --release -p shardcx-shards --example idle_wake` and
-/// `cargo run --release --example am_echo -- --shards 2`, one to three runs each on 2026-11-23:
-///
-/// | latency | busy RTT p99 | forwarded p50 / max | owner p99 |
-/// | --- | --- | --- | --- |
-/// | 100 µs | 17 µs | 275 µs / 12–30 ms | 270–420 µs |
-/// | 300 µs | 10–24 µs | 320–330 µs / 6 ms | 180–340 µs |
-/// | 500 µs | 2.8–8 µs | 520–530 µs / 7–8.5 ms | 140–180 µs |
-/// | 1 ms | 2.4–2.6 µs | 1.2 ms / 9–47 ms | 150–250 µs |
-/// | 100 µs, glommio's 100 ms default timer (before) | 2.1 µs | 260 µs / 100 ms | 72–81 µs |
-///
-/// The forwarded column dates from the mesh's former lanes (glommio shared channels), which a
-/// spinning shard looked at only at this preempt. For today's cross-shard figures run
-/// `cargo run --release -p shardcx-shards --example hop` and
-/// `cargo run --release --example am_echo` (README's shard runtime figures).
-const PROGRESS_LATENCY: Duration = Duration::from_micros(500);
 
 /// A hook run on every shard once its state is built (see [`ShardsBuilder::on_start`]).
 #[derive(Clone)]
@@ -410,16 +385,9 @@ impl ShardsBuilder {
         let (driver, task) = backstopped(Driver::start(&worker, shard, self.driver, stats.clone()))
             .await
             .map_err(|source| BootError::Driver { shard, source })?;
-        let tq = glommio::executor().create_task_queue(
-            Shares::default(),
-            Latency::Matters(PROGRESS_LATENCY),
-            "shardcx-progress",
-        );
-        let progress =
-            glommio::spawn_local_into(driver::run(task), tq).map_err(|e| BootError::Executor {
-                shard,
-                reason: e.to_string(),
-            })?;
+        // The driver runs in the default task queue, with the tasks its handlers wake (see
+        // `driver::run`, "The hot path").
+        let progress = glommio::spawn_local(driver::run(task));
         let id =
             ShardId::new(u16::try_from(shard).map_err(|_| BootError::Config("too many shards"))?);
         let settings = self
@@ -448,6 +416,7 @@ impl ShardsBuilder {
         // mesh's inbox task while it sleeps (see `mesh` and `driver`).
         let mesh_tasks = mesh.start(&ctx);
         ctx.driver.set_poll_hook(mesh.poll_hook(&ctx));
+        ctx.driver.set_dispatch_hook(net::dispatch_hook(&ctx));
         let started = match installed {
             Ok(()) => net::listen(&ctx).await,
             Err(e) => Err(e),

@@ -220,6 +220,15 @@ pub enum NetError {
         /// The limit.
         max: u64,
     },
+    /// The application's header is longer than a frame carries (see
+    /// [`crate::net::MAX_USER_HEADER`]); refused before anything was sent.
+    #[error("header of {len} bytes exceeds the maximum of {max}")]
+    HeaderTooLarge {
+        /// The header's length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The frame kind cannot be used for this operation (e.g. a control kind, or a reply kind
     /// that does not answer the request's kind).
     #[error("frame kind {kind:?} cannot be used to {op}")]

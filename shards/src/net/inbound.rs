@@ -1,0 +1,862 @@
+//! Inbound: what UCX delivers, recorded by its callbacks and dispatched by the progress driver
+//! right after `progress` returns (see the module docs of [`crate::net`], "The hot path").
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+
+use futures_lite::future;
+use glommio::timer::sleep;
+
+use super::request::{is_reply_kind, is_request_kind, reply_fits};
+use super::session::{self, accept_hello};
+use super::{
+    parse_am_header, NetError, NetState, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, DIRECTORY_AM,
+    FRAME_AM, MAX_ADDR_LEN, MAX_USER_HEADER,
+};
+use crate::boot::ShardCtx;
+use crate::driver::DispatchHook;
+use crate::pool::PoolBuf;
+use crate::proto::conn::{DropReason, Received};
+use crate::proto::wire::decode_frame;
+use crate::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId, Timestamp, WireError};
+use crate::ucx::{AlignedBuf, AmData, AmPayload, AmRndv, IoBufMut};
+
+/// A handler of application frames (an AM id's, or a request kind's).
+pub(super) type FrameHandler = Rc<dyn Fn(&Rc<ShardCtx>, Frame)>;
+/// A rendezvous handler: chooses the buffer, pulls, hands over (see [`rndv_handler`]).
+pub(super) type RndvHandler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, FrameHeader, AmRndv)>;
+
+/// User headers up to this many bytes are kept inline in a recorded input.
+const INLINE_USER: usize = 40;
+
+/// The user header of an application frame, copied out of UCX's AM header (which is valid only
+/// during its callback).
+#[derive(Clone)]
+pub(crate) enum UserHeader {
+    Inline([u8; INLINE_USER], u8),
+    Heap(Box<[u8]>),
+}
+
+/// The payload of a frame received by this shard: a UCX descriptor read in place (eager data),
+/// or a vector (rendezvous data pulled into one). `!Send`: a descriptor belongs to its worker;
+/// [`Payload::into_vec`] for another thread.
+pub struct Payload(PayloadInner);
+
+enum PayloadInner {
+    Empty,
+    Desc(AmData),
+    Vec(Vec<u8>),
+}
+
+/// An application frame from a connected node, handed to its handler by the progress driver:
+/// the frame header, the application's user header, and the payload, owned. Reading it in
+/// place and dropping it (or answering inline) costs no copy; keeping it keeps UCX's
+/// descriptor until it is dropped.
+pub struct Frame {
+    node: NodeId,
+    header: FrameHeader,
+    user: UserHeader,
+    payload: Payload,
+}
+
+/// An input recorded for the driver's dispatch, in arrival order.
+pub(super) enum Inbound {
+    /// A [`DATA_AM`] message (header decoded in the callback).
+    Data {
+        node: NodeId,
+        header: FrameHeader,
+        user: UserHeader,
+        data: AmPayload,
+    },
+    /// A [`FRAME_AM`] message: a control frame (and, for a hello, the sender's address).
+    Control {
+        node: NodeId,
+        addr_len: usize,
+        bytes: Vec<u8>,
+    },
+    TooLarge,
+    Malformed,
+    /// A connection's sender found its endpoint failed (pushed by the sender task).
+    TransportError {
+        node: NodeId,
+        generation: u64,
+    },
+}
+
+impl UserHeader {
+    fn copy(bytes: &[u8]) -> UserHeader {
+        if bytes.len() <= INLINE_USER {
+            let mut a = [0u8; INLINE_USER];
+            a[..bytes.len()].copy_from_slice(bytes);
+            // At most INLINE_USER (40): fits a u8.
+            UserHeader::Inline(a, bytes.len() as u8)
+        } else {
+            UserHeader::Heap(bytes.into())
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            UserHeader::Inline(a, n) => &a[..usize::from(*n)],
+            UserHeader::Heap(b) => b,
+        }
+    }
+}
+
+impl Payload {
+    /// An empty payload.
+    pub fn empty() -> Payload {
+        Payload(PayloadInner::Empty)
+    }
+
+    fn desc(d: AmData) -> Payload {
+        if d.is_empty() {
+            Payload::empty()
+        } else {
+            Payload(PayloadInner::Desc(d))
+        }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.0 {
+            PayloadInner::Empty => &[],
+            PayloadInner::Desc(d) => d.as_slice(),
+            PayloadInner::Vec(v) => v,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Whether there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes as a vector: moved when they are one already (rendezvous data), copied out of
+    /// UCX's descriptor otherwise (which is then released).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self.0 {
+            PayloadInner::Empty => Vec::new(),
+            PayloadInner::Desc(d) => d.as_slice().to_vec(),
+            PayloadInner::Vec(v) => v,
+        }
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(v: Vec<u8>) -> Payload {
+        Payload(PayloadInner::Vec(v))
+    }
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Payload({} bytes)", self.len())
+    }
+}
+
+impl Frame {
+    /// A frame made here rather than received (tests, and local delivery).
+    pub fn new(node: NodeId, header: FrameHeader, user: &[u8], payload: Payload) -> Frame {
+        Frame {
+            node,
+            header,
+            user: UserHeader::copy(user),
+            payload,
+        }
+    }
+
+    /// The sending node.
+    pub fn node(&self) -> NodeId {
+        self.node
+    }
+
+    /// The frame header (kind, `id`, `req_id`, `ttl_ns`, the sending shard...).
+    pub fn header(&self) -> &FrameHeader {
+        &self.header
+    }
+
+    /// The application's user header (the AM header of an active message; empty for other
+    /// kinds).
+    pub fn user_header(&self) -> &[u8] {
+        self.user.as_slice()
+    }
+
+    /// The payload's bytes.
+    pub fn payload(&self) -> &[u8] {
+        self.payload.as_slice()
+    }
+
+    /// The payload, owned.
+    pub fn into_payload(self) -> Payload {
+        self.payload
+    }
+
+    /// The payload as a vector (see [`Payload::into_vec`]).
+    pub fn into_vec(self) -> Vec<u8> {
+        self.payload.into_vec()
+    }
+}
+
+impl std::fmt::Debug for Frame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frame")
+            .field("node", &self.node)
+            .field("header", &self.header)
+            .field("user_header", &self.user.as_slice().len())
+            .field("payload", &self.payload)
+            .finish()
+    }
+}
+
+/// Parses the UCX AM header of a [`DATA_AM`] message: the sender, the frame header (checked
+/// against `limits`) and the user header.
+fn parse_data_header<'a>(
+    h: &'a [u8],
+    limits: &Limits,
+) -> Result<(NodeId, FrameHeader, &'a [u8]), WireError> {
+    let bad = WireError::Truncated {
+        what: "data AM header",
+        needed: DATA_HEADER_LEN,
+        got: h.len(),
+    };
+    if h.len() < DATA_HEADER_LEN || h.len() > DATA_HEADER_LEN + MAX_USER_HEADER {
+        return Err(bad);
+    }
+    let (node, addr_len) = parse_am_header(&h[..AM_HEADER_LEN]).ok_or(bad.clone())?;
+    if addr_len != 0 {
+        return Err(bad);
+    }
+    let header = FrameHeader::decode(&h[AM_HEADER_LEN..DATA_HEADER_LEN], limits)?;
+    Ok((node, header, &h[DATA_HEADER_LEN..]))
+}
+
+/// Registers the shard's UCX AM handlers: they only record what arrived (see the module docs).
+pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
+    let shard = ctx.id().index();
+    let ucx = |source| crate::BootError::Ucx { shard, source };
+    let net = ctx.net();
+    let inbox = net.inbox.clone();
+    // Largest control frame that can be valid: a hello's address and a handshake frame.
+    let cap = MAX_ADDR_LEN + 4096;
+    ctx.worker()
+        .set_am_handler(FRAME_AM, move |header, payload| {
+            let item = match (parse_am_header(header), payload) {
+                // Refused before it is copied out of UCX's buffer.
+                (Some(_), AmPayload::Data(d)) if d.len() > cap => Inbound::TooLarge,
+                (Some((node, addr_len)), AmPayload::Data(d)) => Inbound::Control {
+                    node,
+                    addr_len,
+                    bytes: d.into_vec(),
+                },
+                _ => Inbound::Malformed,
+            };
+            inbox.borrow_mut().push_back(item);
+        })
+        .map_err(ucx)?;
+    let inbox = net.inbox.clone();
+    let limits = net.limits;
+    ctx.worker()
+        .set_am_handler_persistent(DATA_AM, move |h, data| {
+            // The data stays in UCX's descriptor (eager) or with the sender (rendezvous) until
+            // the dispatch has checked the frame; dropping it releases or declines it.
+            let item = match parse_data_header(h, &limits) {
+                Ok((node, header, user)) => {
+                    let len = match &data {
+                        AmPayload::Data(d) => d.len(),
+                        AmPayload::Rendezvous(r) => r.len(),
+                    };
+                    if header.kind.is_control() || header.payload_len != len as u64 {
+                        Inbound::Malformed
+                    } else {
+                        Inbound::Data {
+                            node,
+                            header,
+                            user: UserHeader::copy(user),
+                            data,
+                        }
+                    }
+                }
+                Err(WireError::MessageTooLarge { .. }) => Inbound::TooLarge,
+                Err(_) => Inbound::Malformed,
+            };
+            inbox.borrow_mut().push_back(item);
+        })
+        .map_err(ucx)?;
+    let dirs = net.directories.clone();
+    ctx.worker()
+        .set_am_handler(DIRECTORY_AM, move |_header, payload| {
+            if let AmPayload::Data(d) = payload {
+                dirs.push(d.into_vec());
+            }
+        })
+        .map_err(ucx)?;
+    Ok(())
+}
+
+/// The driver's dispatch hook of shard `ctx` (see [`crate::driver::DispatchHook`]): one look
+/// at the recorded inputs when nothing came, else [`drain`].
+pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
+    let weak = Rc::downgrade(ctx);
+    let inbox = ctx.net().inbox.clone();
+    Rc::new(move |budget| {
+        if inbox.borrow().is_empty() {
+            return 0;
+        }
+        match weak.upgrade() {
+            Some(ctx) => drain(&ctx, budget),
+            None => 0,
+        }
+    })
+}
+
+/// Handles at most `budget` recorded inputs, in order; the clock is read once for them all
+/// (what it dates is the connections' liveness, whose timers count in heartbeat intervals).
+/// Each frame reaches its handler before the next input is handled: a `Close` (or an endpoint
+/// error) that follows data frames must not fail the requests and receives those frames
+/// answer.
+pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> usize {
+    let net = ctx.net();
+    let mut now = None;
+    let mut n = 0;
+    while n < budget {
+        let item = net.inbox.borrow_mut().pop_front();
+        let Some(item) = item else { return n };
+        n += 1;
+        let now = *now.get_or_insert_with(|| net.now());
+        handle(ctx, net, item, now);
+    }
+    if !net.inbox.borrow().is_empty() {
+        net.count(|s| s.dispatch_budget_hits += 1);
+    }
+    n
+}
+
+/// Handles one recorded input.
+fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
+    match item {
+        Inbound::Data {
+            node,
+            header,
+            user,
+            data,
+        } => {
+            let received = match net.peers.borrow_mut().get_mut(&node) {
+                Some(p) => p.conn.handle_frame(now, &header, &[]),
+                None => Received::Dropped(DropReason::NotReady),
+            };
+            if !matches!(received, Received::Deliver) {
+                session::service(net, node);
+            }
+            if count_received(net, &header, received) {
+                match data {
+                    AmPayload::Data(d) => dispatch(
+                        ctx,
+                        Frame {
+                            node,
+                            header,
+                            user,
+                            payload: Payload::desc(d),
+                        },
+                    ),
+                    AmPayload::Rendezvous(r) => deliver_rndv(ctx, node, header, user, r),
+                }
+            }
+        }
+        Inbound::Control {
+            node,
+            addr_len,
+            bytes,
+        } => handle_control(ctx, net, node, addr_len, &bytes, now),
+        Inbound::Malformed => net.count(|s| s.dropped_malformed += 1),
+        Inbound::TooLarge => net.count(|s| s.dropped_too_large += 1),
+        Inbound::TransportError { node, generation } => {
+            if let Some(p) = net.peers.borrow_mut().get_mut(&node) {
+                if p.generation == generation {
+                    p.conn.handle_transport_error(now);
+                }
+            }
+            session::service(net, node);
+        }
+    }
+}
+
+/// A [`FRAME_AM`] message: a control frame of a connection, or a hello that opens one.
+fn handle_control(
+    ctx: &Rc<ShardCtx>,
+    net: &NetState,
+    node: NodeId,
+    addr_len: usize,
+    bytes: &[u8],
+    now: Timestamp,
+) {
+    let (Some(addr), Some(frame)) = (bytes.get(..addr_len), bytes.get(addr_len..)) else {
+        net.count(|s| s.dropped_malformed += 1);
+        return;
+    };
+    let (header, payload) = match decode_frame(frame, &net.limits) {
+        Ok(hp) => hp,
+        Err(e) => {
+            count_bad_frame(net, &e);
+            return;
+        }
+    };
+    let known = net.peers.borrow().contains_key(&node);
+    if !known && !accept_hello(ctx, net, node, addr, &header, payload) {
+        return;
+    }
+    let received = match net.peers.borrow_mut().get_mut(&node) {
+        Some(p) => p.conn.handle_frame(now, &header, payload),
+        None => return,
+    };
+    session::service(net, node);
+    if count_received(net, &header, received) {
+        // Application frames travel as DATA_AM only.
+        net.count(|s| s.dropped_malformed += 1);
+    }
+}
+
+/// Counts a frame that could not be decoded.
+fn count_bad_frame(net: &NetState, e: &WireError) {
+    if matches!(e, WireError::MessageTooLarge { .. }) {
+        net.count(|s| s.dropped_too_large += 1);
+    } else {
+        net.count(|s| s.dropped_malformed += 1);
+    }
+}
+
+/// What the connection said about an application frame: whether to deliver it.
+fn count_received(net: &NetState, header: &FrameHeader, received: Received) -> bool {
+    match received {
+        Received::Deliver => !header.kind.is_control(),
+        Received::Consumed => false,
+        Received::Dropped(DropReason::NotReady) => {
+            net.count(|s| s.dropped_unauthenticated += 1);
+            false
+        }
+        Received::Dropped(_) => {
+            net.count(|s| s.dropped_other += 1);
+            false
+        }
+    }
+}
+
+/// Whether some handler or pending request on this shard takes `header` from `node`; counts
+/// the frame as dropped when none does.
+fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
+    let want = match header.kind {
+        FrameKind::Am => {
+            let id = AmId::new(header.id);
+            net.handlers.borrow().contains_key(&id) || net.rndv_handlers.borrow().contains_key(&id)
+        }
+        k if is_reply_kind(k) => {
+            let fits = net
+                .pending
+                .borrow()
+                .get(header.req_id)
+                .is_some_and(|p| p.node == node && reply_fits(p.kind, k));
+            if !fits {
+                net.count(|s| s.dropped_unmatched += 1);
+                return false;
+            }
+            true
+        }
+        k => {
+            if is_request_kind(k) && header.ttl_ns == 0 {
+                net.count(|s| s.dropped_expired += 1);
+                return false;
+            }
+            net.frame_handlers.borrow().contains_key(&k)
+                || net.frame_rndv_handlers.borrow().contains_key(&k)
+        }
+    };
+    if !want {
+        net.count(|s| s.dropped_no_handler += 1);
+    }
+    want
+}
+
+/// Calls `handler` with `frame`, on the driver's stack: a panic loses this frame only, and
+/// is counted ([`super::NetStats::handler_panics`]).
+fn call(ctx: &Rc<ShardCtx>, handler: &FrameHandler, frame: Frame) {
+    let net = ctx.net();
+    net.count(|s| s.delivered += 1);
+    if std::panic::catch_unwind(AssertUnwindSafe(|| handler(ctx, frame))).is_err() {
+        net.count(|s| s.handler_panics += 1);
+    }
+}
+
+/// Hands an application frame (its whole payload here) to its handler or pending request.
+pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
+    let net = ctx.net();
+    let header = frame.header;
+    match header.kind {
+        FrameKind::Am => {
+            let h = net.handlers.borrow().get(&AmId::new(header.id)).cloned();
+            match h {
+                Some(h) => call(ctx, &h, frame),
+                // None, or only a rendezvous handler: it cannot take eager data.
+                None => net.count(|s| s.dropped_no_handler += 1),
+            }
+        }
+        k if is_reply_kind(k) => {
+            let p = {
+                let mut pending = net.pending.borrow_mut();
+                let fits = pending
+                    .get(header.req_id)
+                    .is_some_and(|p| p.node == frame.node && reply_fits(p.kind, k));
+                if fits {
+                    pending.complete(header.req_id)
+                } else {
+                    None
+                }
+            };
+            match p {
+                Some(p) => {
+                    net.count(|s| s.delivered += 1);
+                    p.waiter.push(Ok((header, frame.payload)));
+                }
+                None => net.count(|s| s.dropped_unmatched += 1),
+            }
+        }
+        k => {
+            if is_request_kind(k) && header.ttl_ns == 0 {
+                net.count(|s| s.dropped_expired += 1);
+                return;
+            }
+            let h = net.frame_handlers.borrow().get(&k).cloned();
+            match h {
+                Some(h) => call(ctx, &h, frame),
+                None => net.count(|s| s.dropped_no_handler += 1),
+            }
+        }
+    }
+}
+
+/// An application frame whose payload came by rendezvous: to the AM id's (or request kind's)
+/// rendezvous handler, which picks the buffer, or pulled into a vector (its length is checked
+/// against the limit already) for [`dispatch`]. Data nobody wants is declined without
+/// allocating.
+fn deliver_rndv(
+    ctx: &Rc<ShardCtx>,
+    node: NodeId,
+    header: FrameHeader,
+    user: UserHeader,
+    rndv: AmRndv,
+) {
+    let net = ctx.net();
+    net.count(|s| s.rendezvous += 1);
+    if !wanted(net, node, &header) {
+        return;
+    }
+    let h = if header.kind == FrameKind::Am {
+        net.rndv_handlers
+            .borrow()
+            .get(&AmId::new(header.id))
+            .cloned()
+    } else {
+        net.frame_rndv_handlers.borrow().get(&header.kind).cloned()
+    };
+    if let Some(h) = h {
+        net.count(|s| s.delivered += 1);
+        h(ctx, node, header, rndv);
+        return;
+    }
+    let len = rndv.len();
+    let c = ctx.clone();
+    glommio::spawn_local(async move {
+        match pull(&c, node, rndv, vec![0u8; len]).await {
+            Ok(buf) => dispatch(
+                &c,
+                Frame {
+                    node,
+                    header,
+                    user,
+                    payload: Payload::from(buf),
+                },
+            ),
+            Err(_) => c.net().count(|s| s.declined += 1),
+        }
+    })
+    .detach();
+}
+
+/// Pulls rendezvous data from `node` into `buf`, within [`NetConfig::rndv_timeout`].
+pub(super) async fn pull<B: IoBufMut>(
+    ctx: &Rc<ShardCtx>,
+    node: NodeId,
+    rndv: AmRndv,
+    buf: B,
+) -> Result<B, NetError> {
+    let len = rndv.len();
+    if buf.bytes_total() < len {
+        return Err(NetError::BufferTooSmall {
+            need: len,
+            got: buf.bytes_total(),
+        });
+    }
+    let timeout = ctx.net().settings.cfg.rndv_timeout;
+    let recv = ctx.worker().am_recv_data(rndv, buf);
+    ctx.wake_driver();
+    // On timeout the receive is dropped: UCX's request is cancelled and the buffer parked with
+    // the worker until UCX lets go of it, then dropped.
+    let got = future::or(async { Some(recv.await) }, async {
+        sleep(timeout).await;
+        None
+    })
+    .await;
+    match got {
+        Some((Ok(n), buf)) if n == len => Ok(buf),
+        Some((Ok(_), _)) => Err(NetError::Receive {
+            node,
+            source: crate::ucx::Error::MessageTruncated,
+        }),
+        Some((Err(source), _)) => Err(NetError::Receive { node, source }),
+        None => Err(NetError::TimedOut { what: "rendezvous" }),
+    }
+}
+
+/// A buffer that rendezvous data of a frame is pulled into, chosen by a
+/// [`ShardCtx::set_frame_handler_rndv`] handler: one variant per kind of memory (GPU memory
+/// joins them with CUDA support).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RndvBuf {
+    /// A block of the shard's registered pool ([`ShardCtx::pool`]): no registration per
+    /// transfer. Pool blocks are aligned to their size class (at least 256 bytes).
+    Pool(PoolBuf),
+    /// Plain host memory with a chosen alignment.
+    Host(AlignedBuf),
+    /// A vector (what frames without a rendezvous handler are pulled into).
+    Vec(Vec<u8>),
+}
+
+impl RndvBuf {
+    /// The buffer's bytes (all of them; the data is in the first `payload_len`), or `None`
+    /// for a pool block whose memory a remote key was packed for
+    /// ([`crate::ucx::MemSlice::as_slice`]).
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match self {
+            RndvBuf::Pool(b) => b.as_slice(),
+            RndvBuf::Host(b) => Some(b.as_slice()),
+            RndvBuf::Vec(v) => Some(v),
+        }
+    }
+
+    /// The buffer's length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            RndvBuf::Pool(b) => b.len(),
+            RndvBuf::Host(b) => b.len(),
+            RndvBuf::Vec(v) => v.len(),
+        }
+    }
+
+    /// Whether the buffer has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Pulls `rndv` into this buffer (see [`pull`]).
+    async fn pull(
+        self,
+        ctx: &Rc<ShardCtx>,
+        node: NodeId,
+        rndv: AmRndv,
+    ) -> Result<RndvBuf, NetError> {
+        match self {
+            RndvBuf::Pool(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Pool),
+            RndvBuf::Host(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Host),
+            RndvBuf::Vec(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Vec),
+        }
+    }
+}
+
+impl ShardCtx {
+    /// Registers, on this shard, the handler of application frames with `id` from connected
+    /// nodes (replacing any previous one), with a copy of each payload as a vector. It runs on
+    /// the progress driver, right after the frame arrived; it must not block, and may spawn
+    /// tasks (e.g. to answer with [`ShardCtx::send_am`]). Register it on every shard that may
+    /// own a peer. [`ShardCtx::set_frame_handler_am`] hands over the frame itself, with no copy.
+    pub fn set_net_handler<F>(&self, id: AmId, handler: F)
+    where
+        F: Fn(&Rc<ShardCtx>, NodeId, Vec<u8>) + 'static,
+    {
+        self.set_frame_handler_am(id, move |ctx, frame: Frame| {
+            let node = frame.node();
+            handler(ctx, node, frame.into_vec())
+        });
+    }
+
+    /// Registers, on this shard, the handler of application frames with `id` from connected
+    /// nodes (replacing any previous one): it gets the [`Frame`], whose payload is UCX's
+    /// descriptor for eager data (read in place, no copy) or a vector for rendezvous data
+    /// without a rendezvous handler. It runs inline on the progress driver right after the
+    /// frame arrived: it must not block; it may answer at once ([`ShardCtx::send_frame_now`]),
+    /// keep the frame (the descriptor is released when it is dropped), or spawn tasks. A panic
+    /// in it loses that frame only and is counted ([`super::NetStats::handler_panics`]).
+    pub fn set_frame_handler_am<F>(&self, id: AmId, handler: F)
+    where
+        F: Fn(&Rc<ShardCtx>, Frame) + 'static,
+    {
+        self.net()
+            .handlers
+            .borrow_mut()
+            .insert(id, Rc::new(handler));
+    }
+
+    /// Registers, on this shard, the rendezvous handler of application frames with `id`: for
+    /// a frame whose payload came by rendezvous (longer than the sender's
+    /// [`NetConfig::rndv_threshold`]), `choose` picks the buffer the data is pulled into
+    /// (a [`crate::PoolBuf`], a `Vec<u8>`, an aligned or device buffer...) before any byte is
+    /// received, and `on_data` gets the buffer once the data is in it.
+    ///
+    /// `choose` sees the frame header (`payload_len` is the data's length, already checked
+    /// against [`NetConfig::max_message_size`]); returning `None` declines the data (the sender
+    /// completes, nothing is received). `on_data` gets `Ok(buf)` with the data in its first
+    /// `payload_len` bytes, or an error ([`NetError::BufferTooSmall`], [`NetError::Receive`],
+    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`]); on error the buffer is
+    /// dropped once UCX no longer uses it. Both run on this shard and must not block;
+    /// `on_data` may run after handlers of frames that arrived later.
+    ///
+    /// Frames of `id` that arrive eager still go to the handler of
+    /// [`ShardCtx::set_net_handler`]; when `id` has no rendezvous handler, rendezvous data is
+    /// pulled into a `Vec<u8>` for that handler. Register both on every shard that may own a
+    /// peer.
+    pub fn set_net_handler_rndv<B, C, D>(&self, id: AmId, choose: C, on_data: D)
+    where
+        B: IoBufMut,
+        C: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader) -> Option<B> + 'static,
+        D: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Result<B, NetError>) + 'static,
+    {
+        let handler = rndv_handler(choose, on_data, |c, node, rndv, buf| async move {
+            pull(&c, node, rndv, buf).await
+        });
+        self.net().rndv_handlers.borrow_mut().insert(id, handler);
+    }
+
+    /// Registers, on this shard, the handler of incoming frames of `kind` (replacing any
+    /// previous one): [`FrameKind::RpcRequest`], [`FrameKind::RpcCancel`],
+    /// [`FrameKind::RmaPut`] or [`FrameKind::RmaGet`]; other kinds are refused with
+    /// [`NetError::BadKind`] (active messages have [`ShardCtx::set_net_handler`], replies
+    /// complete [`ShardCtx::request`]).
+    ///
+    /// The handler gets the sending node, the frame header (`id`, `req_id`, and `ttl_ns`: the
+    /// request's remaining time when it was sent; requests sent with none left are dropped and
+    /// counted in [`super::NetStats::dropped_expired`]) and a copy of the payload (pulled into
+    /// a vector when it came by rendezvous). It runs inline on the progress driver, must not
+    /// block, and may spawn tasks, e.g. to answer with [`ShardCtx::reply`]. Register it on
+    /// every shard that may own a peer; a request with no handler is dropped (and its sender
+    /// times out). [`ShardCtx::set_frame_handler_inline`] hands over the frame, with no copy.
+    pub fn set_frame_handler<F>(&self, kind: FrameKind, handler: F) -> Result<(), NetError>
+    where
+        F: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Vec<u8>) + 'static,
+    {
+        self.set_frame_handler_inline(kind, move |ctx, frame: Frame| {
+            let (node, header) = (frame.node(), *frame.header());
+            handler(ctx, node, &header, frame.into_vec())
+        })
+    }
+
+    /// [`ShardCtx::set_frame_handler`] with the [`Frame`] itself: the payload is read in place
+    /// (UCX's descriptor) and released when the frame is dropped; answer inline with
+    /// [`ShardCtx::reply_now`].
+    pub fn set_frame_handler_inline<F>(&self, kind: FrameKind, handler: F) -> Result<(), NetError>
+    where
+        F: Fn(&Rc<ShardCtx>, Frame) + 'static,
+    {
+        if !matches!(
+            kind,
+            FrameKind::RpcRequest | FrameKind::RpcCancel | FrameKind::RmaPut | FrameKind::RmaGet
+        ) {
+            return Err(NetError::BadKind {
+                kind,
+                op: "register a frame handler",
+            });
+        }
+        self.net()
+            .frame_handlers
+            .borrow_mut()
+            .insert(kind, Rc::new(handler));
+        Ok(())
+    }
+
+    /// Registers, on this shard, the rendezvous handler of incoming request frames of `kind`
+    /// ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`] or [`FrameKind::RmaGet`]; others are
+    /// refused with [`NetError::BadKind`]), replacing any previous one: for a frame whose
+    /// payload came by rendezvous, `choose` picks the buffer the data is pulled into before any
+    /// byte is received, and `on_data` gets it once the data is in it. The counterpart of
+    /// [`ShardCtx::set_net_handler_rndv`] for requests; the buffer is a [`RndvBuf`], so that
+    /// one handler may choose a different kind of memory per frame (e.g. per RPC function).
+    ///
+    /// `choose` runs on the progress driver after the frame's checks (size limit, connection,
+    /// `ttl_ns`) and sees its header (`payload_len` is the data's length); returning `None`
+    /// declines the data (the sender's transfer completes, nothing is received; a request
+    /// declined that way gets no reply unless `choose` sends one, e.g. with
+    /// [`ShardCtx::reply_now`]). `on_data` gets `Ok(buf)` with the data in its first
+    /// `payload_len` bytes, or an error ([`NetError::BufferTooSmall`], [`NetError::Receive`],
+    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`]). Both run on this shard and
+    /// must not block; `on_data` may run after handlers of frames that arrived later.
+    ///
+    /// Eager frames of `kind` still go to the handler of [`ShardCtx::set_frame_handler`];
+    /// without a rendezvous handler, rendezvous data is pulled into a `Vec<u8>` for it.
+    pub fn set_frame_handler_rndv<C, D>(
+        &self,
+        kind: FrameKind,
+        choose: C,
+        on_data: D,
+    ) -> Result<(), NetError>
+    where
+        C: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader) -> Option<RndvBuf> + 'static,
+        D: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Result<RndvBuf, NetError>) + 'static,
+    {
+        if !is_request_kind(kind) {
+            return Err(NetError::BadKind {
+                kind,
+                op: "register a rendezvous frame handler",
+            });
+        }
+        let handler = rndv_handler(choose, on_data, |c, node, rndv, buf: RndvBuf| async move {
+            buf.pull(&c, node, rndv).await
+        });
+        self.net()
+            .frame_rndv_handlers
+            .borrow_mut()
+            .insert(kind, handler);
+        Ok(())
+    }
+}
+
+/// A rendezvous handler: `choose` picks the buffer on the progress driver (`None` declines the data);
+/// a task then pulls the data into it with `pull` and hands the result to `on_data`.
+fn rndv_handler<B, C, D, P, F>(choose: C, on_data: D, pull: P) -> RndvHandler
+where
+    B: 'static,
+    C: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader) -> Option<B> + 'static,
+    D: Fn(&Rc<ShardCtx>, NodeId, &FrameHeader, Result<B, NetError>) + 'static,
+    P: Fn(Rc<ShardCtx>, NodeId, AmRndv, B) -> F + 'static,
+    F: Future<Output = Result<B, NetError>> + 'static,
+{
+    let (on_data, pull) = (Rc::new(on_data), Rc::new(pull));
+    Rc::new(move |ctx, node, header, rndv| {
+        let Some(buf) = choose(ctx, node, &header) else {
+            // Dropping `rndv` declines the data.
+            ctx.net().count(|s| s.declined += 1);
+            return;
+        };
+        let (c, on_data, pull) = (ctx.clone(), on_data.clone(), pull.clone());
+        glommio::spawn_local(async move {
+            let res = pull(c.clone(), node, rndv, buf).await;
+            if res.is_err() {
+                c.net().count(|s| s.declined += 1);
+            }
+            on_data(&c, node, &header, res);
+        })
+        .detach();
+    })
+}

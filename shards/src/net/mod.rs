@@ -1,0 +1,802 @@
+//! Connections between nodes: bootstrap, handshake, and frames on the owner shards.
+//!
+//! A *node* is one [`ShardsBuilder`](crate::ShardsBuilder) set of shards, known to others by
+//! its [`NodeId`] (configured, or drawn from `/dev/urandom`) and, for one run, its
+//! [`Incarnation`] (the start time in nanoseconds unless configured). Nodes authenticate each
+//! other with proto's handshake and a pre-shared key ([`crate::ShardsBuilder::psk`]).
+//!
+//! The module is one file per subsystem: [`bootstrap`] (listener, directory, connect),
+//! `session` (the connection state of each peer, the handshake, timers and failures),
+//! [`inbound`] (what UCX delivers, dispatched by the progress driver), [`outbound`] (sends, in
+//! place or through the connection's sender task) and [`request`] (requests, replies,
+//! deadlines, cancellation).
+//!
+//! ## Who holds the endpoint
+//!
+//! For a pair of nodes A and B, the shard of A that owns B is
+//! `o = ShardMap::new(A's shard count).owner_of(B)` and the shard of B that owns A is
+//! `r = ShardMap::new(B's shard count).owner_of(A)`. The session lives on `o` and `r` only:
+//! `o` holds one UCX endpoint to `r`'s worker and a client [`Connection`], `r` holds one
+//! endpoint back to `o`'s worker and a server [`Connection`]. Every other shard reaches the peer
+//! by forwarding to its owner over the mesh ([`ShardCtx::forward`]).
+//!
+//! ## Connecting
+//!
+//! 1. **Bootstrap.** Shard 0 of a node built with [`crate::ShardsBuilder::listen`] binds a UCX
+//!    [`Listener`](crate::ucx::Listener) (this needs the `tcp` transport in UCX 1.12). Before
+//!    the user future starts it gathers every shard's worker address (one forward per shard)
+//!    into a [`Directory`] (node id, incarnation, shard count, worker addresses). On every
+//!    accepted connection it sends the directory as active message [`DIRECTORY_AM`], flushes,
+//!    and drops the endpoint when the client goes or after the connect timeout.
+//!    [`ShardCtx::bootstrap`] opens an endpoint to the listener from the calling shard and
+//!    waits, within [`NetConfig::connect_timeout`], for the directory, for the endpoint's error
+//!    ([`NetError::Unreachable`]) or for the deadline ([`NetError::TimedOut`]). UCX AM handlers
+//!    do not say which endpoint a message came from, so bootstraps are serialised per shard
+//!    (one in flight at a time) and the reply is unambiguous.
+//! 2. **Session.** [`ShardCtx::connect`] computes `o` and `r` from the directory, forwards to
+//!    `o` (unless it is the caller), which connects to `r` by worker address and runs a client
+//!    [`Connection`]. The first frame, the `Hello`, carries `o`'s worker address; `r`, on a
+//!    `Hello` from a node it has no connection with (and that it owns), creates the reverse
+//!    endpoint to that address and a server [`Connection`]. The handshake has its own deadline
+//!    ([`NetConfig::handshake_timeout`]); a failure ends the connect with a typed
+//!    [`NetError`]: [`NetError::Refused`] for a wrong key (with proto's reject reason),
+//!    [`NetError::TimedOut`], [`NetError::Handshake`] for other handshake failures.
+//!
+//! ## Frames on UCX
+//!
+//! Control frames (handshake, heartbeats, close) travel as eager active messages
+//! [`FRAME_AM`] whose UCX AM header is [`AM_HEADER_LEN`] = 16 bytes, little-endian:
+//!
+//! ```text
+//!  0  u64  sender's NodeId
+//!  8  u32  addr_len: length of the sender's worker address that starts the payload (Hello only)
+//! 12  u32  reserved, zero
+//! ```
+//!
+//! and whose payload is the worker address (`addr_len` bytes) followed by the proto frame (the
+//! 48-byte [`FrameHeader`] and its payload).
+//!
+//! Application frames (active messages, requests, replies, cancels) travel as [`DATA_AM`]:
+//! the UCX AM header is [`DATA_HEADER_LEN`] = 64 bytes, the 16 above (`addr_len` zero) then
+//! the 48-byte [`FrameHeader`], followed by the frame's *user header* (the application's AM
+//! header, up to [`MAX_USER_HEADER`] bytes; empty for other kinds); the UCX payload is the
+//! application payload itself. So a send copies nothing on our side: UCX is handed the header
+//! (built on the stack) and the caller's bytes. A payload of at most
+//! [`NetConfig::rndv_threshold`] bytes goes eager, a longer one with UCX rendezvous (the
+//! receiver chooses the buffer before the data moves; see below).
+//!
+//! ## The hot path
+//!
+//! UCX's callbacks only record: the [`DATA_AM`] handler is registered with UCX's persistent
+//! data flag, so each eager payload is a UCX descriptor kept with no copy by us (UCX copies a
+//! short message out of a shared-memory FIFO slot into a descriptor of its memory pool, and
+//! hands larger ones over as they are); the callback decodes the frame header, copies the
+//! user header, and queues the input. Right after `ucp_worker_progress` returns, the shard's
+//! progress driver calls this module's dispatch ([`crate::driver`], "The hot path"), which,
+//! for each recorded input in order and at most [`crate::driver::DISPATCH_BUDGET`] per round:
+//! finds the connection, feeds [`Connection::handle_frame`] (the clock is read once per
+//! batch), and calls the handler inline with a [`Frame`] that owns the descriptor: a handler
+//! that reads the payload in place and answers inline ([`ShardCtx::send_frame_now`],
+//! [`ShardCtx::reply_now`]) costs no task switch, no allocation and no copy on our side. A
+//! handler that keeps the frame (moves it into a task) keeps the descriptor; dropping the
+//! frame releases it to UCX.
+//!
+//! A send from the owner shard ([`ShardCtx::send_frame_now`], and every send that reaches the
+//! owner) is handed to UCX at once with [`Endpoint::am_send_now`](crate::ucx::Endpoint::am_send_now)
+//! when nothing queued must go first and UCX can complete it in place (its short path): no
+//! request, no callback, no allocation. Otherwise (a payload over UCX's short limit or the
+//! rendezvous threshold, a full send queue, an endpoint still wiring up) the frame is queued,
+//! copied when borrowed, for the connection's *sender task*, which posts frames in order and
+//! keeps their buffers until UCX completes them.
+//!
+//! A frame from a node with no connection that is not a well-formed `Hello` from that same
+//! node, and any non-handshake frame of a connection that is not `Ready`, is dropped and
+//! counted ([`NetStats::dropped_unauthenticated`]).
+//!
+//! ## Rendezvous
+//!
+//! A [`DATA_AM`] frame whose payload is longer than [`NetConfig::rndv_threshold`] (8 KiB by
+//! default) is sent with UCX rendezvous ([`FrameFlags::RNDV`] in its header). The receiver's
+//! callback keeps UCX's descriptor and queues it with the header; the dispatch checks the
+//! header (size limit first, then `payload_len` against UCX's length, then the connection as
+//! for any frame), and only then is a buffer chosen and the data pulled. Data nobody takes is
+//! declined, which completes the sender's operation. The sender posts rendezvous frames in
+//! queue order, but waits for their completion (the peer has pulled the data) in a task of
+//! its own, so that heartbeats and small frames do not queue behind a large transfer; a
+//! transfer not done within [`NetConfig::rndv_timeout`] fails the connection.
+//!
+//! Application frames of a ready connection are dispatched by kind:
+//!
+//! - [`FrameKind::Am`]: to the handler of their [`AmId`] ([`ShardCtx::set_frame_handler_am`]
+//!   with the [`Frame`], or [`ShardCtx::set_net_handler`] with a copy of the payload; for
+//!   rendezvous data, [`ShardCtx::set_net_handler_rndv`] chooses the destination buffer, else
+//!   the data is pulled into a vector for the plain handler). [`ShardCtx::send_am`] sends one
+//!   from any shard.
+//! - Requests ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`], [`FrameKind::RmaGet`]) and
+//!   [`FrameKind::RpcCancel`]: to the handler of their kind ([`ShardCtx::set_frame_handler`]),
+//!   with the [`Frame`] (header: `id`, `req_id`, `ttl_ns`). A request whose `ttl_ns` is zero had
+//!   no time left when sent and is dropped ([`NetStats::dropped_expired`]). The handler answers
+//!   with [`ShardCtx::reply_now`] or [`ShardCtx::reply`]. For rendezvous data of a request
+//!   kind, [`ShardCtx::set_frame_handler_rndv`] chooses the destination buffer per frame (a
+//!   [`RndvBuf`]: pool, aligned host memory or a vector), else it is pulled into a vector.
+//! - Replies ([`FrameKind::RpcResponse`], [`FrameKind::RpcError`], [`FrameKind::RmaReply`]):
+//!   complete the pending request with their `req_id` on this shard, if it was sent to that
+//!   node with a kind the reply answers; others are dropped
+//!   ([`NetStats::dropped_unmatched`]).
+//!
+//! ## Requests
+//!
+//! See [`request`]: [`ShardCtx::request`] runs on the shard that owns the peer, with one
+//! pending table per shard, a deadline carried in the frame's `ttl_ns`, one timer per shard for
+//! all deadlines, and cancellation that reaches the owner and (for RPC) the server.
+//!
+//! The net task of each shard serves the timers: it sleeps until the earliest `poll_timeout`
+//! of its connections (handshake deadline, heartbeats, suspicion and death) and requests, and
+//! handles what is due. An endpoint error becomes [`Connection::handle_transport_error`]. A
+//! connection that fails or closes is removed; its sender task flushes what is queued (a
+//! `Reject`, a `Close`) within a linger time and drops the endpoint.
+//!
+//! ## Error modes
+//!
+//! UCX 1.12's shared-memory transports cannot detect a failed peer, so endpoints use
+//! [`ErrorMode::Peer`] when the transport list contains `tcp` (or is not set) and
+//! [`ErrorMode::None`] otherwise; heartbeats detect dead peers in both cases. The bootstrap
+//! endpoints always use [`ErrorMode::Peer`]: a socket-address connect needs `tcp` anyway.
+//!
+//! ## Limits (what is not here yet)
+//!
+//! - A failed session is not re-established by itself (`max_reconnect_attempts` is 0): call
+//!   [`ShardCtx::connect`] again.
+//! - Two nodes connecting to each other at the same moment are not reconciled: the shard that
+//!   owns both directions holds one connection per peer node, and the second handshake fails.
+//!   Connecting to a node that is already connected (either way) returns the existing session.
+//! - Payloads are capped by [`NetConfig::max_message_size`] (16 MiB by default) on both
+//!   sides: a sender refuses a larger one with [`NetError::TooLarge`] before forwarding it; a
+//!   receiver checks the announced length before it allocates or pulls anything and counts it
+//!   in [`NetStats::dropped_too_large`]. Nodes with different limits can talk, but a frame
+//!   over the receiver's limit is dropped silently (a request then times out).
+//! - A request nobody handles is dropped, not answered with an error: its sender times out.
+//! - There is no retry and no at-most-once window here: that is the RPC layer's, on top.
+//! - No flow control: the number of requests in flight is bounded only by the mesh's lane
+//!   capacity (from other shards) and by memory; rendezvous transfers in flight are not
+//!   capped, and a receiver's pull of rendezvous data cannot hand its buffer back on timeout
+//!   (UCX may still write it; it is dropped once UCX lets go).
+//! - Rendezvous data arrives in order of its headers, but a rendezvous handler's `on_data`
+//!   may run after handlers of frames that arrived later.
+//! - Half-open handshakes from unauthenticated nodes are not capped in number.
+//! - UCX 1.12 takes no memory handle per operation (`UCP_OP_ATTR_FIELD_MEMH` came later):
+//!   registered buffers are found by UCX's registration cache.
+
+pub mod bootstrap;
+pub mod inbound;
+pub mod outbound;
+pub mod request;
+mod session;
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::future::{poll_fn, Future};
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
+
+use glommio::sync::Semaphore;
+use glommio::timer::sleep;
+use glommio::Task;
+
+use crate::boot::ShardCtx;
+use crate::proto::request::DedupHasher;
+use crate::proto::{
+    AmId, ConnConfig, FrameKind, HandshakeConfig, Incarnation, Limits, NodeId, PendingTable,
+    PreSharedKey, ShardId, Timestamp,
+};
+use crate::ucx::{AmIdRaw, EpOptions, ErrorMode, Worker};
+
+pub use crate::error::NetError;
+pub use bootstrap::Directory;
+pub use inbound::{Frame, Payload, RndvBuf};
+
+use inbound::{FrameHandler, Inbound, RndvHandler};
+use request::Pending;
+use session::Peer;
+
+/// UCX active-message id of the bootstrap directory (listener → client).
+pub const DIRECTORY_AM: AmIdRaw = 0x5C00;
+/// UCX active-message id of control frames between connected nodes (see the module docs).
+pub const FRAME_AM: AmIdRaw = 0x5C01;
+/// UCX active-message id of application frames, eager or rendezvous (see the module docs).
+pub const DATA_AM: AmIdRaw = 0x5C02;
+/// Bytes of the routing part of a UCX AM header: the sender's node id and an address length.
+pub const AM_HEADER_LEN: usize = 16;
+/// Bytes of the UCX AM header of a [`DATA_AM`] message before its user header: the
+/// [`AM_HEADER_LEN`]-byte routing part (with `addr_len` zero) and the 48-byte [`FrameHeader`].
+pub const DATA_HEADER_LEN: usize = AM_HEADER_LEN + crate::proto::wire::HEADER_LEN;
+/// Longest user header of an application frame (the application's AM header). UCX 1.12 carries
+/// an AM header in one fragment of its transport, about 8 KiB on shared memory and TCP.
+pub const MAX_USER_HEADER: usize = 4096;
+/// Longest timeout a [`ShardCtx::request`] may wait (longer ones are cut to this).
+pub const MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// How often a shard that is shutting down looks whether its requests have been answered.
+const DRAIN_POLL: Duration = Duration::from_millis(2);
+/// Largest worker address accepted in a directory or a hello.
+const MAX_ADDR_LEN: usize = 64 << 10;
+/// Entries of a shard's owner cache (see [`ShardCtx::owner_of`]).
+const OWNER_CACHE: usize = 16;
+
+/// Settings of the connections between nodes.
+#[derive(Debug, Clone)]
+pub struct NetConfig {
+    /// Time allowed for a bootstrap (listener connect and directory), default 5 s.
+    pub connect_timeout: Duration,
+    /// Time allowed for the handshake, default 5 s.
+    pub handshake_timeout: Duration,
+    /// Heartbeat interval on ready connections, default 100 ms.
+    pub heartbeat_interval: Duration,
+    /// Missed heartbeat intervals before the peer is suspect, default 3.
+    pub suspect_after: u32,
+    /// Missed heartbeat intervals before the peer is dead, default 10.
+    pub dead_after: u32,
+    /// How long a dropped connection's endpoint may take to flush its last frames, default 1 s.
+    pub linger: Duration,
+    /// Endpoint error mode; `None` picks it from the transport list (see the module docs).
+    pub error_mode: Option<ErrorMode>,
+    /// Application payloads longer than this many bytes travel by rendezvous; shorter ones
+    /// eager. Default 8 KiB.
+    pub rndv_threshold: usize,
+    /// Largest application payload this node sends or accepts, checked before anything is
+    /// allocated for it. Default [`Limits::DEFAULT_MAX_MESSAGE_SIZE`] (16 MiB).
+    pub max_message_size: u64,
+    /// Time allowed for one rendezvous transfer, on either side, default 10 s. A sender whose
+    /// payload is not pulled in time fails the connection; a receiver that has not received
+    /// the data in time gives up on it ([`NetError::TimedOut`]).
+    pub rndv_timeout: Duration,
+}
+
+/// A connected remote node, as seen from this node. `Send + Copy`: pass it between shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteNode {
+    /// The remote node.
+    pub node_id: NodeId,
+    /// Its incarnation, as authenticated by the handshake.
+    pub incarnation: Incarnation,
+    /// Its shard count.
+    pub shard_count: u16,
+    /// The local shard that owns it (holds the endpoint).
+    pub owner: ShardId,
+    /// Its shard that owns this node.
+    pub remote_shard: ShardId,
+}
+
+/// Counters of one shard's connections.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NetStats {
+    /// Handshakes completed on this shard.
+    pub handshakes: u64,
+    /// Application frames delivered to handlers.
+    pub delivered: u64,
+    /// Frames dropped because their sender had no ready (authenticated) connection.
+    pub dropped_unauthenticated: u64,
+    /// Frames dropped as malformed (bad AM header, frame, or address).
+    pub dropped_malformed: u64,
+    /// Frames dropped because this shard does not own their sender.
+    pub dropped_misrouted: u64,
+    /// Application frames with no handler registered for their id.
+    pub dropped_no_handler: u64,
+    /// Other frames dropped by the connection state machine (stale incarnation, unexpected).
+    pub dropped_other: u64,
+    /// Application frames received by rendezvous (whatever became of them).
+    pub rendezvous: u64,
+    /// Frames dropped because their payload exceeds [`NetConfig::max_message_size`]
+    /// (nothing was allocated for them; rendezvous data was declined).
+    pub dropped_too_large: u64,
+    /// Requests dropped because their deadline (`ttl_ns`) had already passed when sent.
+    pub dropped_expired: u64,
+    /// Replies that match no pending request of this shard (late, or from another node).
+    pub dropped_unmatched: u64,
+    /// Rendezvous frames declined by the handler's buffer choice, or whose pull failed.
+    pub declined: u64,
+    /// [`FrameKind::RpcCancel`] frames sent for RPC requests given up before their reply.
+    pub cancels_sent: u64,
+    /// Application frames handed to UCX in place (no copy, no request: see "The hot path").
+    pub sent_in_place: u64,
+    /// Application frames queued for the connection's sender task instead (UCX could not take
+    /// them at once, or frames before them were still queued), copied when borrowed.
+    pub sent_queued: u64,
+    /// Handler calls that panicked (caught on the driver; the frame is dropped, the shard
+    /// goes on).
+    pub handler_panics: u64,
+    /// Dispatch rounds that stopped at the driver's budget with inputs left (a flood).
+    pub dispatch_budget_hits: u64,
+}
+
+/// Node identity and settings, resolved once in [`crate::ShardsBuilder::run`]; `Send`.
+#[derive(Debug, Clone)]
+pub(crate) struct NodeSettings {
+    pub(crate) node_id: NodeId,
+    pub(crate) incarnation: Incarnation,
+    pub(crate) psk: Option<PreSharedKey>,
+    pub(crate) listen: Option<SocketAddr>,
+    pub(crate) listen_addr: std::sync::Arc<std::sync::OnceLock<SocketAddr>>,
+    pub(crate) error_mode: ErrorMode,
+    pub(crate) cfg: NetConfig,
+}
+
+type LostHook = Rc<dyn Fn(Option<NodeId>, &NetError)>;
+
+/// A single-consumer queue with a waker; `close` ends the consumer's `next` once empty.
+pub(crate) struct Queue<T> {
+    items: RefCell<VecDeque<T>>,
+    waker: RefCell<Option<Waker>>,
+    closed: Cell<bool>,
+}
+
+/// Where the answer of one operation lands, for the one task that waits for it (cheaper than a
+/// [`Queue`]: one allocation per operation).
+pub(crate) struct Slot<T> {
+    value: RefCell<Option<T>>,
+    waker: RefCell<Option<Waker>>,
+}
+
+/// One shard's network state (in its [`ShardCtx`]).
+pub(crate) struct NetState {
+    settings: NodeSettings,
+    epoch: Instant,
+    my_address: Vec<u8>,
+    /// What UCX's callbacks (and the sender tasks) recorded, in arrival order, for the
+    /// driver's dispatch ([`inbound`]).
+    inbox: Rc<RefCell<VecDeque<Inbound>>>,
+    directories: Rc<Queue<Vec<u8>>>,
+    bootstrap_lock: Semaphore,
+    // Looked up several times per frame: hashed with proto's keyed multiply-fold hash rather
+    // than SipHash (keys from the network; one random key per shard, see `DedupHasher`).
+    peers: RefCell<HashMap<NodeId, Peer, DedupHasher>>,
+    handlers: RefCell<HashMap<AmId, FrameHandler, DedupHasher>>,
+    rndv_handlers: RefCell<HashMap<AmId, RndvHandler, DedupHasher>>,
+    frame_handlers: RefCell<HashMap<FrameKind, FrameHandler, DedupHasher>>,
+    frame_rndv_handlers: RefCell<HashMap<FrameKind, RndvHandler, DedupHasher>>,
+    pending: RefCell<PendingTable<Pending>>,
+    limits: Limits,
+    stats: RefCell<NetStats>,
+    generation: Cell<u64>,
+    tasks: RefCell<Vec<Task<()>>>,
+    /// Called when a connection ends (see [`ShardCtx::on_peer_lost`]).
+    lost_hooks: RefCell<Vec<LostHook>>,
+    /// The listener's accept loop (shard 0 of a listening node), until it stops accepting.
+    acceptor: RefCell<Option<Task<()>>>,
+    live_senders: Rc<Cell<usize>>,
+    /// When the net task's timer fires ([`Timestamp::MAX`]: no timer armed). A deadline due
+    /// earlier wakes the net task to re-arm it ([`NetState::rearm`]).
+    timer_at: Cell<Timestamp>,
+    /// The net task, while it waits.
+    timer_waker: RefCell<Option<Waker>>,
+    /// Set by [`NetState::rearm`]: the net task looks at its deadlines again.
+    rearm_asked: Cell<bool>,
+    /// Set by [`shutdown`]: the net task has ended or is ending.
+    closed: Cell<bool>,
+    /// Recently looked-up owners ([`ShardCtx::owner_of`]), direct-mapped by node id.
+    owners: [Cell<Option<(NodeId, ShardId)>>; OWNER_CACHE],
+    /// The worker's largest AM header ([`crate::ucx::Worker::max_am_header`]).
+    max_am_header: usize,
+}
+
+impl NetConfig {
+    fn conn_config(
+        &self,
+        s: &NodeSettings,
+        psk: PreSharedKey,
+        shard_count: u16,
+        local: ShardId,
+    ) -> ConnConfig {
+        let mut hs = HandshakeConfig::new(s.node_id, s.incarnation, shard_count, psk);
+        hs.timeout = self.handshake_timeout;
+        let mut c = ConnConfig::new(hs);
+        c.local_shard = local;
+        c.heartbeat_interval = self.heartbeat_interval;
+        c.suspect_after = self.suspect_after;
+        c.dead_after = self.dead_after.max(self.suspect_after);
+        c.max_reconnect_attempts = Some(0);
+        c
+    }
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            heartbeat_interval: Duration::from_millis(100),
+            suspect_after: 3,
+            dead_after: 10,
+            linger: Duration::from_secs(1),
+            error_mode: None,
+            rndv_threshold: 8 << 10,
+            max_message_size: Limits::DEFAULT_MAX_MESSAGE_SIZE,
+            rndv_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Reads little-endian integers off the front of a byte slice.
+pub(crate) struct Reader<'a>(pub(crate) &'a [u8]);
+
+impl<'a> Reader<'a> {
+    pub(crate) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+
+    pub(crate) fn u32(&mut self) -> Option<u32> {
+        let mut w = [0u8; 4];
+        w.copy_from_slice(self.take(4)?);
+        Some(u32::from_le_bytes(w))
+    }
+
+    pub(crate) fn u64(&mut self) -> Option<u64> {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(self.take(8)?);
+        Some(u64::from_le_bytes(w))
+    }
+}
+
+/// The routing part of a UCX AM header ([`FRAME_AM`], and the start of a [`DATA_AM`] one) from
+/// `node` whose payload starts with an address of `addr_len` bytes.
+pub fn frame_am_header(node: NodeId, addr_len: u32) -> [u8; AM_HEADER_LEN] {
+    let mut h = [0u8; AM_HEADER_LEN];
+    h[..8].copy_from_slice(&node.get().to_le_bytes());
+    h[8..12].copy_from_slice(&addr_len.to_le_bytes());
+    h
+}
+
+fn parse_am_header(h: &[u8]) -> Option<(NodeId, usize)> {
+    if h.len() != AM_HEADER_LEN || h[12..].iter().any(|&b| b != 0) {
+        return None;
+    }
+    let mut r = Reader(h);
+    let node = NodeId::new(r.u64()?);
+    let addr_len = r.u32()? as usize;
+    (addr_len <= MAX_ADDR_LEN).then_some((node, addr_len))
+}
+
+impl<T> Queue<T> {
+    pub(crate) fn new() -> Rc<Self> {
+        Rc::new(Self {
+            items: RefCell::new(VecDeque::new()),
+            waker: RefCell::new(None),
+            closed: Cell::new(false),
+        })
+    }
+
+    pub(crate) fn push(&self, item: T) -> bool {
+        if self.closed.get() {
+            return false;
+        }
+        self.items.borrow_mut().push_back(item);
+        self.wake();
+        true
+    }
+
+    pub(crate) fn close(&self) {
+        self.closed.set(true);
+        self.wake();
+    }
+
+    fn wake(&self) {
+        let w = self.waker.borrow_mut().take();
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// Whether the queue is open and holds nothing.
+    pub(crate) fn is_idle(&self) -> bool {
+        !self.closed.get() && self.items.borrow().is_empty()
+    }
+
+    pub(crate) fn try_next(&self) -> Option<T> {
+        self.items.borrow_mut().pop_front()
+    }
+
+    pub(crate) fn next(&self) -> impl Future<Output = Option<T>> + '_ {
+        poll_fn(move |cx| {
+            if let Some(item) = self.try_next() {
+                Poll::Ready(Some(item))
+            } else if self.closed.get() {
+                Poll::Ready(None)
+            } else {
+                *self.waker.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+    }
+}
+
+impl<T> Slot<T> {
+    pub(crate) fn new() -> Rc<Self> {
+        Rc::new(Self {
+            value: RefCell::new(None),
+            waker: RefCell::new(None),
+        })
+    }
+
+    /// Stores the answer (the first one wins) and wakes the waiting task.
+    pub(crate) fn push(&self, value: T) {
+        {
+            let mut v = self.value.borrow_mut();
+            if v.is_some() {
+                return;
+            }
+            *v = Some(value);
+        }
+        let w = self.waker.borrow_mut().take();
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// Resolves with the answer.
+    pub(crate) fn wait(&self) -> impl Future<Output = T> + '_ {
+        poll_fn(move |cx| match self.value.borrow_mut().take() {
+            Some(v) => Poll::Ready(v),
+            None => {
+                *self.waker.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+    }
+}
+
+impl NetState {
+    pub(crate) fn new(settings: NodeSettings, worker: &Worker) -> Result<Self, crate::ucx::Error> {
+        let limits = Limits {
+            max_message_size: settings.cfg.max_message_size,
+        };
+        let hasher = DedupHasher::random();
+        Ok(Self {
+            settings,
+            epoch: Instant::now(),
+            my_address: worker.address()?.as_bytes().to_vec(),
+            inbox: Rc::new(RefCell::new(VecDeque::new())),
+            directories: Queue::new(),
+            bootstrap_lock: Semaphore::new(1),
+            limits,
+            peers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            rndv_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            frame_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            frame_rndv_handlers: RefCell::new(HashMap::with_hasher(hasher)),
+            pending: RefCell::new(PendingTable::new()),
+            stats: RefCell::new(NetStats::default()),
+            generation: Cell::new(0),
+            tasks: RefCell::new(Vec::new()),
+            acceptor: RefCell::new(None),
+            lost_hooks: RefCell::new(Vec::new()),
+            live_senders: Rc::new(Cell::new(0)),
+            timer_at: Cell::new(Timestamp::MAX),
+            timer_waker: RefCell::new(None),
+            rearm_asked: Cell::new(false),
+            closed: Cell::new(false),
+            owners: Default::default(),
+            max_am_header: worker.max_am_header(),
+        })
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp::from_nanos(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    fn count(&self, f: impl FnOnce(&mut NetStats)) {
+        f(&mut self.stats.borrow_mut());
+    }
+
+    fn ep_options(&self) -> EpOptions {
+        EpOptions {
+            error_mode: self.settings.error_mode,
+        }
+    }
+
+    /// Wakes the net task so that it arms its timer for a deadline earlier than the one it
+    /// waits for.
+    fn rearm(&self) {
+        self.rearm_asked.set(true);
+        let w = self.timer_waker.borrow_mut().take();
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+}
+
+/// Registers the shard's AM handlers and starts its net task. Called once per shard before its
+/// mesh starts serving, so that a shard that has answered the directory gathering (see
+/// [`bootstrap`]) already handles frames. The caller then gives the driver [`dispatch_hook`].
+pub(crate) fn install(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
+    inbound::register(ctx)?;
+    let task = glommio::spawn_local(session::timer_loop(ctx.clone()));
+    ctx.net().tasks.borrow_mut().push(task);
+    Ok(())
+}
+
+pub(crate) use inbound::dispatch_hook;
+
+/// On shard 0 of a listening node: gathers the directory and starts the listener. Called once
+/// per shard after the mesh has started, before the user future.
+pub(crate) async fn listen(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
+    bootstrap::listen(ctx).await
+}
+
+/// Stops accepting, waits (at most `drain`) for the requests this shard sent to be answered,
+/// then closes every connection (sending `Close` where a session is up), fails what is still
+/// pending with [`NetError::ShuttingDown`], lets the sender tasks flush within the linger time,
+/// and stops the net task.
+pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>, drain: Duration) {
+    ctx.stop_accepting().await;
+    let net = ctx.net();
+    let until = Instant::now() + drain;
+    while !net.pending.borrow().is_empty() && Instant::now() < until {
+        sleep(DRAIN_POLL).await;
+    }
+    session::close_all(net);
+    let left = net.pending.borrow_mut().drain();
+    for (_, p) in left {
+        p.waiter.push(Err(NetError::ShuttingDown));
+    }
+    session::run_lost_hooks(net, None, &NetError::ShuttingDown);
+    net.closed.set(true);
+    net.rearm();
+    // Each sender ends within the linger time once its queue is closed.
+    let deadline = Instant::now() + net.settings.cfg.linger + Duration::from_millis(100);
+    while net.live_senders.get() > 0 && Instant::now() < deadline {
+        sleep(Duration::from_millis(1)).await;
+    }
+    let tasks = std::mem::take(&mut *net.tasks.borrow_mut());
+    for t in tasks {
+        t.cancel().await;
+    }
+}
+
+impl ShardCtx {
+    /// This node's id (the same on every shard of the set).
+    pub fn node_id(&self) -> NodeId {
+        self.net().settings.node_id
+    }
+
+    /// This node's incarnation (fresh for every run unless configured).
+    pub fn incarnation(&self) -> Incarnation {
+        self.net().settings.incarnation
+    }
+
+    /// The address the node's listener is bound to (known once shard 0 has bound it, before any
+    /// user future starts on shard 0), or `None` if the node does not listen.
+    pub fn listen_addr(&self) -> Option<SocketAddr> {
+        self.net().settings.listen_addr.get().copied()
+    }
+
+    /// The shard of this node that owns (holds the connection to) `node`. Remembered for
+    /// recently asked nodes (the shard count never changes), so that asking again per call
+    /// costs no hashing.
+    pub fn owner_of(&self, node: NodeId) -> ShardId {
+        if self.shard_count() == 1 {
+            return ShardId::new(0);
+        }
+        let net = self.net();
+        let v = node.get();
+        // `usize::try_from` of a value below OWNER_CACHE cannot fail.
+        let slot = &net.owners[usize::try_from((v ^ (v >> 32)) % OWNER_CACHE as u64).unwrap_or(0)];
+        if let Some((n, s)) = slot.get() {
+            if n == node {
+                return s;
+            }
+        }
+        let s = session::local_map(self).owner_of(node);
+        slot.set(Some((node, s)));
+        s
+    }
+
+    /// This shard's connection counters.
+    pub fn net_stats(&self) -> NetStats {
+        *self.net().stats.borrow()
+    }
+
+    /// The ready connection to `node` on this shard, if there is one.
+    pub fn session(&self, node: NodeId) -> Option<RemoteNode> {
+        self.net()
+            .peers
+            .borrow()
+            .get(&node)
+            .and_then(|p| session::ready_remote(&p.conn))
+    }
+
+    /// Whether this shard holds a ready connection to `node`.
+    pub fn is_connected(&self, node: NodeId) -> bool {
+        self.session(node).is_some()
+    }
+
+    /// Remote nodes with a ready connection on this shard.
+    pub fn connected_nodes(&self) -> Vec<RemoteNode> {
+        self.net()
+            .peers
+            .borrow()
+            .values()
+            .filter_map(|p| session::ready_remote(&p.conn))
+            .collect()
+    }
+
+    /// Requests of this shard waiting for a reply.
+    pub fn pending_requests(&self) -> usize {
+        self.net().pending.borrow().len()
+    }
+
+    /// Stops the node's listener, if it runs on this shard (shard 0 of a listening node): new
+    /// clients can no longer fetch the directory, and a `connect` to this node's address fails
+    /// from then on. Connections already made are not touched, and a client that already holds
+    /// the directory may still complete its handshake. Does nothing on other shards or when
+    /// called again. [`crate::ShardsBuilder::run`] calls it at shut-down; the facade's node
+    /// calls it as soon as every shard's closure has returned.
+    pub async fn stop_accepting(&self) {
+        let task = self.net().acceptor.borrow_mut().take();
+        if let Some(t) = task {
+            // Cancelling the accept loop drops the listener, which closes it in UCX.
+            t.cancel().await;
+        }
+    }
+
+    /// Registers, on this shard, `hook` to run when a connection this shard owns ends: with
+    /// the remote node and the error its pending requests failed with
+    /// ([`NetError::PeerDead`], [`NetError::Transport`], [`NetError::Closed`]), after every
+    /// frame that arrived before the end has been handled. At shut-down it runs once with
+    /// [`NetError::ShuttingDown`] and no node, meaning every node. For modules that keep
+    /// per-peer operations of their own (tag receives); it must not block.
+    pub fn on_peer_lost(&self, hook: impl Fn(Option<NodeId>, &NetError) + 'static) {
+        self.net().lost_hooks.borrow_mut().push(Rc::new(hook));
+    }
+}
+
+/// The error mode for `transports` (see the module docs).
+pub(crate) fn error_mode_for(transports: Option<&str>) -> ErrorMode {
+    let tls = transports
+        .map(str::to_owned)
+        .or_else(|| std::env::var("UCX_TLS").ok());
+    match tls {
+        Some(t)
+            if !t
+                .split(',')
+                .any(|x| x.trim().contains("tcp") || x.trim() == "all") =>
+        {
+            ErrorMode::None
+        }
+        _ => ErrorMode::Peer,
+    }
+}
+
+/// Fills `buf` from `/dev/urandom`.
+pub(crate) fn os_random(buf: &mut [u8]) -> std::io::Result<()> {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")?.read_exact(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn am_header_round_trip() {
+        let h = frame_am_header(NodeId::new(42), 17);
+        assert_eq!(parse_am_header(&h), Some((NodeId::new(42), 17)));
+        assert_eq!(parse_am_header(&h[..8]), None);
+        let mut bad = h;
+        bad[15] = 1;
+        assert_eq!(parse_am_header(&bad), None);
+    }
+
+    #[test]
+    fn error_mode_follows_transports() {
+        assert_eq!(error_mode_for(Some("sm,self")), ErrorMode::None);
+        assert_eq!(error_mode_for(Some("sm,tcp")), ErrorMode::Peer);
+        assert_eq!(error_mode_for(Some("tcp")), ErrorMode::Peer);
+    }
+}

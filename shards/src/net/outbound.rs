@@ -1,0 +1,532 @@
+//! Outbound: application frames handed to UCX in place when it can take them at once, or
+//! queued for the connection's sender task, which posts them in order (see the module docs of
+//! [`crate::net`], "The hot path").
+
+use std::collections::VecDeque;
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
+use std::rc::{Rc, Weak};
+use std::task::Poll;
+use std::time::Duration;
+
+use futures_lite::future;
+use glommio::timer::sleep;
+
+use super::inbound::Inbound;
+use super::{
+    frame_am_header, NetError, NetState, Queue, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, FRAME_AM,
+    MAX_USER_HEADER,
+};
+use crate::boot::ShardCtx;
+use crate::proto::wire::NO_DEADLINE_TTL;
+use crate::proto::{AmId, FrameFlags, FrameHeader, FrameKind, NodeId, ReqId};
+use crate::ucx::{AmProto, AmSend, Endpoint};
+
+/// Sends a sender task keeps in flight at most; it takes no more frames from its queue until
+/// the oldest completes.
+const MAX_IN_FLIGHT: usize = 1024;
+
+/// User headers up to this many bytes are built on the stack with the frame header.
+const STACK_USER: usize = 64;
+
+/// A frame for a connection's sender task.
+pub(super) enum Outbound {
+    /// A control frame ([`FRAME_AM`]): routing header and payload (address and frame).
+    Control([u8; AM_HEADER_LEN], Vec<u8>),
+    /// An application frame ([`DATA_AM`]): its UCX AM header (routing, frame header, user
+    /// header) and payload; by rendezvous when `rndv`.
+    Data {
+        header: Vec<u8>,
+        payload: Vec<u8>,
+        rndv: bool,
+    },
+    /// A send in place failed at once: the sender reports the transport error and stops, as
+    /// after a send of its own failed.
+    Failed,
+}
+
+/// The parts of an application frame's header that the caller chooses.
+#[derive(Clone, Copy)]
+pub(super) struct FrameSpec {
+    pub(super) kind: FrameKind,
+    pub(super) id: u32,
+    pub(super) req_id: ReqId,
+    pub(super) ttl_ns: u64,
+}
+
+/// A frame's payload: owned (moved into a queued send as it is) or borrowed (copied only if
+/// the frame must be queued).
+pub(super) enum Body<'a> {
+    Owned(Vec<u8>),
+    Borrowed(&'a [u8]),
+}
+
+/// A [`DATA_AM`] header: built on the stack for short user headers.
+enum AmHeader {
+    Stack([u8; DATA_HEADER_LEN + STACK_USER], usize),
+    Heap(Vec<u8>),
+}
+
+impl Body<'_> {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Body::Owned(v) => v,
+            Body::Borrowed(b) => b,
+        }
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        match self {
+            Body::Owned(v) => v,
+            Body::Borrowed(b) => b.to_vec(),
+        }
+    }
+}
+
+impl AmHeader {
+    fn new(node: NodeId, header: &FrameHeader, user: &[u8]) -> AmHeader {
+        let fill = |b: &mut [u8]| {
+            b[..AM_HEADER_LEN].copy_from_slice(&frame_am_header(node, 0));
+            b[AM_HEADER_LEN..DATA_HEADER_LEN].copy_from_slice(&header.to_bytes());
+            b[DATA_HEADER_LEN..].copy_from_slice(user);
+        };
+        let len = DATA_HEADER_LEN + user.len();
+        if user.len() <= STACK_USER {
+            let mut a = [0u8; DATA_HEADER_LEN + STACK_USER];
+            fill(&mut a[..len]);
+            AmHeader::Stack(a, len)
+        } else {
+            let mut v = vec![0u8; len];
+            fill(&mut v);
+            AmHeader::Heap(v)
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            AmHeader::Stack(a, n) => &a[..*n],
+            AmHeader::Heap(v) => v,
+        }
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        match self {
+            AmHeader::Stack(a, n) => a[..n].to_vec(),
+            AmHeader::Heap(v) => v,
+        }
+    }
+}
+
+/// The size checks every send makes first: the payload against
+/// [`super::NetConfig::max_message_size`], the user header against [`MAX_USER_HEADER`] and what
+/// the worker's UCX carries in one AM header.
+pub(super) fn check_sizes(net: &NetState, user: usize, payload: usize) -> Result<(), NetError> {
+    let max = net.settings.cfg.max_message_size;
+    if payload as u64 > max {
+        return Err(NetError::TooLarge {
+            len: payload as u64,
+            max,
+        });
+    }
+    let room = net
+        .max_am_header
+        .saturating_sub(DATA_HEADER_LEN)
+        .min(MAX_USER_HEADER);
+    if user > room {
+        return Err(NetError::HeaderTooLarge {
+            len: user,
+            max: room,
+        });
+    }
+    Ok(())
+}
+
+/// Sends an application frame to `node` on this shard, its owner: in place when nothing queued
+/// must go first, the payload is at most the rendezvous threshold and UCX completes the send at
+/// once (its short path); otherwise queued for the connection's sender task (a borrowed
+/// payload is copied then). Sizes are checked first, and control kinds refused.
+///
+/// Frames leave in order: the sender posts a frame in the same poll in which it takes it from
+/// the queue, so an empty queue means every earlier frame is already with UCX, which keeps the
+/// order of sends posted on one endpoint.
+pub(super) fn send(
+    ctx: &ShardCtx,
+    node: NodeId,
+    spec: FrameSpec,
+    user: &[u8],
+    body: Body<'_>,
+) -> Result<(), NetError> {
+    let net = ctx.net();
+    check_sizes(net, user.len(), body.as_slice().len())?;
+    if spec.kind.is_control() {
+        return Err(NetError::BadKind {
+            kind: spec.kind,
+            op: "send an application frame",
+        });
+    }
+    let peers = net.peers.borrow();
+    let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
+    let len = body.as_slice().len();
+    let rndv = len > net.settings.cfg.rndv_threshold;
+    let header = FrameHeader {
+        id: spec.id,
+        req_id: spec.req_id,
+        ttl_ns: spec.ttl_ns,
+        payload_len: len as u64,
+        flags: if rndv {
+            FrameFlags::RNDV
+        } else {
+            FrameFlags::EMPTY
+        },
+        ..p.conn
+            .frame_header(spec.kind)
+            .map_err(|_| NetError::NotConnected { node })?
+    };
+    let am = AmHeader::new(net.settings.node_id, &header, user);
+    if !rndv && p.out.is_idle() {
+        if let Some(ep) = p.ep.upgrade() {
+            match ep.am_send_now(DATA_AM, am.as_slice(), body.as_slice()) {
+                Ok(()) => {
+                    net.count(|s| s.sent_in_place += 1);
+                    return Ok(());
+                }
+                Err(crate::ucx::Error::NoResource) => {}
+                Err(_) => {
+                    p.out.push(Outbound::Failed);
+                    return Err(NetError::Transport { node });
+                }
+            }
+        }
+    }
+    let item = Outbound::Data {
+        header: am.into_vec(),
+        payload: body.into_vec(),
+        rndv,
+    };
+    if p.out.push(item) {
+        net.count(|s| s.sent_queued += 1);
+        Ok(())
+    } else {
+        Err(NetError::NotConnected { node })
+    }
+}
+
+/// Owns a connection's endpoint: sends its queued frames in order; reports the endpoint's
+/// failure.
+///
+/// A frame is posted as soon as it is taken from the queue; an eager send UCX does not complete
+/// at once stays in flight (its buffer with it) while later frames are posted, up to
+/// [`MAX_IN_FLIGHT`]. A rendezvous frame's completion (the peer has pulled the data) is awaited
+/// by a task of its own, within [`super::NetConfig::rndv_timeout`], so that heartbeats and
+/// small frames are not held up behind a large transfer. Those tasks count as live senders, so
+/// that shutdown waits for them within the linger time.
+pub(super) async fn sender(
+    ctx: Weak<ShardCtx>,
+    ep: Rc<Endpoint>,
+    out: Rc<Queue<Outbound>>,
+    (node, generation): (NodeId, u64),
+    live: Rc<std::cell::Cell<usize>>,
+    (linger, rndv_timeout): (Duration, Duration),
+) {
+    enum Next {
+        Frame(Option<Outbound>),
+        Failed,
+    }
+    let report = |ctx: &Weak<ShardCtx>| {
+        if let Some(c) = ctx.upgrade() {
+            c.net()
+                .inbox
+                .borrow_mut()
+                .push_back(Inbound::TransportError { node, generation });
+            c.wake_driver();
+        }
+    };
+    let mut in_flight: VecDeque<AmSend<Vec<u8>>> = VecDeque::new();
+    let mut failed = ep.failed();
+    loop {
+        let next = poll_fn(|cx| {
+            while let Some(f) = in_flight.front_mut() {
+                match Pin::new(f).poll(cx) {
+                    Poll::Ready((Ok(()), _)) => {
+                        in_flight.pop_front();
+                    }
+                    Poll::Ready((Err(_), _)) => return Poll::Ready(Next::Failed),
+                    Poll::Pending => break,
+                }
+            }
+            if in_flight.len() < MAX_IN_FLIGHT {
+                if let Poll::Ready(item) = out.poll_next(cx) {
+                    return Poll::Ready(Next::Frame(item));
+                }
+            }
+            if Pin::new(&mut failed).poll(cx).is_ready() {
+                return Poll::Ready(Next::Failed);
+            }
+            Poll::Pending
+        })
+        .await;
+        let (mut send, rndv) = match next {
+            Next::Frame(Some(Outbound::Control(header, payload))) => (
+                ep.am_send(FRAME_AM, &header, payload, AmProto::Eager),
+                false,
+            ),
+            Next::Frame(Some(Outbound::Data {
+                header,
+                payload,
+                rndv,
+            })) => {
+                let proto = if rndv {
+                    AmProto::Rendezvous
+                } else {
+                    AmProto::Eager
+                };
+                (ep.am_send(DATA_AM, &header, payload, proto), rndv)
+            }
+            Next::Frame(Some(Outbound::Failed)) | Next::Failed => {
+                report(&ctx);
+                break;
+            }
+            Next::Frame(None) => break,
+        };
+        // The first poll posts the send, so frames leave in queue order.
+        let first = future::poll_once(&mut send).await;
+        if let Some(c) = ctx.upgrade() {
+            c.wake_driver();
+        }
+        match first {
+            Some((Ok(()), _)) => {}
+            Some((Err(_), _)) => {
+                report(&ctx);
+                break;
+            }
+            None if !rndv => in_flight.push_back(send),
+            None => {
+                let ctx = ctx.clone();
+                let live = live.clone();
+                live.set(live.get() + 1);
+                glommio::spawn_local(async move {
+                    // Dropping the send on timeout cancels it; UCX keeps the buffer parked
+                    // until it lets go of it.
+                    let done = future::or(async { send.await.0.is_ok() }, async {
+                        sleep(rndv_timeout).await;
+                        false
+                    })
+                    .await;
+                    if !done {
+                        if let Some(c) = ctx.upgrade() {
+                            c.net()
+                                .inbox
+                                .borrow_mut()
+                                .push_back(Inbound::TransportError { node, generation });
+                            c.wake_driver();
+                        }
+                    }
+                    live.set(live.get() - 1);
+                })
+                .detach();
+            }
+        }
+    }
+    // Let the last frames (a reject, a close) leave before the endpoint goes.
+    let _ = future::or(
+        async {
+            for f in in_flight {
+                let _ = f.await;
+            }
+            ep.flush().await
+        },
+        async {
+            sleep(linger).await;
+            Ok(())
+        },
+    )
+    .await;
+}
+
+impl<T> Queue<T> {
+    /// The next item, or `None` once closed and empty; registers the waker otherwise.
+    pub(crate) fn poll_next(&self, cx: &mut std::task::Context<'_>) -> Poll<Option<T>> {
+        if let Some(item) = self.try_next() {
+            Poll::Ready(Some(item))
+        } else if self.closed.get() {
+            Poll::Ready(None)
+        } else {
+            *self.waker.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    }
+}
+
+impl ShardCtx {
+    /// Sends application frame `kind` (with `id`, `req_id`, no deadline, the application's
+    /// `user_header` and `payload`) to `node` at once, from this shard, which must own `node`
+    /// ([`ShardCtx::owner_of`]; [`NetError::NotConnected`] otherwise, or when there is no ready
+    /// session). This is the inline answer of a handler: UCX takes the frame in place when it
+    /// can (no copy, no allocation, no task); otherwise it is copied and queued for the
+    /// connection's sender, behind anything queued before it. Returns once the frame is with
+    /// UCX or queued; [`NetError::TooLarge`], [`NetError::HeaderTooLarge`] and
+    /// [`NetError::BadKind`] (control kinds) before anything is sent.
+    pub fn send_frame_now(
+        &self,
+        node: NodeId,
+        kind: FrameKind,
+        (id, req_id): (u32, ReqId),
+        user_header: &[u8],
+        payload: &[u8],
+    ) -> Result<(), NetError> {
+        let spec = FrameSpec {
+            kind,
+            id,
+            req_id,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        send(self, node, spec, user_header, Body::Borrowed(payload))
+    }
+
+    /// [`ShardCtx::send_frame_now`] of an active message `id`.
+    pub fn send_am_now(
+        &self,
+        node: NodeId,
+        id: AmId,
+        user_header: &[u8],
+        payload: &[u8],
+    ) -> Result<(), NetError> {
+        self.send_frame_now(
+            node,
+            FrameKind::Am,
+            (id.get(), ReqId::NONE),
+            user_header,
+            payload,
+        )
+    }
+
+    /// Sends application frame `id` with `payload` to the connected `node`, from any shard
+    /// (forwarded to the owner). Resolves once the frame is with UCX or queued on the owner's
+    /// endpoint. Payloads over [`super::NetConfig::rndv_threshold`] go by rendezvous (see
+    /// [`ShardCtx::set_net_handler_rndv`]); over [`super::NetConfig::max_message_size`] they
+    /// are refused with [`NetError::TooLarge`].
+    pub async fn send_am(
+        self: &Rc<Self>,
+        node: NodeId,
+        id: AmId,
+        payload: Vec<u8>,
+    ) -> Result<(), NetError> {
+        let spec = FrameSpec {
+            kind: FrameKind::Am,
+            id: id.get(),
+            req_id: ReqId::NONE,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        self.send_spec(node, spec, Vec::new(), payload).await
+    }
+
+    /// Sends active message `id` with the application's `user_header` and `payload` to the
+    /// connected `node`, from any shard: at once from the owner (see
+    /// [`ShardCtx::send_frame_now`]), forwarded with a copy of both from another shard.
+    pub async fn send_am_parts(
+        self: &Rc<Self>,
+        node: NodeId,
+        id: AmId,
+        user_header: &[u8],
+        payload: &[u8],
+    ) -> Result<(), NetError> {
+        check_sizes(self.net(), user_header.len(), payload.len())?;
+        let owner = self.owner_of(node);
+        if owner == self.id() {
+            return self.send_am_now(node, id, user_header, payload);
+        }
+        let spec = FrameSpec {
+            kind: FrameKind::Am,
+            id: id.get(),
+            req_id: ReqId::NONE,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        let (user, body) = (user_header.to_vec(), payload.to_vec());
+        self.forward(owner, move |c| async move {
+            send(&c, node, spec, &user, Body::Owned(body))
+        })
+        .await?
+    }
+
+    /// Sends one application frame of `kind` with `id` and `req_id` (no deadline) to the
+    /// connected `node`, from any shard (forwarded to the owner). Resolves once the frame is
+    /// with UCX or queued on the owner's endpoint. Payloads over
+    /// [`super::NetConfig::rndv_threshold`] go by rendezvous; over
+    /// [`super::NetConfig::max_message_size`] they are refused ([`NetError::TooLarge`]).
+    /// Control kinds are refused ([`NetError::BadKind`]).
+    pub async fn send_frame(
+        self: &Rc<Self>,
+        node: NodeId,
+        kind: FrameKind,
+        id: u32,
+        req_id: ReqId,
+        payload: Vec<u8>,
+    ) -> Result<(), NetError> {
+        let spec = FrameSpec {
+            kind,
+            id,
+            req_id,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        self.send_spec(node, spec, Vec::new(), payload).await
+    }
+
+    /// [`NetError::TooLarge`] for a payload over [`super::NetConfig::max_message_size`].
+    pub(super) fn check_len(&self, payload: &[u8]) -> Result<(), NetError> {
+        check_sizes(self.net(), 0, payload.len())
+    }
+
+    /// Sends `spec` with `user` and `payload` from this shard, through the owner shard of
+    /// `node`.
+    pub(super) async fn send_spec(
+        self: &Rc<Self>,
+        node: NodeId,
+        spec: FrameSpec,
+        user: Vec<u8>,
+        payload: Vec<u8>,
+    ) -> Result<(), NetError> {
+        // Refused here, before the payload crosses to the owner.
+        check_sizes(self.net(), user.len(), payload.len())?;
+        let owner = self.owner_of(node);
+        if owner == self.id() {
+            send(self, node, spec, &user, Body::Owned(payload))
+        } else {
+            self.forward(owner, move |c| async move {
+                send(&c, node, spec, &user, Body::Owned(payload))
+            })
+            .await?
+        }
+    }
+
+    /// Answers `request` like [`ShardCtx::reply`], at once and without a task, on the shard
+    /// that owns `node` (where frame handlers run): UCX takes the reply in place when it can,
+    /// else the payload is copied and queued (see [`ShardCtx::send_frame_now`]). Errors:
+    /// [`NetError::BadKind`], [`NetError::TooLarge`], and [`NetError::NotConnected`] when
+    /// `node` has no ready connection on this shard.
+    pub fn reply_now(
+        &self,
+        node: NodeId,
+        request: &FrameHeader,
+        kind: FrameKind,
+        payload: &[u8],
+    ) -> Result<(), NetError> {
+        let spec = super::request::reply_spec(request, kind)?;
+        send(self, node, spec, &[], Body::Borrowed(payload))
+    }
+
+    /// Answers `request` (a frame header given to a [`ShardCtx::set_frame_handler`] handler)
+    /// from `node` with a reply of `kind`, from any shard: [`FrameKind::RpcResponse`] or
+    /// [`FrameKind::RpcError`] for an [`FrameKind::RpcRequest`], [`FrameKind::RmaReply`] for
+    /// [`FrameKind::RmaPut`] and [`FrameKind::RmaGet`] (else [`NetError::BadKind`]). The reply
+    /// carries the request's `id` and `req_id`.
+    pub async fn reply(
+        self: &Rc<Self>,
+        node: NodeId,
+        request: &FrameHeader,
+        kind: FrameKind,
+        payload: Vec<u8>,
+    ) -> Result<(), NetError> {
+        let spec = super::request::reply_spec(request, kind)?;
+        self.send_spec(node, spec, Vec::new(), payload).await
+    }
+}

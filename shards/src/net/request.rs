@@ -1,0 +1,341 @@
+//! Requests: sent from the shard that owns the peer, answered by a reply frame, bounded by a
+//! deadline, and cancelled when their caller gives up.
+//!
+//! [`ShardCtx::request`] runs on the shard that owns the peer (forwarded there from other
+//! shards, and its result forwarded back). The owner keeps one [`PendingTable`] of requests
+//! for all its peers, so request ids are never reused on a connection, even across sessions.
+//! The request's deadline (`now + timeout`) travels as the frame's `ttl_ns`. The request ends
+//! with the first of: a matching reply; its deadline ([`NetError::TimedOut`]); the failure or
+//! close of the connection, which fails every request pending for that node with the
+//! connection's error ([`NetError::PeerDead`], [`NetError::Transport`], [`NetError::Closed`]);
+//! a restart of the peer (its old incarnation's requests fail with [`NetError::Closed`]); this
+//! node's shutdown, which first waits for pending requests' answers for at most the mesh's
+//! drain timeout ([`NetError::ShuttingDown`] after it). A dropped request future removes its
+//! entry, also when the caller is on another shard: the forwarded job on the owner races the
+//! request with a cancel flag that the caller's future sets when it is dropped (the mesh
+//! itself runs a forwarded job to its end). An [`FrameKind::RpcRequest`] given up before its
+//! answer (dropped, or timed out) is followed by an [`FrameKind::RpcCancel`] frame with its
+//! `id` and `req_id`, for the server to stop working on it.
+//! [`ShardCtx::request_with_ttl`] announces less time to the receiver than the caller waits,
+//! so that a receiver can report its own deadline expiring before the caller gives up.
+//!
+//! Deadlines cost no timer per request: the net task keeps one timer, armed for the earliest
+//! deadline of the shard (its connections' and its requests'), and fails the requests whose
+//! deadline has passed when it fires. A request is therefore failed at its deadline plus the
+//! timer's lateness (glommio's timer resolution and the executor's wake-up, as with a timer of
+//! its own), plus, on a busy shard, the time the net task takes to get its turn. The timer is
+//! moved only to an earlier deadline: when the earliest request is answered, the timer fires
+//! at its (now useless) deadline and is set again for the next one, so answered requests cost
+//! no timer operation, and an idle shard has no timer (or at most one stale one) armed.
+
+use std::future::{poll_fn, Future};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use futures_lite::future;
+use glommio::timer::sleep;
+
+use super::inbound::Payload;
+use super::outbound::{send, Body, FrameSpec};
+use super::{NetError, Slot, MAX_REQUEST_TIMEOUT};
+use crate::boot::ShardCtx;
+use crate::proto::wire::{ttl_from_deadline, NO_DEADLINE_TTL};
+use crate::proto::{FrameHeader, FrameKind, NodeId, ReqId};
+
+/// What a request resolves with on its owner shard.
+pub(super) type Reply = Result<(FrameHeader, Payload), NetError>;
+
+/// A request in flight on the shard that owns its node.
+pub(crate) struct Pending {
+    pub(super) node: NodeId,
+    pub(super) kind: FrameKind,
+    /// The frame's `id` (for the [`FrameKind::RpcCancel`] sent when it times out).
+    pub(super) id: u32,
+    pub(super) waiter: Rc<Slot<Reply>>,
+}
+
+/// Kinds a [`ShardCtx::request`] may send.
+pub(super) fn is_request_kind(k: FrameKind) -> bool {
+    matches!(
+        k,
+        FrameKind::RpcRequest | FrameKind::RmaPut | FrameKind::RmaGet
+    )
+}
+
+/// Kinds that answer a request (they complete a pending entry).
+pub(super) fn is_reply_kind(k: FrameKind) -> bool {
+    matches!(
+        k,
+        FrameKind::RpcResponse | FrameKind::RpcError | FrameKind::RmaReply
+    )
+}
+
+/// Whether `reply` answers a request of kind `request`.
+pub(super) fn reply_fits(request: FrameKind, reply: FrameKind) -> bool {
+    matches!(
+        (request, reply),
+        (
+            FrameKind::RpcRequest,
+            FrameKind::RpcResponse | FrameKind::RpcError
+        ) | (FrameKind::RmaPut | FrameKind::RmaGet, FrameKind::RmaReply)
+    )
+}
+
+/// Cancels a pending request when its future ends or is dropped (no-op once completed). An
+/// RPC request that was still pending (its caller gave up: dropped, or timed out) is followed
+/// by an [`FrameKind::RpcCancel`] frame with its `id` and `req_id`, so that the server can stop
+/// working on it.
+struct PendingGuard<'a> {
+    ctx: &'a ShardCtx,
+    node: NodeId,
+    spec: FrameSpec,
+    /// Cleared once the request has its answer: whoever gave it removed the entry.
+    armed: bool,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let net = self.ctx.net();
+        let was_pending = net.pending.borrow_mut().cancel(self.spec.req_id).is_some();
+        if was_pending && self.spec.kind == FrameKind::RpcRequest {
+            send_cancel(self.ctx, self.node, self.spec.id, self.spec.req_id);
+        }
+    }
+}
+
+/// Sends the [`FrameKind::RpcCancel`] of an RPC request given up (dropped or timed out).
+pub(super) fn send_cancel(ctx: &ShardCtx, node: NodeId, id: u32, req_id: ReqId) {
+    let cancel = FrameSpec {
+        kind: FrameKind::RpcCancel,
+        id,
+        req_id,
+        ttl_ns: NO_DEADLINE_TTL,
+    };
+    // Best effort: a connection that has gone has taken the request with it.
+    if send(ctx, node, cancel, &[], Body::Borrowed(&[])).is_ok() {
+        ctx.net().count(|s| s.cancels_sent += 1);
+    }
+}
+
+/// Set by a caller on another shard that stopped waiting for a forwarded request (its future
+/// was dropped), so that the owner shard drops the request too (and, for RPC, sends the
+/// cancel). `Send + Sync`: the flag and the owner task's waker cross between the two threads.
+#[derive(Default)]
+struct ForwardCancel {
+    cancelled: AtomicBool,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl ForwardCancel {
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        let w = self
+            .waker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// Resolves once [`ForwardCancel::cancel`] has been called.
+    fn wait(&self) -> impl Future<Output = ()> + '_ {
+        poll_fn(move |cx| {
+            if self.cancelled.load(Ordering::SeqCst) {
+                return Poll::Ready(());
+            }
+            *self
+                .waker
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(cx.waker().clone());
+            // Looked at again after the waker is in place: a cancel in between is not lost.
+            if self.cancelled.load(Ordering::SeqCst) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+    }
+}
+
+/// Cancels the owner's side of a forwarded request when the caller's future is dropped before
+/// the answer came back.
+struct CancelOnDrop(Option<Arc<ForwardCancel>>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.cancel();
+        }
+    }
+}
+
+/// Sends a request to `node` on this shard, its owner, and waits for the reply, at most
+/// `timeout`; the frame's `ttl_ns` is `ttl` (at most `timeout`).
+///
+/// The deadline has no timer of its own: the net task's timer, armed for the shard's earliest
+/// deadline ([`net_loop`]), fails the request at its deadline, as precisely as a timer of its
+/// own would (glommio's timers, and the executor's wake-up). Only when the net task has ended
+/// (after [`shutdown`]) does a request wait with a timer of its own.
+async fn request_local(
+    ctx: &Rc<ShardCtx>,
+    node: NodeId,
+    (kind, id): (FrameKind, u32),
+    payload: Vec<u8>,
+    (timeout, ttl): (Duration, Duration),
+) -> Reply {
+    if !is_request_kind(kind) {
+        return Err(NetError::BadKind {
+            kind,
+            op: "send a request",
+        });
+    }
+    let net = ctx.net();
+    let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
+    let now = net.now();
+    let deadline = now.saturating_add(timeout);
+    let waiter = Slot::new();
+    let req_id = net.pending.borrow_mut().insert(
+        deadline,
+        Pending {
+            node,
+            kind,
+            id,
+            waiter: waiter.clone(),
+        },
+    );
+    let spec = FrameSpec {
+        kind,
+        id,
+        req_id,
+        ttl_ns: ttl_from_deadline(now, now.saturating_add(ttl.min(timeout))),
+    };
+    let mut guard = PendingGuard {
+        ctx,
+        node,
+        spec: FrameSpec {
+            ttl_ns: NO_DEADLINE_TTL,
+            ..spec
+        },
+        armed: true,
+    };
+    send(ctx, node, spec, &[], Body::Owned(payload))?;
+    if net.closed.get() {
+        let got = future::or(async { Some(waiter.wait().await) }, async {
+            sleep(deadline.saturating_duration_since(net.now())).await;
+            None
+        })
+        .await;
+        return got.unwrap_or(Err(NetError::TimedOut { what: "request" }));
+    }
+    if deadline < net.timer_at.get() {
+        // Due before the net task's timer: it re-arms on this wake-up.
+        net.rearm();
+    }
+    let answer = waiter.wait().await;
+    // Every answer is given after its entry left the table (reply, expiry, failure, drain).
+    guard.armed = false;
+    answer
+}
+
+impl ShardCtx {
+    /// Sends a request of `kind` ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`] or
+    /// [`FrameKind::RmaGet`]) with `id` and `payload` to the connected `node`, from any shard,
+    /// and resolves with the reply's header and payload: an [`FrameKind::RpcResponse`] or
+    /// [`FrameKind::RpcError`] for an RPC request, an [`FrameKind::RmaReply`] for RMA.
+    ///
+    /// The request runs on the shard that owns `node` (forwarded there from other shards): it
+    /// takes a fresh [`ReqId`] from that shard's pending table, sends the frame with the
+    /// deadline in its `ttl_ns`, and waits. Errors: [`NetError::TimedOut`] (`"request"`) when
+    /// no reply came within `timeout` (at most [`MAX_REQUEST_TIMEOUT`]);
+    /// [`NetError::PeerDead`], [`NetError::Transport`] or [`NetError::Closed`] when the
+    /// connection fails or closes first (every pending request of the node fails then);
+    /// [`NetError::ShuttingDown`] when this node stops; [`NetError::NotConnected`],
+    /// [`NetError::TooLarge`], [`NetError::BadKind`] before sending. Dropping the future
+    /// forgets the request on the owner shard too (a late reply is dropped and counted), and
+    /// an RPC request given up is followed by a cancel frame (see
+    /// [`ShardCtx::request_with_ttl`]).
+    pub async fn request(
+        self: &Rc<Self>,
+        node: NodeId,
+        kind: FrameKind,
+        id: u32,
+        payload: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(FrameHeader, Vec<u8>), NetError> {
+        self.request_with_ttl(node, kind, id, payload, timeout, timeout)
+            .await
+    }
+
+    /// [`ShardCtx::request`] whose frame announces `ttl` (at most `timeout`) as the time the
+    /// receiver has, while the caller waits up to `timeout`: a receiver that gives up at its
+    /// deadline can still answer within the caller's (the RPC layer's server-side expiry).
+    ///
+    /// Dropping the future before it resolves gives the request up on the owner shard, also
+    /// when it was forwarded there from another shard; an [`FrameKind::RpcRequest`] given up
+    /// that way (or by its timeout) is followed by an [`FrameKind::RpcCancel`] frame with the
+    /// same `id` and `req_id` ([`NetStats::cancels_sent`]).
+    pub async fn request_with_ttl(
+        self: &Rc<Self>,
+        node: NodeId,
+        kind: FrameKind,
+        id: u32,
+        payload: Vec<u8>,
+        timeout: Duration,
+        ttl: Duration,
+    ) -> Result<(FrameHeader, Vec<u8>), NetError> {
+        self.check_len(&payload)?;
+        let owner = self.owner_of(node);
+        if owner == self.id() {
+            request_local(self, node, (kind, id), payload, (timeout, ttl))
+                .await
+                .map(|(h, p)| (h, p.into_vec()))
+        } else {
+            let cancel = Arc::new(ForwardCancel::default());
+            let mut on_drop = CancelOnDrop(Some(cancel.clone()));
+            let got = self
+                .forward(owner, move |c| async move {
+                    future::or(
+                        async {
+                            request_local(&c, node, (kind, id), payload, (timeout, ttl))
+                                .await
+                                .map(|(h, p)| (h, p.into_vec()))
+                        },
+                        async {
+                            cancel.wait().await;
+                            Err(NetError::TimedOut { what: "request" })
+                        },
+                    )
+                    .await
+                })
+                .await;
+            // Answered (or failed): nothing to cancel on the owner.
+            on_drop.0 = None;
+            got?
+        }
+    }
+}
+
+/// The frame that answers `request` with `kind`: its `id` and `req_id`, no deadline
+/// ([`NetError::BadKind`] when `kind` does not answer that request's kind).
+pub(super) fn reply_spec(request: &FrameHeader, kind: FrameKind) -> Result<FrameSpec, NetError> {
+    if !reply_fits(request.kind, kind) {
+        return Err(NetError::BadKind {
+            kind,
+            op: "answer this request",
+        });
+    }
+    Ok(FrameSpec {
+        kind,
+        id: request.id,
+        req_id: request.req_id,
+        ttl_ns: NO_DEADLINE_TTL,
+    })
+}
