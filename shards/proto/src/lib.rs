@@ -27,6 +27,8 @@
 //! * [`time`] — [`Timestamp`].
 //! * [`shard_map`] — [`ShardMap`]: which shard owns which peer (rendezvous hashing with a stable,
 //!   hand-written SipHash-2-4).
+//! * [`rails`] — [`Rails`]: the (local shard, remote shard) pairs that carry traffic between two
+//!   nodes, each with its own connection, the same set seen from both sides.
 //! * [`wire`] — the 48-byte frame header, the 64-bit tag layout and the message size limit; the
 //!   format is specified in that module's documentation.
 //! * [`handshake`] — hello / welcome / confirm / reject with version and feature negotiation and
@@ -80,6 +82,7 @@ pub mod fuzzing;
 pub mod handshake;
 pub mod ids;
 pub mod pool;
+pub mod rails;
 pub mod region;
 pub mod request;
 pub mod rng;
@@ -93,6 +96,7 @@ pub use conn::{ConnConfig, Connection, Event, Seeds, State, Transmit};
 pub use handshake::{Features, Handshake, HandshakeConfig, PeerInfo, PreSharedKey};
 pub use ids::{AmId, FunctionId, Generation, Incarnation, NodeId, RegionId, ReqId, ShardId};
 pub use pool::{Block, PoolConfig, SizeClassPool};
+pub use rails::{Rail, Rails};
 pub use region::{
     Access, CheckedRange, GetRequest, Permissions, PutRequest, RegionDescriptor, RegionEntry,
     RegionError, RegionSpec, RegionTable, RmaError, RmaErrorCode, RmaReply, RmaWireError,
@@ -103,7 +107,7 @@ pub use rpc::{
     decode_error, decode_request, encode_error, encode_request, request_prefix, CallFlags,
     ErrorBody, RequestEnvelope, RpcErrorCode, RpcWireError, MAX_ERROR_MESSAGE, REQUEST_PREFIX_LEN,
 };
-pub use shard_map::ShardMap;
+pub use shard_map::{ShardCountError, ShardMap};
 pub use time::Timestamp;
 pub use wire::{FrameFlags, FrameHeader, FrameKind, Limits, Tag, TagKind, TagMask, WireError};
 
@@ -123,6 +127,8 @@ mod tests {
         assert_send_sync::<CreditWindow>();
         assert_send_sync::<SizeClassPool>();
         assert_send_sync::<ShardMap>();
+        assert_send_sync::<Rails>();
+        assert_send_sync::<Rail>();
         assert_send_sync::<FrameHeader>();
         assert_send_sync::<Transmit>();
         assert_send_sync::<Event>();

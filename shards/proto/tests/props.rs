@@ -16,7 +16,7 @@ use shardcx_proto::{
     Features, FrameFlags, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ReqId, ShardId,
     SizeClassPool, Tag, TagKind, Timestamp,
 };
-use shardcx_proto::{PoolConfig, WireError};
+use shardcx_proto::{PoolConfig, Rail, Rails, WireError};
 use std::collections::HashSet;
 
 fn kind() -> impl Strategy<Value = FrameKind> {
@@ -390,5 +390,76 @@ proptest! {
     #[test]
     fn rpc_fuzz_entry_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let _ = fuzzing::rpc(&bytes);
+    }
+}
+
+/// Shard counts: mostly small (where the interesting coincidences are), sometimes large.
+fn shard_count() -> impl Strategy<Value = u16> {
+    prop_oneof![4 => 1u16..=16, 1 => 1u16..=shardcx_proto::shard_map::MAX_SHARDS]
+}
+
+proptest! {
+    /// The set node B computes (M, N) is node A's (N, M) with every pair mirrored.
+    #[test]
+    fn rails_are_symmetric(n in shard_count(), m in shard_count()) {
+        let a = Rails::new(n, m).unwrap();
+        let b = Rails::new(m, n).unwrap();
+        prop_assert_eq!(a.mirror(), b);
+        let mut ours: Vec<Rail> = a.iter().map(Rail::mirror).collect();
+        let mut theirs: Vec<Rail> = b.iter().collect();
+        ours.sort();
+        theirs.sort();
+        prop_assert_eq!(ours, theirs);
+        for rail in a.iter() {
+            prop_assert!(b.has_rail(rail.remote, rail.local));
+        }
+    }
+
+    /// max(N, M) distinct rails, and every shard of either node is on at least one.
+    #[test]
+    fn rails_cover_every_shard(n in shard_count(), m in shard_count()) {
+        let r = Rails::new(n, m).unwrap();
+        let all: HashSet<Rail> = r.iter().collect();
+        prop_assert_eq!(all.len(), usize::from(n.max(m)));
+        prop_assert_eq!(r.len(), all.len());
+        let locals: HashSet<u16> = all.iter().map(|x| x.local.get()).collect();
+        let remotes: HashSet<u16> = all.iter().map(|x| x.remote.get()).collect();
+        prop_assert_eq!(locals.len(), usize::from(n));
+        prop_assert_eq!(remotes.len(), usize::from(m));
+        for rail in &all {
+            prop_assert!(rail.local.get() < n && rail.remote.get() < m);
+            prop_assert!(r.has_rail(rail.local, rail.remote));
+        }
+    }
+
+    /// The default rail of a local shard and the owner's rail to a remote shard are rails;
+    /// remotes_of and locals_of list exactly the rails of a shard.
+    #[test]
+    fn default_and_owner_rails_exist(n in shard_count(), m in shard_count(), l in any::<u16>(), j in any::<u16>()) {
+        let r = Rails::new(n, m).unwrap();
+        let (l, j) = (ShardId::new(l % n), ShardId::new(j % m));
+        prop_assert!(r.has_rail(l, r.default_remote(l)));
+        prop_assert!(r.has_rail(r.owner_of_remote(j), j));
+        prop_assert!(r.remotes_of(l).any(|x| x == r.default_remote(l)));
+        prop_assert!(r.locals_of(j).any(|x| x == r.owner_of_remote(j)));
+        let expected: Vec<ShardId> = r.iter().filter(|x| x.local == l).map(|x| x.remote).collect();
+        let mut listed: Vec<ShardId> = r.remotes_of(l).collect();
+        prop_assert!(listed.windows(2).all(|w| w[0] < w[1]), "increasing");
+        listed.sort();
+        let mut expected = expected;
+        expected.sort();
+        prop_assert_eq!(listed, expected);
+        prop_assert_eq!(r.has_rail(l, j), r.iter().any(|x| x.local == l && x.remote == j));
+    }
+
+    /// With equal shard counts, local shard i's default rail is remote shard i, on both sides.
+    #[test]
+    fn equal_counts_pair_same_index(n in shard_count(), i in any::<u16>()) {
+        let r = Rails::new(n, n).unwrap();
+        let i = ShardId::new(i % n);
+        prop_assert_eq!(r.default_remote(i), i);
+        prop_assert_eq!(r.mirror().default_remote(i), i);
+        prop_assert_eq!(r.owner_of_remote(i), i);
+        prop_assert_eq!(r.remotes_of(i).collect::<Vec<_>>(), vec![i]);
     }
 }
