@@ -60,7 +60,7 @@
 //! * A remote put or get is allowed only within a registered region's bounds (checked without
 //!   overflow), with its permission, by its grantee, and at its current generation.
 //! * A pending request completes exactly once; bytes in flight never exceed a credit window; an
-//!   RPC is executed at most once per `(node, incarnation, request id)`.
+//!   RPC is executed at most once per `(node, incarnation, sending shard, request id)`.
 //! * Library code holds no `unwrap` on external input; the few `expect`s state their invariant.
 //!
 //! ## Send and Sync

@@ -677,6 +677,7 @@ impl Sim {
                 let key = DedupKey {
                     node: peer_id,
                     incarnation: header.incarnation,
+                    shard: header.src_shard,
                     req_id: header.req_id,
                 };
                 let reply = match n.dedup.check_and_insert(now, key) {
