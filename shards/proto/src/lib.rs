@@ -32,7 +32,9 @@
 //! * [`wire`] — the 48-byte frame header, the 64-bit tag layout and the message size limit; the
 //!   format is specified in that module's documentation.
 //! * [`handshake`] — hello / welcome / confirm / reject with version and feature negotiation and
-//!   a pre-shared-key proof (HMAC-SHA-256) from both sides.
+//!   a pre-shared-key proof (HMAC-SHA-256) from both sides, which leaves both with a
+//!   [`SessionSecret`]; join / joined, with which the other rails of a node pair join that
+//!   authenticated session.
 //! * [`conn`] — [`Connection`]: handshake, heartbeats with suspicion and death, reconnection with
 //!   jittered exponential backoff, draining, incarnation checks.
 //! * [`request`] — [`PendingTable`] (deadlines; exactly one completion per request),
@@ -93,7 +95,9 @@ pub mod time;
 pub mod wire;
 
 pub use conn::{ConnConfig, Connection, Event, Seeds, State, Transmit};
-pub use handshake::{Features, Handshake, HandshakeConfig, PeerInfo, PreSharedKey};
+pub use handshake::{
+    Features, Handshake, HandshakeConfig, JoinAttempt, PeerInfo, PreSharedKey, SessionSecret,
+};
 pub use ids::{AmId, FunctionId, Generation, Incarnation, NodeId, RegionId, ReqId, ShardId};
 pub use pool::{Block, PoolConfig, SizeClassPool};
 pub use rails::{Rail, Rails};
@@ -122,6 +126,8 @@ mod tests {
     fn public_types_are_send_and_sync() {
         assert_send_sync::<Connection>();
         assert_send_sync::<Handshake>();
+        assert_send_sync::<JoinAttempt>();
+        assert_send_sync::<SessionSecret>();
         assert_send_sync::<PendingTable<Vec<u8>>>();
         assert_send_sync::<DedupWindow<Vec<u8>>>();
         assert_send_sync::<CreditWindow>();
