@@ -468,7 +468,7 @@ impl Sim {
         let now = self.now;
         let peer_id = self.nodes[peer].id;
         let n = &mut self.nodes[node];
-        let mut conn = Connection::client(n.cfg.clone(), peer_id, seeds);
+        let mut conn = Connection::client(n.cfg.clone(), peer_id, crate::ShardId::new(0), seeds);
         // A fresh client connection is Idle, so connect cannot fail.
         let _ = conn.connect(now);
         n.conns.insert(peer, conn);
