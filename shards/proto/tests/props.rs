@@ -560,3 +560,33 @@ fn flipped(bytes: &[u8; 32], flip: (usize, u8)) -> [u8; 32] {
     out[flip.0] ^= flip.1;
     out
 }
+
+proptest! {
+    /// The handshake fuzz entry (and its join oracle: a join or joined is accepted exactly when
+    /// it is the legitimate one) on the fuzz join client's join and the server's joined, with a
+    /// few bytes changed and cut anywhere.
+    #[test]
+    fn handshake_fuzz_entry_holds_on_mutated_joins(
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        cut in any::<prop::sample::Index>(),
+        joined in any::<bool>(),
+    ) {
+        let mut client = fuzzing::join_client().unwrap();
+        let mut bytes = client.poll_transmit().unwrap().to_vec();
+        if joined {
+            let (h, p) = decode_frame(&bytes, &fuzzing::FUZZ_LIMITS).unwrap();
+            let mut server = fuzzing::join_server().unwrap();
+            server.handle_frame(Timestamp::ZERO, &h, p);
+            bytes = server.poll_transmit().unwrap().to_vec();
+        }
+        let pristine = edits.iter().all(|(at, b)| bytes[at.index(bytes.len())] == *b);
+        for (at, byte) in &edits {
+            let i = at.index(bytes.len());
+            bytes[i] = *byte;
+        }
+        let o = fuzzing::handshake_outcome(&bytes);
+        let accepted = if joined { o.joined_accepted } else { o.join_accepted };
+        prop_assert!(accepted || !pristine, "the unchanged frame is accepted");
+        let _ = fuzzing::handshake_outcome(&bytes[..cut.index(bytes.len() + 1)]);
+    }
+}
