@@ -35,8 +35,9 @@
 //!   a pre-shared-key proof (HMAC-SHA-256) from both sides, which leaves both with a
 //!   [`SessionSecret`]; join / joined, with which the other rails of a node pair join that
 //!   authenticated session.
-//! * [`conn`] — [`Connection`]: handshake, heartbeats with suspicion and death, reconnection with
-//!   jittered exponential backoff, draining, incarnation checks.
+//! * [`conn`] — [`Connection`], one per rail: handshake (primary) or join, heartbeats with
+//!   suspicion and death, reconnection with jittered exponential backoff, draining, incarnation
+//!   and shard checks.
 //! * [`request`] — [`PendingTable`] (deadlines; exactly one completion per request),
 //!   [`DedupWindow`] (at-most-once RPC), [`CreditWindow`] (flow control).
 //! * [`pool`] — [`SizeClassPool`]: a buddy allocator over offsets of a registered arena.
@@ -47,8 +48,8 @@
 //! * [`rng`] — [`Rng`], a small seeded generator (xoshiro256**), for jitter and simulation.
 //! * [`fuzzing`] — the decoder checks run by the cargo-fuzz targets in `fuzz/` and by the
 //!   corpus replay test.
-//! * [`sim`] — a deterministic network simulator driving real [`Connection`]s, used by this
-//!   crate's tests and available to other crates' tests.
+//! * [`sim`] — a deterministic network simulator driving real [`Connection`]s on rails, with a
+//!   net layer's session table, used by this crate's tests and available to other crates' tests.
 //!
 //! ## Invariants
 //!
@@ -59,6 +60,9 @@
 //!   [`wire::Limits::max_message_size`] before any caller could size a buffer from it. Property
 //!   tests and fuzz targets check this.
 //! * No frame from an incarnation other than the one authenticated in the handshake is delivered.
+//! * A connection is ready only after a pre-shared-key handshake, or a join whose proof verifies
+//!   under the secret of a session such a handshake made; and it delivers only frames addressed
+//!   to its own rail (`src_shard`, `dst_shard`).
 //! * A remote put or get is allowed only within a registered region's bounds (checked without
 //!   overflow), with its permission, by its grantee, and at its current generation.
 //! * A pending request completes exactly once; bytes in flight never exceed a credit window; an
