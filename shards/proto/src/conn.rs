@@ -106,8 +106,9 @@
 //! answered with [`Connection::refuse`].
 
 use crate::handshake::{
-    accept_join, Handshake, HandshakeConfig, HandshakeError, HandshakeMessage, Join, JoinAttempt,
-    Nonce, NonceGen, PeerInfo, Reject, RejectReason, Role, SessionSecret, MAX_HANDSHAKE_LEN,
+    accept_join, Handshake, HandshakeConfig, HandshakeError, HandshakeMessage, Hello, Join,
+    JoinAttempt, Nonce, NonceGen, PeerInfo, Reject, RejectReason, Role, SessionSecret,
+    MAX_HANDSHAKE_LEN,
 };
 use crate::ids::{Incarnation, NodeId, ReqId, ShardId};
 use crate::rails::{Rail, Rails};
@@ -906,12 +907,7 @@ impl Connection {
         }
     }
 
-    fn on_hello(
-        &mut self,
-        now: Timestamp,
-        header: &FrameHeader,
-        hello: &crate::handshake::Hello,
-    ) -> Received {
+    fn on_hello(&mut self, now: Timestamp, header: &FrameHeader, hello: &Hello) -> Received {
         if self.role != Role::Server {
             return self.drop_frame(DropReason::Unexpected);
         }
