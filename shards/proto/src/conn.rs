@@ -1,8 +1,34 @@
-//! The per-peer connection state machine.
+//! The per-rail connection state machine.
 //!
-//! A [`Connection`] is the protocol state a shard keeps for one peer node: the handshake,
-//! liveness (heartbeats, suspicion, death), reconnection with backoff, draining and close. It
-//! performs no I/O; the shard moves frames between it and a UCX endpoint.
+//! A [`Connection`] is the protocol state a shard keeps for one *rail* to a peer node: one
+//! (local shard, remote shard) pair of [`crate::Rails`], with its own UCX endpoints. It holds
+//! the handshake, liveness (heartbeats, suspicion, death), reconnection with backoff, draining
+//! and close. It performs no I/O; the shard moves frames between it and a UCX endpoint.
+//!
+//! # Primary and joined rails
+//!
+//! Authentication happens once per node pair, on one rail, the *primary*: a client made with
+//! [`Connection::client`] runs the pre-shared-key handshake (hello / welcome / confirm) with a
+//! server made with [`Connection::server`]. Both then hold the session's
+//! [`SessionSecret`] ([`Connection::session_secret`]), which the net layer keeps with the
+//! session's [`PeerInfo`] in its node-wide session table. Every other rail *joins* that session
+//! ([`crate::handshake`] has the exchange): a client made with [`Connection::join_client`]
+//! sends a `Join` and waits for `Joined`; the server's net layer decodes the `Join`, finds the
+//! session of `join.node_id`, and makes a [`Connection::join_server`], which checks the join
+//! (session, rail, proof) and answers. A rail is only ever `Ready` after a handshake or a join
+//! that verified, so a rail from an unauthenticated endpoint is never accepted. The net layer
+//! joins rails only when the session negotiated [`crate::Features::RAILS`].
+//!
+//! # Shards
+//!
+//! Every frame names its shards: `src_shard` the sender's, `dst_shard` the receiver's. A client
+//! is told its rail's remote shard when it is made; a server learns it from the `src_shard` of
+//! the first `Hello` or `Join` it processes ([`Connection::remote_shard`] is `None` until then).
+//! From then on, every frame whose `src_shard` is not the remote shard, and at any time every
+//! frame whose `dst_shard` is not [`ConnConfig::local_shard`], is dropped with
+//! [`DropReason::Misrouted`] (counted in [`ConnStats::dropped_misrouted`]). A server refuses a
+//! `Hello` or `Join` whose shards are not a rail of the pair with
+//! [`RejectReason::NoSuchRail`].
 //!
 //! # States
 //!
@@ -17,12 +43,25 @@
 //! ```
 //!
 //! `Failed` is where a connection rests when it will not retry by itself: a server-side
-//! connection (the client dials again, and a fresh `Hello` restarts the handshake) or a client
-//! that has used up [`ConnConfig::max_reconnect_attempts`]. A client with attempts left passes
-//! straight through `Failed` into `Backoff`, after emitting [`Event::Failed`]. The backoff delay
-//! for failure number `k` (from 0) is drawn uniformly from `[d/2, d]` with
-//! `d = min(backoff_max, backoff_initial · 2^k)` ("equal jitter"), using the connection's own
-//! [`Rng`] seeded by the caller.
+//! connection (the client dials again, and a fresh `Hello` or `Join` restarts it), a primary
+//! client that has used up [`ConnConfig::max_reconnect_attempts`], or **any join client**: a
+//! join client never backs off and retries by itself, whatever `max_reconnect_attempts` says,
+//! because the usual cause of a failed join (the session is gone: the server restarted, or the
+//! primary was replaced) is not cured by waiting; the net layer falls back to a new session (a
+//! full handshake), or calls [`Connection::connect`] again to send a fresh `Join`. A primary
+//! client with attempts left passes straight through `Failed` into `Backoff`, after emitting
+//! [`Event::Failed`]. The backoff delay for failure number `k` (from 0) is drawn uniformly from
+//! `[d/2, d]` with `d = min(backoff_max, backoff_initial · 2^k)` ("equal jitter"), using the
+//! connection's own [`Rng`] seeded by the caller.
+//!
+//! A server connection answers every new `Hello` (with a pre-shared-key handshake) and every
+//! new `Join` (checked against the session given to [`Connection::join_server`]; a connection
+//! made with [`Connection::server`] has none and refuses joins with
+//! [`RejectReason::UnknownSession`]). A new opening that succeeds while `Ready` replaces the
+//! session ([`Event::Failed`] with [`FailReason::SessionReplaced`], then [`Event::Connected`]).
+//! A refused `Join` ends the connection (`Failed`) only if it was not `Ready`: an
+//! unauthenticated join never ends an authenticated rail. A duplicate of an opening already
+//! processed (same nonce) is ignored.
 //!
 //! # Liveness
 //!
@@ -32,7 +71,8 @@
 //! ([`Event::PeerSuspect`]; [`Event::PeerRecovered`] if it speaks again), and after `dead_after`
 //! intervals it is declared dead ([`Event::PeerDead`] then [`Event::Failed`]). The timer is set
 //! exactly at `last_heard + dead_after · interval`, so a caller that honours
-//! [`Connection::poll_timeout`] detects a silent peer no later than that.
+//! [`Connection::poll_timeout`] detects a silent peer no later than that. Each rail has its own
+//! heartbeats: a rail that dies does not take the others with it.
 //!
 //! # Incarnations
 //!
@@ -41,14 +81,17 @@
 //! ([`ConnStats::dropped_stale`]); a `Hello` from an older incarnation is dropped the same way. A
 //! `Hello` from a newer incarnation (the peer restarted) replaces the session:
 //! [`Event::Failed`] with [`FailReason::SessionReplaced`] (so in-flight work fails), then
-//! [`Event::PeerRestarted`] and [`Event::Connected`] once the new handshake completes.
+//! [`Event::PeerRestarted`] and [`Event::Connected`] once the new handshake completes. A `Join`
+//! must name exactly the incarnations of its session.
 //!
 //! # Calling order
 //!
 //! As in quinn-proto:
 //!
-//! 1. Create with [`Connection::client`] (then [`Connection::connect`]) or
-//!    [`Connection::server`].
+//! 1. Create with [`Connection::client`] or [`Connection::join_client`] (then
+//!    [`Connection::connect`]), or with [`Connection::server`] or [`Connection::join_server`]
+//!    for the endpoint whose first frame (a `Hello` or a `Join`) just arrived, then feed it that
+//!    frame.
 //! 2. Feed inputs as they happen: [`Connection::handle_frame`] for every frame received from the
 //!    peer, [`Connection::handle_timeout`] whenever the time last returned by
 //!    [`Connection::poll_timeout`] is reached, [`Connection::handle_transport_error`] when the
@@ -59,14 +102,17 @@
 //!
 //! Outputs are queued, never lost, if the caller drains them late; timers are level-triggered:
 //! calling `handle_timeout` early does nothing, calling it late does everything that is due.
+//! An opening frame that no connection will take (a `Join` for a node with no session, say) is
+//! answered with [`Connection::refuse`].
 
 use crate::handshake::{
-    Handshake, HandshakeConfig, HandshakeError, HandshakeMessage, NonceGen, PeerInfo, Reject,
-    RejectReason, Role, MAX_HANDSHAKE_LEN,
+    accept_join, Handshake, HandshakeConfig, HandshakeError, HandshakeMessage, Hello, Join,
+    JoinAttempt, Nonce, NonceGen, PeerInfo, Reject, RejectReason, Role, SessionSecret,
+    MAX_HANDSHAKE_LEN,
 };
 use crate::ids::{Incarnation, NodeId, ReqId, ShardId};
+use crate::rails::{Rail, Rails};
 use crate::rng::Rng;
-use crate::shard_map::ShardMap;
 use crate::time::Timestamp;
 use crate::wire::{encode_frame, FrameHeader, FrameKind, Limits, WireError};
 use std::collections::VecDeque;
@@ -76,9 +122,10 @@ use thiserror::Error;
 /// Connection settings.
 #[derive(Clone, Debug)]
 pub struct ConnConfig {
-    /// This node's identity, key, versions and handshake timeout.
+    /// This node's identity, key, versions and handshake timeout (which bounds joins too).
     pub handshake: HandshakeConfig,
-    /// The local shard that owns this connection (written as `src_shard`).
+    /// The local shard that owns this connection (written as `src_shard`; frames whose
+    /// `dst_shard` differs are dropped as misrouted).
     pub local_shard: ShardId,
     /// Time between heartbeats.
     pub heartbeat_interval: Duration,
@@ -90,8 +137,9 @@ pub struct ConnConfig {
     pub backoff_initial: Duration,
     /// Upper bound of the backoff (before jitter).
     pub backoff_max: Duration,
-    /// Client only: consecutive failed attempts after which the connection stays `Failed`;
-    /// `None` retries forever.
+    /// Primary clients only ([`Connection::client`]): consecutive failed attempts after which
+    /// the connection stays `Failed`; `None` retries forever. Join clients ignore it: they never
+    /// retry by themselves (see the module docs). Servers never retry either.
     pub max_reconnect_attempts: Option<u32>,
 }
 
@@ -109,9 +157,10 @@ pub struct Seeds {
 pub enum State {
     /// Client created, `connect` not yet called.
     Idle,
-    /// First handshake in progress (client), or waiting for / answering a hello (server).
+    /// First handshake or join in progress (client), or waiting for / answering a hello or a
+    /// join (server).
     Connecting,
-    /// Handshake complete; frames flow.
+    /// Handshake or join complete; frames flow.
     Ready,
     /// Finishing in-flight work; no new work should be started.
     Draining,
@@ -129,13 +178,13 @@ pub enum State {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FailReason {
-    /// The handshake failed (timeout, bad proof, rejection...).
+    /// The handshake or join failed (timeout, bad proof, rejection...).
     Handshake(HandshakeError),
     /// The peer stopped answering heartbeats.
     PeerDead,
     /// The transport reported an error.
     Transport,
-    /// The peer started a new session (it restarted or reconnected).
+    /// The peer started a new session (it restarted, reconnected or joined again).
     SessionReplaced,
 }
 
@@ -153,7 +202,7 @@ pub enum CloseReason {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Event {
-    /// A handshake completed; frames flow.
+    /// A handshake or join completed; frames flow. A join reports its session's [`PeerInfo`].
     Connected(PeerInfo),
     /// The peer is now known under a newer incarnation: everything from the old one is void.
     PeerRestarted {
@@ -211,12 +260,15 @@ pub enum DropReason {
     NotReady,
     /// The payload did not decode.
     Malformed,
-    /// Not expected in this role or state (e.g. a hello sent to a client).
+    /// Not expected in this role or state (e.g. a hello sent to a client, or a duplicate).
     Unexpected,
     /// The frame's wire version is not the negotiated one.
     VersionMismatch,
     /// The connection is closed.
     Closed,
+    /// The frame's shards are not this rail's: `dst_shard` is not the local shard, or
+    /// `src_shard` is not the remote shard.
+    Misrouted,
 }
 
 /// Misuse of the connection API.
@@ -244,14 +296,20 @@ pub struct ConnStats {
     pub dropped_not_ready: u64,
     /// Frames dropped as malformed.
     pub dropped_malformed: u64,
+    /// Frames dropped because their shards are not this rail's.
+    pub dropped_misrouted: u64,
     /// Frames dropped as unexpected, version-mismatched, or after close.
     pub dropped_other: u64,
     /// Heartbeats sent.
     pub heartbeats_sent: u64,
     /// Heartbeat acks received.
     pub heartbeat_acks: u64,
-    /// Handshakes completed.
+    /// Pre-shared-key handshakes completed.
     pub handshakes: u64,
+    /// Joins completed (either side).
+    pub joins: u64,
+    /// Joins refused with a `Reject` (server side).
+    pub joins_refused: u64,
     /// Reconnect attempts begun.
     pub reconnects: u64,
 }
@@ -266,17 +324,39 @@ pub struct Transmit {
     payload_len: usize,
 }
 
-/// One peer's connection state. See the module docs for states and calling order.
+/// The session a join client joins, or a join server checks joins against.
+#[derive(Clone, Debug)]
+struct JoinSession {
+    peer: PeerInfo,
+    secret: SessionSecret,
+}
+
+/// The opening exchange in progress: a pre-shared-key handshake or a join (client side; the
+/// server side of a join is one call, [`accept_join`]).
+#[derive(Clone, Debug)]
+#[allow(clippy::large_enum_variant)] // One per connection, alive only while it opens.
+enum Attempt {
+    Psk(Handshake),
+    Join(JoinAttempt),
+}
+
+/// One rail's connection state. See the module docs for states and calling order.
 #[derive(Clone, Debug)]
 pub struct Connection {
     cfg: ConnConfig,
     role: Role,
     state: State,
-    handshake: Option<Handshake>,
-    /// Client nonce of the last handshake that completed (server side; to spot duplicate hellos).
-    last_client_nonce: Option<[u8; 32]>,
+    attempt: Option<Attempt>,
+    /// Client nonce of the last opening (hello or join) that completed (server side; to spot
+    /// duplicates).
+    last_client_nonce: Option<Nonce>,
+    /// Nonce of the last join refused (server side; to spot duplicates).
+    last_refused_nonce: Option<Nonce>,
     peer: Option<PeerInfo>,
-    remote_shard: ShardId,
+    remote_shard: Option<ShardId>,
+    join: Option<JoinSession>,
+    /// The secret of the session the last pre-shared-key handshake made (primary rails only).
+    secret: Option<SessionSecret>,
     rng: Rng,
     nonces: NonceGen,
     last_heard: Timestamp,
@@ -324,6 +404,21 @@ impl Transmit {
         }
     }
 
+    /// A handshake frame: `header` with the frozen handshake version, `msg`'s kind and length.
+    fn handshake(header: FrameHeader, msg: &HandshakeMessage) -> Transmit {
+        let mut t = Transmit::control(FrameHeader {
+            // Handshake frames always use the frozen version-1 header so that any peer can read
+            // them and answer, if need be, with a version-mismatch rejection.
+            version: crate::wire::HANDSHAKE_WIRE_VERSION,
+            kind: msg.kind(),
+            ..header
+        });
+        // Cannot fail: the inline buffer holds MAX_HANDSHAKE_LEN, the largest message.
+        t.payload_len = msg.encode(&mut t.payload).unwrap_or(0);
+        t.header.payload_len = t.payload_len as u64;
+        t
+    }
+
     /// The payload bytes.
     pub fn payload(&self) -> &[u8] {
         &self.payload[..self.payload_len]
@@ -344,21 +439,149 @@ impl Transmit {
     }
 }
 
+impl Attempt {
+    fn is_finished(&self) -> bool {
+        match self {
+            Attempt::Psk(h) => h.is_finished(),
+            Attempt::Join(j) => j.is_finished(),
+        }
+    }
+
+    fn poll_transmit(&mut self) -> Option<HandshakeMessage> {
+        match self {
+            Attempt::Psk(h) => h.poll_transmit(),
+            Attempt::Join(j) => j.poll_transmit(),
+        }
+    }
+
+    fn outcome(&self) -> Option<&Result<PeerInfo, HandshakeError>> {
+        match self {
+            Attempt::Psk(h) => h.outcome(),
+            Attempt::Join(j) => j.outcome(),
+        }
+    }
+
+    fn poll_timeout(&self) -> Option<Timestamp> {
+        match self {
+            Attempt::Psk(h) => h.poll_timeout(),
+            Attempt::Join(j) => j.poll_timeout(),
+        }
+    }
+
+    fn handle_timeout(&mut self, now: Timestamp) {
+        match self {
+            Attempt::Psk(h) => h.handle_timeout(now),
+            Attempt::Join(j) => j.handle_timeout(now),
+        }
+    }
+
+    fn handle_message(&mut self, now: Timestamp, msg: &HandshakeMessage) {
+        match self {
+            Attempt::Psk(h) => h.handle_message(now, msg),
+            Attempt::Join(j) => j.handle_message(now, msg),
+        }
+    }
+
+    /// The client nonce of the attempt, once known.
+    fn client_nonce(&self) -> Option<Nonce> {
+        match self {
+            Attempt::Psk(h) => h.client_nonce(),
+            Attempt::Join(j) => Some(*j.nonce()),
+        }
+    }
+}
+
 impl Connection {
-    /// A client connection that will dial `peer`; call [`Connection::connect`] to start.
-    /// `cfg.handshake.expected_peer` is set to `peer`.
-    pub fn client(mut cfg: ConnConfig, peer: NodeId, seeds: Seeds) -> Connection {
+    /// A primary client connection that will dial node `peer`, on the rail to the peer's shard
+    /// `remote_shard` (the `dst_shard` of every frame it sends; with
+    /// `(cfg.local_shard, remote_shard)` a rail of the pair, or the server refuses it with
+    /// [`RejectReason::NoSuchRail`]); call [`Connection::connect`] to start the pre-shared-key
+    /// handshake. `cfg.handshake.expected_peer` is set to `peer`.
+    pub fn client(
+        mut cfg: ConnConfig,
+        peer: NodeId,
+        remote_shard: ShardId,
+        seeds: Seeds,
+    ) -> Connection {
         cfg.handshake.expected_peer = Some(peer);
-        Connection::new(cfg, Role::Client, State::Idle, seeds)
+        let mut c = Connection::new(cfg, Role::Client, State::Idle, seeds);
+        c.remote_shard = Some(remote_shard);
+        c
+    }
+
+    /// A client connection that will join the session with `session_peer` (the server node as
+    /// learned by the session's primary handshake) keyed by `secret`, on the rail to the peer's
+    /// shard `remote_shard`; call [`Connection::connect`] to send the `Join`. On success it is
+    /// `Ready` with `session_peer` as its peer ([`Event::Connected`]); it has no
+    /// [`Connection::session_secret`] of its own. It never retries by itself (see the module
+    /// docs). If `(cfg.local_shard, remote_shard)` is no rail of the pair, `connect` fails it at
+    /// once with [`HandshakeError::NoSuchRail`].
+    pub fn join_client(
+        mut cfg: ConnConfig,
+        session_peer: PeerInfo,
+        secret: SessionSecret,
+        remote_shard: ShardId,
+        seeds: Seeds,
+    ) -> Connection {
+        cfg.handshake.expected_peer = Some(session_peer.node_id);
+        let mut c = Connection::new(cfg, Role::Client, State::Idle, seeds);
+        c.remote_shard = Some(remote_shard);
+        c.join = Some(JoinSession {
+            peer: session_peer,
+            secret,
+        });
+        c
     }
 
     /// A server connection for an endpoint a client dialled, waiting for its hello from `now`
-    /// (the handshake deadline runs from `now`).
+    /// (the handshake deadline runs from `now`). It refuses joins
+    /// ([`RejectReason::UnknownSession`]): make a [`Connection::join_server`] for those.
     pub fn server(now: Timestamp, cfg: ConnConfig, seeds: Seeds) -> Connection {
         let mut c = Connection::new(cfg, Role::Server, State::Connecting, seeds);
         let nonce = c.nonces.next_nonce();
-        c.handshake = Some(Handshake::server(now, c.cfg.handshake.clone(), nonce));
+        c.attempt = Some(Attempt::Psk(Handshake::server(
+            now,
+            c.cfg.handshake.clone(),
+            nonce,
+        )));
         c
+    }
+
+    /// A server connection for an endpoint whose first frame is a `Join` to the session with
+    /// `session_peer` (the client node as learned by the session's primary handshake) keyed by
+    /// `secret`, from the net layer's session table; feed it that frame with
+    /// [`Connection::handle_frame`]. It checks the join against the session (node,
+    /// incarnations, shard count, version, rails negotiated), the rail and the proof, and answers
+    /// `Joined` (then `Ready`, [`Event::Connected`]) or a `Reject` (then `Failed`). Like a
+    /// [`Connection::server`] it also answers a `Hello`, which makes it a primary.
+    pub fn join_server(
+        now: Timestamp,
+        cfg: ConnConfig,
+        session_peer: PeerInfo,
+        secret: SessionSecret,
+        seeds: Seeds,
+    ) -> Connection {
+        let mut c = Connection::server(now, cfg, seeds);
+        c.join = Some(JoinSession {
+            peer: session_peer,
+            secret,
+        });
+        c
+    }
+
+    /// The `Reject` of an opening frame (`msg`, a `Hello` or a `Join`, which arrived with
+    /// `header`) for which the net layer makes no connection: for instance a `Join` from a node
+    /// with no session ([`RejectReason::UnknownSession`]), or any opening while at capacity
+    /// ([`RejectReason::Busy`]). Addressed from `cfg.local_shard` back to `header.src_shard`.
+    /// `None` if `msg` opens nothing.
+    pub fn refuse(
+        cfg: &ConnConfig,
+        header: &FrameHeader,
+        msg: &HandshakeMessage,
+        reason: RejectReason,
+    ) -> Option<Transmit> {
+        let echo = msg.opening_nonce()?;
+        Some(reject_transmit(cfg, header.src_shard, echo, reason))
     }
 
     fn new(cfg: ConnConfig, role: Role, state: State, seeds: Seeds) -> Connection {
@@ -366,10 +589,13 @@ impl Connection {
             cfg,
             role,
             state,
-            handshake: None,
+            attempt: None,
             last_client_nonce: None,
+            last_refused_nonce: None,
             peer: None,
-            remote_shard: ShardId::new(0),
+            remote_shard: None,
+            join: None,
+            secret: None,
             rng: Rng::new(seeds.rng),
             nonces: NonceGen::new(seeds.nonce),
             last_heard: Timestamp::ZERO,
@@ -395,9 +621,25 @@ impl Connection {
         self.role
     }
 
-    /// The peer, as learned by the last completed handshake.
+    /// Whether this connection joins a session ([`Connection::join_client`]) or checks joins
+    /// against one ([`Connection::join_server`]), rather than being only a primary.
+    pub fn is_join(&self) -> bool {
+        self.join.is_some()
+    }
+
+    /// The peer, as learned by the last completed handshake (or given with the joined session).
     pub fn peer(&self) -> Option<&PeerInfo> {
         self.peer.as_ref()
+    }
+
+    /// The secret of the session this connection authenticated, while it is `Ready` or
+    /// `Draining` after a pre-shared-key handshake (a primary rail). `None` on joined rails (the
+    /// net layer already holds their session's secret) and while no session is up.
+    pub fn session_secret(&self) -> Option<&SessionSecret> {
+        match self.state {
+            State::Ready | State::Draining => self.secret.as_ref(),
+            _ => None,
+        }
     }
 
     /// Whether the peer is currently suspect.
@@ -415,9 +657,18 @@ impl Connection {
         &self.cfg
     }
 
-    /// The peer's shard that owns this node (the `dst_shard` of frames we send), once connected.
-    pub fn remote_shard(&self) -> ShardId {
+    /// The peer's shard at the other end of this rail (the `dst_shard` of frames we send): a
+    /// client's from creation, a server's from the first `Hello` or `Join` it processed.
+    pub fn remote_shard(&self) -> Option<ShardId> {
         self.remote_shard
+    }
+
+    /// The rail this connection runs on, once its remote shard is known.
+    pub fn rail(&self) -> Option<Rail> {
+        self.remote_shard.map(|remote| Rail {
+            local: self.cfg.local_shard,
+            remote,
+        })
     }
 
     /// A header for an application frame of `kind` on the current session: version, shards and
@@ -428,7 +679,7 @@ impl Connection {
             (State::Ready | State::Draining, Some(peer)) => Ok(FrameHeader {
                 version: peer.version,
                 src_shard: self.cfg.local_shard,
-                dst_shard: self.remote_shard,
+                dst_shard: self.dst_shard(),
                 incarnation: self.cfg.handshake.incarnation,
                 ..FrameHeader::new(kind)
             }),
@@ -439,7 +690,8 @@ impl Connection {
         }
     }
 
-    /// Starts (or, from `Failed`, restarts) dialling. Client only.
+    /// Starts (or, from `Failed`, restarts) dialling: a pre-shared-key handshake, or for a join
+    /// client a fresh `Join`. Client only.
     pub fn connect(&mut self, now: Timestamp) -> Result<(), ConnError> {
         if self.role != Role::Client || !matches!(self.state, State::Idle | State::Failed) {
             return Err(ConnError::InvalidState {
@@ -449,7 +701,7 @@ impl Connection {
         }
         self.failures = 0;
         self.state = State::Connecting;
-        self.start_client_handshake(now);
+        self.start_client_attempt(now);
         Ok(())
     }
 
@@ -463,6 +715,11 @@ impl Connection {
     ) -> Received {
         if self.state == State::Closed {
             return self.drop_frame(DropReason::Closed);
+        }
+        if header.dst_shard != self.cfg.local_shard
+            || self.remote_shard.is_some_and(|r| r != header.src_shard)
+        {
+            return self.drop_frame(DropReason::Misrouted);
         }
         if header.kind.is_handshake() {
             return match HandshakeMessage::decode(header.kind, payload) {
@@ -497,7 +754,7 @@ impl Connection {
                 Received::Consumed
             }
             FrameKind::Close => {
-                self.handshake = None;
+                self.attempt = None;
                 self.state = State::Closed;
                 self.events.push_back(Event::Closed {
                     reason: CloseReason::Peer,
@@ -511,15 +768,15 @@ impl Connection {
         }
     }
 
-    /// Advances timers: handshake deadline, heartbeats, suspicion and death, backoff, drain
-    /// deadline. Does nothing before [`Connection::poll_timeout`]'s time.
+    /// Advances timers: handshake or join deadline, heartbeats, suspicion and death, backoff,
+    /// drain deadline. Does nothing before [`Connection::poll_timeout`]'s time.
     pub fn handle_timeout(&mut self, now: Timestamp) {
         match self.state {
             State::Connecting | State::Reconnecting => {
-                if let Some(hs) = self.handshake.as_mut() {
-                    hs.handle_timeout(now);
+                if let Some(a) = self.attempt.as_mut() {
+                    a.handle_timeout(now);
                 }
-                self.after_handshake_input(now);
+                self.after_attempt_input(now);
             }
             State::Ready | State::Draining => {
                 let interval = self.cfg.heartbeat_interval;
@@ -554,7 +811,7 @@ impl Connection {
                     self.events.push_back(Event::Reconnecting {
                         attempt: self.failures,
                     });
-                    self.start_client_handshake(now);
+                    self.start_client_attempt(now);
                 }
             }
             State::Idle | State::Failed | State::Closed => {}
@@ -613,7 +870,7 @@ impl Connection {
     pub fn poll_timeout(&self) -> Option<Timestamp> {
         match self.state {
             State::Connecting | State::Reconnecting => {
-                self.handshake.as_ref().and_then(Handshake::poll_timeout)
+                self.attempt.as_ref().and_then(Attempt::poll_timeout)
             }
             State::Ready | State::Draining => {
                 let mut t = self.next_heartbeat.min(self.dead_at());
@@ -636,74 +893,177 @@ impl Connection {
         header: &FrameHeader,
         msg: &HandshakeMessage,
     ) -> Received {
-        if let HandshakeMessage::Hello(hello) = msg {
-            if self.role != Role::Server {
-                return self.drop_frame(DropReason::Unexpected);
-            }
-            let in_progress = self.handshake.as_ref().filter(|h| !h.is_finished());
-            let same_attempt = in_progress.and_then(Handshake::client_nonce) == Some(hello.nonce)
-                || self.last_client_nonce == Some(hello.nonce);
-            if same_attempt {
-                // A duplicate of the hello we are answering or have answered.
-                return self.drop_frame(DropReason::Unexpected);
-            }
-            if self.peer.is_some_and(|p| hello.incarnation < p.incarnation) {
-                return self.drop_frame(DropReason::StaleIncarnation);
-            }
-            if self.state == State::Draining {
-                let reject = Reject::of_hello(
-                    hello,
-                    RejectReason::Shutdown,
-                    self.cfg.handshake.min_version,
-                    self.cfg.handshake.max_version,
+        match msg {
+            HandshakeMessage::Hello(hello) => self.on_hello(now, header, hello),
+            HandshakeMessage::Join(join) => self.on_join(now, header, join),
+            _ => match self.attempt.as_mut() {
+                Some(a) if !a.is_finished() => {
+                    a.handle_message(now, msg);
+                    self.after_attempt_input(now);
+                    Received::Consumed
+                }
+                _ => self.drop_frame(DropReason::Unexpected),
+            },
+        }
+    }
+
+    fn on_hello(&mut self, now: Timestamp, header: &FrameHeader, hello: &Hello) -> Received {
+        if self.role != Role::Server {
+            return self.drop_frame(DropReason::Unexpected);
+        }
+        let in_progress = self.attempt.as_ref().filter(|a| !a.is_finished());
+        let same_attempt = in_progress.and_then(Attempt::client_nonce) == Some(hello.nonce)
+            || self.last_client_nonce == Some(hello.nonce);
+        // A server still waiting for its first hello answers it with the handshake it has.
+        let fresh_wait = matches!(in_progress, Some(Attempt::Psk(h)) if h.client_nonce().is_none());
+        if same_attempt {
+            // A duplicate of the hello we are answering or have answered.
+            return self.drop_frame(DropReason::Unexpected);
+        }
+        if self.peer.is_some_and(|p| hello.incarnation < p.incarnation) {
+            return self.drop_frame(DropReason::StaleIncarnation);
+        }
+        self.adopt_remote_shard(header.src_shard);
+        let msg = HandshakeMessage::Hello(*hello);
+        if self.state == State::Draining {
+            self.refuse_opening(&msg, RejectReason::Shutdown);
+            return Received::Consumed;
+        }
+        // An invalid shard count is no rail either, but the handshake refuses it with its own
+        // reason (BadShardCount).
+        let on_rail = Rails::new(self.cfg.handshake.shard_count, hello.shard_count)
+            .map_or(true, |r| r.has_rail(self.cfg.local_shard, header.src_shard));
+        if !on_rail {
+            self.refuse_opening(&msg, RejectReason::NoSuchRail);
+            if self.state != State::Ready {
+                self.fail(
+                    now,
+                    FailReason::Handshake(HandshakeError::NoSuchRail {
+                        local: self.cfg.local_shard,
+                        remote: header.src_shard,
+                    }),
                 );
-                self.push_handshake(HandshakeMessage::Reject(reject));
-                return Received::Consumed;
             }
-            let fresh_wait = in_progress.is_some_and(|h| h.client_nonce().is_none());
-            if !fresh_wait {
+            return Received::Consumed;
+        }
+        if !fresh_wait {
+            if self.state == State::Ready {
+                self.events.push_back(Event::Failed {
+                    reason: FailReason::SessionReplaced,
+                });
+            }
+            let nonce = self.nonces.next_nonce();
+            self.attempt = Some(Attempt::Psk(Handshake::server(
+                now,
+                self.cfg.handshake.clone(),
+                nonce,
+            )));
+        }
+        self.state = State::Connecting;
+        if let Some(a) = self.attempt.as_mut() {
+            a.handle_message(now, &msg);
+        }
+        self.after_attempt_input(now);
+        Received::Consumed
+    }
+
+    fn on_join(&mut self, now: Timestamp, header: &FrameHeader, join: &Join) -> Received {
+        if self.role != Role::Server {
+            return self.drop_frame(DropReason::Unexpected);
+        }
+        if self.last_client_nonce == Some(join.nonce) || self.last_refused_nonce == Some(join.nonce)
+        {
+            // A duplicate of a join already accepted or refused.
+            return self.drop_frame(DropReason::Unexpected);
+        }
+        self.adopt_remote_shard(header.src_shard);
+        let msg = HandshakeMessage::Join(*join);
+        if self.state == State::Draining {
+            self.refuse_opening(&msg, RejectReason::Shutdown);
+            return Received::Consumed;
+        }
+        let rail = Rail {
+            local: self.cfg.local_shard,
+            remote: header.src_shard,
+        };
+        let verdict = match &self.join {
+            Some(s) => accept_join(&self.cfg.handshake, &s.peer, &s.secret, rail, join)
+                .map(|joined| (joined, s.peer)),
+            None => Err(HandshakeError::UnknownSession),
+        };
+        match verdict {
+            Ok((joined, peer)) => {
                 if self.state == State::Ready {
                     self.events.push_back(Event::Failed {
                         reason: FailReason::SessionReplaced,
                     });
                 }
-                let nonce = self.nonces.next_nonce();
-                self.handshake = Some(Handshake::server(now, self.cfg.handshake.clone(), nonce));
+                self.attempt = None;
+                self.last_client_nonce = Some(join.nonce);
+                self.push_handshake(HandshakeMessage::Joined(joined));
+                self.secret = None;
+                self.stats.joins += 1;
+                self.on_connected(now, peer);
             }
-            self.state = State::Connecting;
-        } else if !matches!(&self.handshake, Some(h) if !h.is_finished()) {
-            let _ = header;
-            return self.drop_frame(DropReason::Unexpected);
+            Err(e) => {
+                let reason = e.reject_reason().unwrap_or(RejectReason::BadProof);
+                self.refuse_opening(&msg, reason);
+                self.last_refused_nonce = Some(join.nonce);
+                self.stats.joins_refused += 1;
+                if self.state != State::Ready {
+                    self.fail(now, FailReason::Handshake(e));
+                }
+            }
         }
-        if let Some(hs) = self.handshake.as_mut() {
-            hs.handle_message(now, msg);
-        }
-        self.after_handshake_input(now);
         Received::Consumed
     }
 
-    fn after_handshake_input(&mut self, now: Timestamp) {
-        let Some(hs) = self.handshake.as_mut() else {
+    /// A server learns its remote shard from the first opening frame it processes.
+    fn adopt_remote_shard(&mut self, src_shard: ShardId) {
+        if self.remote_shard.is_none() {
+            self.remote_shard = Some(src_shard);
+        }
+    }
+
+    fn refuse_opening(&mut self, msg: &HandshakeMessage, reason: RejectReason) {
+        if let Some(echo) = msg.opening_nonce() {
+            let t = reject_transmit(&self.cfg, self.dst_shard(), echo, reason);
+            self.transmits.push_back(t);
+        }
+    }
+
+    fn after_attempt_input(&mut self, now: Timestamp) {
+        let Some(a) = self.attempt.as_mut() else {
             return;
         };
         let mut out = Vec::new();
-        while let Some(m) = hs.poll_transmit() {
+        while let Some(m) = a.poll_transmit() {
             out.push(m);
         }
-        let outcome = hs.outcome().cloned();
-        let client_nonce = hs.client_nonce();
+        let outcome = a.outcome().cloned();
+        let client_nonce = a.client_nonce();
+        let (secret, joined) = match a {
+            Attempt::Psk(h) => (h.session_secret().cloned(), false),
+            Attempt::Join(_) => (None, true),
+        };
         for m in out {
             self.push_handshake(m);
         }
         match outcome {
             None => {}
             Some(Ok(peer)) => {
-                self.handshake = None;
+                self.attempt = None;
                 self.last_client_nonce = client_nonce;
+                self.secret = secret;
+                if joined {
+                    self.stats.joins += 1;
+                } else {
+                    self.stats.handshakes += 1;
+                }
                 self.on_connected(now, peer);
             }
             Some(Err(e)) => {
-                self.handshake = None;
+                self.attempt = None;
                 self.fail(now, FailReason::Handshake(e));
             }
         }
@@ -718,24 +1078,22 @@ impl Connection {
                 });
             }
         }
-        self.remote_shard = ShardMap::new(peer.shard_count)
-            .map(|m| m.owner_of(self.cfg.handshake.node_id))
-            .unwrap_or(ShardId::new(0));
         self.peer = Some(peer);
         self.state = State::Ready;
         self.failures = 0;
         self.suspect = false;
         self.last_heard = now;
         self.next_heartbeat = now.saturating_add(self.cfg.heartbeat_interval);
-        self.stats.handshakes += 1;
         self.events.push_back(Event::Connected(peer));
     }
 
     fn fail(&mut self, now: Timestamp, reason: FailReason) {
-        self.handshake = None;
+        self.attempt = None;
         self.suspect = false;
         self.events.push_back(Event::Failed { reason });
+        // Join clients never retry by themselves (see the module docs).
         let may_retry = self.role == Role::Client
+            && self.join.is_none()
             && match self.cfg.max_reconnect_attempts {
                 None => true,
                 Some(max) => self.failures < max,
@@ -762,10 +1120,24 @@ impl Connection {
         self.rng.duration_between(d / 2, d)
     }
 
-    fn start_client_handshake(&mut self, now: Timestamp) {
+    /// Starts a client's opening: a join for a join client, else a pre-shared-key handshake.
+    fn start_client_attempt(&mut self, now: Timestamp) {
         let nonce = self.nonces.next_nonce();
-        self.handshake = Some(Handshake::client(now, self.cfg.handshake.clone(), nonce));
-        self.after_handshake_input(now);
+        self.attempt = Some(match &self.join {
+            Some(s) => Attempt::Join(JoinAttempt::new(
+                now,
+                &self.cfg.handshake,
+                s.peer,
+                s.secret.clone(),
+                Rail {
+                    local: self.cfg.local_shard,
+                    remote: self.dst_shard(),
+                },
+                nonce,
+            )),
+            None => Attempt::Psk(Handshake::client(now, self.cfg.handshake.clone(), nonce)),
+        });
+        self.after_attempt_input(now);
     }
 
     fn heard(&mut self, now: Timestamp) {
@@ -804,11 +1176,18 @@ impl Connection {
             self.transmits
                 .push_back(Transmit::control(self.control_header(FrameKind::Close)));
         }
-        self.handshake = None;
+        self.attempt = None;
         self.state = State::Closed;
         self.events.push_back(Event::Closed {
             reason: CloseReason::Local,
         });
+    }
+
+    /// The `dst_shard` of frames we send. A client knows it from creation and a server adopts
+    /// it from the first opening frame, before it sends anything, so the fallback is never
+    /// written to the wire.
+    fn dst_shard(&self) -> ShardId {
+        self.remote_shard.unwrap_or(ShardId::new(0))
     }
 
     fn control_header(&self, kind: FrameKind) -> FrameHeader {
@@ -817,22 +1196,14 @@ impl Connection {
                 .peer
                 .map_or(crate::wire::MAX_WIRE_VERSION, |p| p.version),
             src_shard: self.cfg.local_shard,
-            dst_shard: self.remote_shard,
+            dst_shard: self.dst_shard(),
             incarnation: self.cfg.handshake.incarnation,
             ..FrameHeader::new(kind)
         }
     }
 
     fn push_handshake(&mut self, msg: HandshakeMessage) {
-        let mut t = Transmit::control(FrameHeader {
-            // Handshake frames always use the frozen version-1 header so that any peer can read
-            // them and answer, if need be, with a version-mismatch rejection.
-            version: crate::wire::HANDSHAKE_WIRE_VERSION,
-            ..self.control_header(msg.kind())
-        });
-        // Cannot fail: the inline buffer holds MAX_HANDSHAKE_LEN, the largest message.
-        t.payload_len = msg.encode(&mut t.payload).unwrap_or(0);
-        t.header.payload_len = t.payload_len as u64;
+        let t = Transmit::handshake(self.control_header(msg.kind()), &msg);
         self.transmits.push_back(t);
     }
 
@@ -841,17 +1212,35 @@ impl Connection {
             DropReason::StaleIncarnation => self.stats.dropped_stale += 1,
             DropReason::NotReady => self.stats.dropped_not_ready += 1,
             DropReason::Malformed => self.stats.dropped_malformed += 1,
+            DropReason::Misrouted => self.stats.dropped_misrouted += 1,
             _ => self.stats.dropped_other += 1,
         }
         Received::Dropped(reason)
     }
 }
 
+/// A `Reject` frame from `cfg`'s node and shard to shard `to`, echoing `echo`.
+fn reject_transmit(cfg: &ConnConfig, to: ShardId, echo: Nonce, reason: RejectReason) -> Transmit {
+    let reject = HandshakeMessage::Reject(Reject {
+        reason,
+        min_version: cfg.handshake.min_version,
+        max_version: cfg.handshake.max_version,
+        echo,
+    });
+    let header = FrameHeader {
+        src_shard: cfg.local_shard,
+        dst_shard: to,
+        incarnation: cfg.handshake.incarnation,
+        ..FrameHeader::new(FrameKind::Reject)
+    };
+    Transmit::handshake(header, &reject)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
-    use crate::handshake::PreSharedKey;
+    use crate::handshake::{Joined, PreSharedKey};
     use crate::wire::decode_frame;
 
     fn cfg(node: u64) -> ConnConfig {
@@ -894,7 +1283,7 @@ mod tests {
 
     fn ready_pair() -> (Connection, Connection) {
         let now = Timestamp::ZERO;
-        let mut c = Connection::client(cfg(1), NodeId::new(2), seeds(1));
+        let mut c = Connection::client(cfg(1), NodeId::new(2), ShardId::new(0), seeds(1));
         let mut s = Connection::server(now, cfg(2), seeds(2));
         c.connect(now).unwrap();
         pump(now, &mut c, &mut s);
@@ -915,10 +1304,14 @@ mod tests {
         assert!(c.connect(now).is_err());
         let h = c.frame_header(FrameKind::Am).unwrap();
         assert_eq!(h.incarnation, Incarnation::new(1));
-        assert_eq!(h.dst_shard, c.remote_shard());
+        assert_eq!(Some(h.dst_shard), c.remote_shard());
+        assert_eq!(c.remote_shard(), Some(ShardId::new(0)));
         assert_eq!(
-            c.remote_shard(),
-            ShardMap::new(2).unwrap().owner_of(NodeId::new(1))
+            c.rail(),
+            Some(Rail {
+                local: ShardId::new(0),
+                remote: ShardId::new(0)
+            })
         );
     }
 
@@ -1006,7 +1399,7 @@ mod tests {
 
     #[test]
     fn backoff_grows_and_is_capped() {
-        let mut c = Connection::client(cfg(1), NodeId::new(2), seeds(3));
+        let mut c = Connection::client(cfg(1), NodeId::new(2), ShardId::new(0), seeds(3));
         for k in 0..20 {
             let d = c.backoff_delay(k);
             let full = Duration::from_millis(50)
@@ -1048,7 +1441,7 @@ mod tests {
         let now = Timestamp::ZERO;
         s.start_drain(now, Duration::from_millis(5));
         // A new client attempt is refused with Shutdown while the server drains.
-        let mut c2 = Connection::client(cfg(1), NodeId::new(2), seeds(9));
+        let mut c2 = Connection::client(cfg(1), NodeId::new(2), ShardId::new(0), seeds(9));
         c2.connect(now).unwrap();
         pump(now, &mut c2, &mut s);
         assert_eq!(c2.state(), State::Backoff);
@@ -1072,7 +1465,7 @@ mod tests {
         let mut cf = cfg(1);
         cf.max_reconnect_attempts = Some(1);
         let now = Timestamp::ZERO;
-        let mut c = Connection::client(cf, NodeId::new(2), seeds(1));
+        let mut c = Connection::client(cf, NodeId::new(2), ShardId::new(0), seeds(1));
         c.connect(now).unwrap();
         c.handle_transport_error(now);
         assert_eq!(c.state(), State::Backoff);
@@ -1092,5 +1485,466 @@ mod tests {
             c.handle_frame(t, &hb, &[]),
             Received::Dropped(DropReason::Closed)
         );
+    }
+
+    /// A config for `node` with `shards` shards, on local shard `local`.
+    fn rail_cfg(node: u64, shards: u16, local: u16) -> ConnConfig {
+        let mut c = cfg(node);
+        c.handshake.shard_count = shards;
+        c.local_shard = ShardId::new(local);
+        c
+    }
+
+    /// A primary between node 1 (2 shards) and node 2 (3 shards) on rail (0, 0), pumped to
+    /// `Ready`; events drained.
+    fn primary_2x3() -> (Connection, Connection) {
+        let now = Timestamp::ZERO;
+        let mut c =
+            Connection::client(rail_cfg(1, 2, 0), NodeId::new(2), ShardId::new(0), seeds(1));
+        let mut s = Connection::server(now, rail_cfg(2, 3, 0), seeds(2));
+        c.connect(now).unwrap();
+        pump(now, &mut c, &mut s);
+        assert_eq!((c.state(), s.state()), (State::Ready, State::Ready));
+        while c.poll_event().is_some() || s.poll_event().is_some() {}
+        (c, s)
+    }
+
+    /// What a net layer does with a join arriving on an endpoint with no connection: decode it
+    /// and make a join server with the session (the server's view of it).
+    fn accept_first_join(
+        now: Timestamp,
+        client: &mut Connection,
+        server_cfg: ConnConfig,
+        session: PeerInfo,
+        secret: SessionSecret,
+    ) -> Connection {
+        let t = client.poll_transmit().unwrap();
+        let bytes = t.to_vec();
+        let (h, p) = decode_frame(&bytes, &Limits::default()).unwrap();
+        let Ok(HandshakeMessage::Join(join)) = HandshakeMessage::decode(h.kind, p) else {
+            panic!("expected a join, got {h:?}");
+        };
+        assert_eq!(join.node_id, client.config().handshake.node_id);
+        let mut s = Connection::join_server(now, server_cfg, session, secret, seeds(7));
+        assert_eq!(s.handle_frame(now, &h, p), Received::Consumed);
+        s
+    }
+
+    fn events(c: &mut Connection) -> Vec<Event> {
+        std::iter::from_fn(|| c.poll_event()).collect()
+    }
+
+    /// The primary's session as each side holds it: (server as the client knows it, client as
+    /// the server knows it, secret).
+    fn session_of(c: &Connection, s: &Connection) -> (PeerInfo, PeerInfo, SessionSecret) {
+        (
+            *c.peer().unwrap(),
+            *s.peer().unwrap(),
+            c.session_secret().cloned().unwrap(),
+        )
+    }
+
+    fn join_client(
+        local: u16,
+        remote: u16,
+        peer: PeerInfo,
+        secret: &SessionSecret,
+        seed: u64,
+    ) -> Connection {
+        Connection::join_client(
+            rail_cfg(1, 2, local),
+            peer,
+            secret.clone(),
+            ShardId::new(remote),
+            seeds(seed),
+        )
+    }
+
+    #[test]
+    fn primary_rails_share_a_session_secret() {
+        let (mut c, mut s) = primary_2x3();
+        let secret = c.session_secret().cloned().unwrap();
+        assert_eq!(s.session_secret(), Some(&secret));
+        assert!(!c.is_join() && !s.is_join());
+        assert_eq!((c.stats().handshakes, s.stats().joins), (1, 0));
+        assert_eq!(s.remote_shard(), Some(ShardId::new(0)));
+        let now = Timestamp::from_nanos(1);
+        c.close(now);
+        pump(now, &mut c, &mut s);
+        assert_eq!((c.session_secret(), s.session_secret()), (None, None));
+    }
+
+    #[test]
+    fn server_adopts_the_remote_shard_and_drops_misrouted_frames() {
+        let now = Timestamp::ZERO;
+        // 2 x 3: client shard 1 to server shard 1 is a rail.
+        let mut c =
+            Connection::client(rail_cfg(1, 2, 1), NodeId::new(2), ShardId::new(1), seeds(1));
+        let mut s = Connection::server(now, rail_cfg(2, 3, 1), seeds(2));
+        assert_eq!(s.remote_shard(), None);
+        // Before anything: a frame for another shard is misrouted, one from any shard is not.
+        let stray = FrameHeader {
+            dst_shard: ShardId::new(0),
+            ..FrameHeader::new(FrameKind::Heartbeat)
+        };
+        assert_eq!(
+            s.handle_frame(now, &stray, &[]),
+            Received::Dropped(DropReason::Misrouted)
+        );
+        let early = FrameHeader {
+            src_shard: ShardId::new(2),
+            dst_shard: ShardId::new(1),
+            ..FrameHeader::new(FrameKind::Heartbeat)
+        };
+        assert_eq!(
+            s.handle_frame(now, &early, &[]),
+            Received::Dropped(DropReason::NotReady)
+        );
+        assert_eq!(s.remote_shard(), None, "only an opening frame sets it");
+        c.connect(now).unwrap();
+        pump(now, &mut c, &mut s);
+        assert_eq!((c.state(), s.state()), (State::Ready, State::Ready));
+        assert_eq!(s.remote_shard(), Some(ShardId::new(1)));
+        let good = c.frame_header(FrameKind::Am).unwrap();
+        assert_eq!(
+            (good.src_shard, good.dst_shard),
+            (ShardId::new(1), ShardId::new(1))
+        );
+        assert_eq!(s.handle_frame(now, &good, &[]), Received::Deliver);
+        for bad in [
+            FrameHeader {
+                src_shard: ShardId::new(0),
+                ..good
+            },
+            FrameHeader {
+                dst_shard: ShardId::new(0),
+                ..good
+            },
+        ] {
+            assert_eq!(
+                s.handle_frame(now, &bad, &[]),
+                Received::Dropped(DropReason::Misrouted)
+            );
+        }
+        let reply = s.frame_header(FrameKind::RpcResponse).unwrap();
+        assert_eq!(c.handle_frame(now, &reply, &[]), Received::Deliver);
+        let from_elsewhere = FrameHeader {
+            src_shard: ShardId::new(2),
+            ..reply
+        };
+        assert_eq!(
+            c.handle_frame(now, &from_elsewhere, &[]),
+            Received::Dropped(DropReason::Misrouted)
+        );
+        assert_eq!(s.stats().dropped_misrouted, 3);
+        assert_eq!(c.stats().dropped_misrouted, 1);
+    }
+
+    #[test]
+    fn hello_off_the_rails_is_refused() {
+        let now = Timestamp::ZERO;
+        // 2 x 3: (client 1, server 0) is no rail ((0,0), (1,1), (0,2)).
+        let mut cf = rail_cfg(1, 2, 1);
+        cf.max_reconnect_attempts = Some(0);
+        let mut c = Connection::client(cf, NodeId::new(2), ShardId::new(0), seeds(1));
+        let mut s = Connection::server(now, rail_cfg(2, 3, 0), seeds(2));
+        c.connect(now).unwrap();
+        pump(now, &mut c, &mut s);
+        assert_eq!((c.state(), s.state()), (State::Failed, State::Failed));
+        assert_eq!(
+            events(&mut c),
+            vec![Event::Failed {
+                reason: FailReason::Handshake(HandshakeError::Rejected {
+                    reason: RejectReason::NoSuchRail
+                })
+            }]
+        );
+        assert_eq!(
+            events(&mut s),
+            vec![Event::Failed {
+                reason: FailReason::Handshake(HandshakeError::NoSuchRail {
+                    local: ShardId::new(0),
+                    remote: ShardId::new(1)
+                })
+            }]
+        );
+    }
+
+    #[test]
+    fn join_makes_a_ready_rail() {
+        let (c, s) = primary_2x3();
+        let (server_peer, client_peer, secret) = session_of(&c, &s);
+        let now = Timestamp::from_nanos(10);
+        // Client shard 0 joins server shard 2.
+        let mut jc = join_client(0, 2, server_peer, &secret, 3);
+        assert!(jc.is_join());
+        jc.connect(now).unwrap();
+        assert_eq!(jc.state(), State::Connecting);
+        let mut js =
+            accept_first_join(now, &mut jc, rail_cfg(2, 3, 2), client_peer, secret.clone());
+        pump(now, &mut js, &mut jc);
+        assert_eq!((jc.state(), js.state()), (State::Ready, State::Ready));
+        assert_eq!(events(&mut jc), vec![Event::Connected(server_peer)]);
+        assert_eq!(events(&mut js), vec![Event::Connected(client_peer)]);
+        assert_eq!((jc.session_secret(), js.session_secret()), (None, None));
+        assert_eq!((jc.stats().joins, js.stats().joins), (1, 1));
+        assert_eq!((jc.stats().handshakes, js.stats().handshakes), (0, 0));
+        assert_eq!(js.remote_shard(), Some(ShardId::new(0)));
+        // Frames flow, with the rail's shards.
+        let h = jc.frame_header(FrameKind::RpcRequest).unwrap();
+        assert_eq!(
+            (h.src_shard, h.dst_shard),
+            (ShardId::new(0), ShardId::new(2))
+        );
+        assert_eq!(js.handle_frame(now, &h, &[]), Received::Deliver);
+        // Heartbeats are per rail.
+        let t = jc.poll_timeout().unwrap();
+        jc.handle_timeout(t);
+        pump(t, &mut jc, &mut js);
+        assert_eq!(jc.stats().heartbeat_acks, 1);
+        // A duplicate of the join is ignored.
+        let mut again = join_client(0, 2, server_peer, &secret, 3);
+        again.connect(now).unwrap();
+        let dup = again.poll_transmit().unwrap().to_vec();
+        let (h, p) = decode_frame(&dup, &Limits::default()).unwrap();
+        assert_eq!(
+            js.handle_frame(t, &h, p),
+            Received::Dropped(DropReason::Unexpected)
+        );
+        assert_eq!(js.state(), State::Ready);
+        assert!(js.poll_transmit().is_none() && js.poll_event().is_none());
+    }
+
+    #[test]
+    fn join_with_a_wrong_secret_is_refused_and_not_retried() {
+        let (c, s) = primary_2x3();
+        let (server_peer, client_peer, secret) = session_of(&c, &s);
+        let now = Timestamp::from_nanos(10);
+        let wrong = SessionSecret::from_bytes([3; 32]);
+        let mut jc = join_client(1, 1, server_peer, &wrong, 3);
+        // It would retry forever were it a primary.
+        assert_eq!(jc.config().max_reconnect_attempts, None);
+        jc.connect(now).unwrap();
+        let mut js = accept_first_join(now, &mut jc, rail_cfg(2, 3, 1), client_peer, secret);
+        assert_eq!(js.state(), State::Failed);
+        assert_eq!(js.stats().joins_refused, 1);
+        pump(now, &mut js, &mut jc);
+        assert_eq!(jc.state(), State::Failed, "join clients do not back off");
+        assert_eq!(jc.poll_timeout(), None);
+        assert_eq!(
+            events(&mut jc),
+            vec![Event::Failed {
+                reason: FailReason::Handshake(HandshakeError::Rejected {
+                    reason: RejectReason::BadProof
+                })
+            }]
+        );
+        assert_eq!(
+            events(&mut js),
+            vec![Event::Failed {
+                reason: FailReason::Handshake(HandshakeError::BadProof)
+            }]
+        );
+        // The net layer may send a fresh join on the same connection.
+        jc.connect(now).unwrap();
+        assert_eq!(jc.state(), State::Connecting);
+        assert_eq!(
+            jc.poll_transmit().map(|t| t.header.kind),
+            Some(FrameKind::Join)
+        );
+    }
+
+    #[test]
+    fn join_clients_never_back_off_whatever_the_attempt_limit() {
+        let (c, s) = primary_2x3();
+        let (server_peer, _, secret) = session_of(&c, &s);
+        for limit in [None, Some(0), Some(3)] {
+            let mut cf = rail_cfg(1, 2, 1);
+            cf.max_reconnect_attempts = limit;
+            let mut jc =
+                Connection::join_client(cf, server_peer, secret.clone(), ShardId::new(1), seeds(3));
+            let now = Timestamp::ZERO;
+            jc.connect(now).unwrap();
+            let t = jc.poll_timeout().unwrap();
+            jc.handle_timeout(t);
+            assert_eq!(
+                (jc.state(), jc.poll_timeout()),
+                (State::Failed, None),
+                "{limit:?}"
+            );
+            // A join in progress that loses its transport fails for good too.
+            jc.connect(t).unwrap();
+            jc.handle_transport_error(t);
+            assert_eq!(jc.state(), State::Failed, "{limit:?}");
+            assert_eq!(jc.stats().reconnects, 0);
+        }
+    }
+
+    #[test]
+    fn join_timeout_and_a_second_join_replacing_the_first() {
+        let (c, s) = primary_2x3();
+        let (server_peer, client_peer, secret) = session_of(&c, &s);
+        let now = Timestamp::from_nanos(10);
+        let mut jc = join_client(1, 1, server_peer, &secret, 3);
+        jc.connect(now).unwrap();
+        let mut js = accept_first_join(now, &mut jc, rail_cfg(2, 3, 1), client_peer, secret);
+        assert_eq!(js.state(), State::Ready);
+        // The Joined is lost: the client times out at the handshake deadline, and stays failed.
+        assert_eq!(
+            js.poll_transmit().map(|t| t.header.kind),
+            Some(FrameKind::Joined)
+        );
+        let deadline = jc.poll_timeout().unwrap();
+        assert_eq!(deadline, now + Duration::from_secs(5));
+        jc.handle_timeout(deadline);
+        assert_eq!(jc.state(), State::Failed);
+        assert_eq!(
+            events(&mut jc),
+            vec![Event::Failed {
+                reason: FailReason::Handshake(HandshakeError::Timeout)
+            }]
+        );
+        // A fresh join on the same rail replaces the server's session.
+        let _ = events(&mut js);
+        jc.connect(deadline).unwrap();
+        pump(deadline, &mut jc, &mut js);
+        assert_eq!((jc.state(), js.state()), (State::Ready, State::Ready));
+        assert_eq!(
+            events(&mut js),
+            vec![
+                Event::Failed {
+                    reason: FailReason::SessionReplaced
+                },
+                Event::Connected(client_peer)
+            ]
+        );
+    }
+
+    #[test]
+    fn refused_join_does_not_end_a_ready_rail() {
+        let (c, s) = primary_2x3();
+        let (server_peer, client_peer, secret) = session_of(&c, &s);
+        let now = Timestamp::from_nanos(10);
+        let mut jc = join_client(1, 1, server_peer, &secret, 3);
+        jc.connect(now).unwrap();
+        let mut js = accept_first_join(now, &mut jc, rail_cfg(2, 3, 1), client_peer, secret);
+        pump(now, &mut js, &mut jc);
+        let _ = (events(&mut jc), events(&mut js));
+        // A join forged without the secret, on the same endpoint.
+        let mut forger = join_client(1, 1, server_peer, &SessionSecret::from_bytes([0; 32]), 4);
+        forger.connect(now).unwrap();
+        let bytes = forger.poll_transmit().unwrap().to_vec();
+        let (h, p) = decode_frame(&bytes, &Limits::default()).unwrap();
+        assert_eq!(js.handle_frame(now, &h, p), Received::Consumed);
+        assert_eq!(js.state(), State::Ready);
+        assert_eq!(js.stats().joins_refused, 1);
+        assert_eq!(
+            js.poll_transmit().map(|t| t.header.kind),
+            Some(FrameKind::Reject)
+        );
+        assert!(js.poll_event().is_none());
+        // Its duplicate is ignored.
+        assert_eq!(
+            js.handle_frame(now, &h, p),
+            Received::Dropped(DropReason::Unexpected)
+        );
+    }
+
+    #[test]
+    fn primary_server_refuses_joins_and_join_server_answers_hellos() {
+        let (c, s) = primary_2x3();
+        let (server_peer, client_peer, secret) = session_of(&c, &s);
+        let now = Timestamp::from_nanos(10);
+        let mut jc = join_client(1, 1, server_peer, &secret, 3);
+        jc.connect(now).unwrap();
+        let mut plain = Connection::server(now, rail_cfg(2, 3, 1), seeds(5));
+        pump(now, &mut jc, &mut plain);
+        assert_eq!((jc.state(), plain.state()), (State::Failed, State::Failed));
+        assert!(events(&mut jc).contains(&Event::Failed {
+            reason: FailReason::Handshake(HandshakeError::Rejected {
+                reason: RejectReason::UnknownSession
+            })
+        }));
+        // A join server answers a hello with a full handshake and becomes a primary.
+        let mut js = Connection::join_server(now, rail_cfg(2, 3, 1), client_peer, secret, seeds(6));
+        let mut pc =
+            Connection::client(rail_cfg(1, 2, 1), NodeId::new(2), ShardId::new(1), seeds(8));
+        pc.connect(now).unwrap();
+        pump(now, &mut pc, &mut js);
+        assert_eq!((pc.state(), js.state()), (State::Ready, State::Ready));
+        assert!(js.session_secret().is_some());
+        assert_eq!(js.session_secret(), pc.session_secret());
+    }
+
+    #[test]
+    fn join_client_off_the_rails_fails_at_connect() {
+        let (c, s) = primary_2x3();
+        let (server_peer, _, secret) = session_of(&c, &s);
+        let mut jc = join_client(1, 2, server_peer, &secret, 3);
+        jc.connect(Timestamp::ZERO).unwrap();
+        assert_eq!(jc.state(), State::Failed);
+        assert!(jc.poll_transmit().is_none());
+        assert_eq!(
+            events(&mut jc),
+            vec![Event::Failed {
+                reason: FailReason::Handshake(HandshakeError::NoSuchRail {
+                    local: ShardId::new(1),
+                    remote: ShardId::new(2)
+                })
+            }]
+        );
+    }
+
+    #[test]
+    fn draining_join_server_refuses_with_shutdown() {
+        let (c, s) = primary_2x3();
+        let (server_peer, client_peer, secret) = session_of(&c, &s);
+        let now = Timestamp::from_nanos(10);
+        let mut jc = join_client(1, 1, server_peer, &secret, 3);
+        jc.connect(now).unwrap();
+        let mut js =
+            accept_first_join(now, &mut jc, rail_cfg(2, 3, 1), client_peer, secret.clone());
+        pump(now, &mut js, &mut jc);
+        js.start_drain(now, Duration::from_millis(5));
+        let mut late = join_client(1, 1, server_peer, &secret, 4);
+        late.connect(now).unwrap();
+        pump(now, &mut late, &mut js);
+        assert_eq!(js.state(), State::Draining);
+        assert!(events(&mut late).contains(&Event::Failed {
+            reason: FailReason::Handshake(HandshakeError::Rejected {
+                reason: RejectReason::Shutdown
+            })
+        }));
+    }
+
+    #[test]
+    fn refuse_answers_openings_only() {
+        let cf = rail_cfg(2, 3, 2);
+        let (c, s) = primary_2x3();
+        let (server_peer, _, secret) = session_of(&c, &s);
+        let mut jc = join_client(0, 2, server_peer, &secret, 3);
+        jc.connect(Timestamp::ZERO).unwrap();
+        let bytes = jc.poll_transmit().unwrap().to_vec();
+        let (h, p) = decode_frame(&bytes, &Limits::default()).unwrap();
+        let msg = HandshakeMessage::decode(h.kind, p).unwrap();
+        let t = Connection::refuse(&cf, &h, &msg, RejectReason::UnknownSession).unwrap();
+        assert_eq!(
+            (t.header.kind, t.header.src_shard, t.header.dst_shard),
+            (FrameKind::Reject, ShardId::new(2), ShardId::new(0))
+        );
+        assert_eq!(t.header.incarnation, Incarnation::new(2));
+        assert_eq!(t.header.version, crate::wire::HANDSHAKE_WIRE_VERSION);
+        let back = t.to_vec();
+        let (rh, rp) = decode_frame(&back, &Limits::default()).unwrap();
+        assert_eq!(
+            jc.handle_frame(Timestamp::ZERO, &rh, rp),
+            Received::Consumed
+        );
+        assert_eq!(jc.state(), State::Failed);
+        let joined = HandshakeMessage::Joined(Joined {
+            echo: [0; 32],
+            proof: [0; 32],
+        });
+        assert!(Connection::refuse(&cf, &h, &joined, RejectReason::Busy).is_none());
     }
 }

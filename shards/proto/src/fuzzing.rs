@@ -5,8 +5,13 @@
 //! whatever decodes re-encodes to the same bytes. A violated contract panics (that is how a fuzzer
 //! reports it); these functions are test support, not for production paths.
 
-use crate::handshake::{Handshake, HandshakeConfig, HandshakeMessage, PreSharedKey};
-use crate::ids::{Generation, Incarnation, NodeId, RegionId};
+use crate::conn::{ConnConfig, Connection, Seeds, State};
+use crate::handshake::{
+    accept_join, Features, Handshake, HandshakeConfig, HandshakeMessage, JoinAttempt, PeerInfo,
+    PreSharedKey, RejectReason, SessionSecret,
+};
+use crate::ids::{Generation, Incarnation, NodeId, RegionId, ShardId};
+use crate::rails::{Rail, Rails};
 use crate::region::{
     GetRequest, Permissions, PutRequest, RegionSpec, RegionTable, RmaError, RmaReply,
 };
@@ -43,22 +48,148 @@ pub fn frame(data: &[u8]) -> bool {
     }
 }
 
-/// Decodes `data` as a frame carrying a handshake message, checks the contract, and feeds the
-/// message to a client and a server [`Handshake`]. Returns whether a handshake message decoded.
+/// What [`handshake_outcome`] found in its input.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HandshakeOutcome {
+    /// The input decoded as a frame carrying a handshake message.
+    pub decoded: bool,
+    /// [`join_server`] accepted it: a `Join` that a holder of [`FUZZ_SESSION_SECRET`] made for
+    /// the fuzz session, on a rail to the server's shard.
+    pub join_accepted: bool,
+    /// The reason of the `Reject` [`join_server`] answered it with, if any.
+    pub join_refused: Option<RejectReason>,
+    /// [`join_client`] accepted it: the `Joined` answering its join.
+    pub joined_accepted: bool,
+}
+
+/// The fuzz session's secret.
+pub const FUZZ_SESSION_SECRET: [u8; 32] = [0x5e; 32];
+/// The client node of the fuzz session (4 shards, incarnation 2; the node of the hello seeds).
+pub const FUZZ_CLIENT: NodeId = NodeId::new(9);
+/// The server node of the fuzz session (2 shards, incarnation 1).
+pub const FUZZ_SERVER: NodeId = NodeId::new(1);
+/// The rail of [`join_client`], from the client's side: its shard 2 to the server's shard 0.
+pub const FUZZ_RAIL: Rail = Rail {
+    local: ShardId::new(2),
+    remote: ShardId::new(0),
+};
+
+fn fuzz_psk() -> Option<PreSharedKey> {
+    PreSharedKey::new(b"fuzzing key, sixteen bytes or more").ok()
+}
+
+fn fuzz_seeds() -> Seeds {
+    Seeds {
+        rng: 1,
+        nonce: [0x11; 32],
+    }
+}
+
+/// The configuration of the fuzz session's client node on `shard`.
+fn fuzz_client_cfg(psk: PreSharedKey, shard: ShardId) -> ConnConfig {
+    let mut cfg = ConnConfig::new(HandshakeConfig::new(
+        FUZZ_CLIENT,
+        Incarnation::new(2),
+        4,
+        psk,
+    ));
+    cfg.local_shard = shard;
+    cfg
+}
+
+/// The configuration of the fuzz session's server node on `shard`.
+fn fuzz_server_cfg(psk: PreSharedKey, shard: ShardId) -> ConnConfig {
+    let mut cfg = ConnConfig::new(HandshakeConfig::new(
+        FUZZ_SERVER,
+        Incarnation::new(1),
+        2,
+        psk,
+    ));
+    cfg.local_shard = shard;
+    cfg
+}
+
+/// The fuzz session as the server knows it: the client node.
+pub fn fuzz_client_peer() -> PeerInfo {
+    PeerInfo {
+        node_id: FUZZ_CLIENT,
+        incarnation: Incarnation::new(2),
+        shard_count: 4,
+        features: Features::RAILS,
+        version: 1,
+    }
+}
+
+/// The fuzz session as the client knows it: the server node.
+pub fn fuzz_server_peer() -> PeerInfo {
+    PeerInfo {
+        node_id: FUZZ_SERVER,
+        incarnation: Incarnation::new(1),
+        shard_count: 2,
+        features: Features::RAILS,
+        version: 1,
+    }
+}
+
+/// A join server on the server's shard 0 (`FUZZ_RAIL.remote`) holding the fuzz session, at time
+/// zero, before any frame. `None` only if the fixed fuzz key were too short.
+pub fn join_server() -> Option<Connection> {
+    let cfg = fuzz_server_cfg(fuzz_psk()?, FUZZ_RAIL.remote);
+    let secret = SessionSecret::from_bytes(FUZZ_SESSION_SECRET);
+    Some(Connection::join_server(
+        Timestamp::ZERO,
+        cfg,
+        fuzz_client_peer(),
+        secret,
+        fuzz_seeds(),
+    ))
+}
+
+/// A join client on [`FUZZ_RAIL`] of the fuzz session, connected at time zero: its `Join` is
+/// queued (always the same: its nonce comes from fixed seeds).
+pub fn join_client() -> Option<Connection> {
+    let cfg = fuzz_client_cfg(fuzz_psk()?, FUZZ_RAIL.local);
+    let secret = SessionSecret::from_bytes(FUZZ_SESSION_SECRET);
+    let mut c = Connection::join_client(
+        cfg,
+        fuzz_server_peer(),
+        secret,
+        FUZZ_RAIL.remote,
+        fuzz_seeds(),
+    );
+    // A fresh client connection is Idle, so connect cannot fail.
+    let _ = c.connect(Timestamp::ZERO);
+    Some(c)
+}
+
+/// Decodes `data` as a frame carrying a handshake message and checks the contract (see
+/// [`handshake_outcome`]). Returns whether a handshake message decoded.
 pub fn handshake(data: &[u8]) -> bool {
+    handshake_outcome(data).decoded
+}
+
+/// Decodes `data` as a frame carrying a handshake message, checks the contract, and feeds the
+/// message to a client and a server [`Handshake`] (which must not complete from one
+/// unauthenticated message), to [`join_server`] and to [`join_client`]. The join server must
+/// accept exactly the joins that a holder of the session secret makes for the session on one of
+/// the server shard's rails, answer every frame back to its sender's shard, and nothing else;
+/// the join client must accept exactly the `Joined` that answers its own join.
+pub fn handshake_outcome(data: &[u8]) -> HandshakeOutcome {
+    let mut outcome = HandshakeOutcome::default();
     let Ok((header, payload)) = decode_frame(data, &FUZZ_LIMITS) else {
-        return false;
+        return outcome;
     };
     let Ok(msg) = HandshakeMessage::decode(header.kind, payload) else {
-        return false;
+        return outcome;
     };
+    outcome.decoded = true;
     let mut buf = [0u8; crate::handshake::MAX_HANDSHAKE_LEN];
     let n = msg.encode(&mut buf).unwrap_or(0);
     assert_eq!(&buf[..n], payload, "handshake message does not re-encode");
-    let Ok(psk) = PreSharedKey::new(b"fuzzing key, sixteen bytes or more") else {
-        return true;
+    let Some(psk) = fuzz_psk() else {
+        return outcome;
     };
-    let cfg = HandshakeConfig::new(NodeId::new(1), Incarnation::new(1), 4, psk);
+    let cfg = HandshakeConfig::new(NodeId::new(1), Incarnation::new(1), 4, psk.clone());
     let now = Timestamp::ZERO;
     for mut hs in [
         Handshake::client(now, cfg.clone(), [7; 32]),
@@ -74,7 +205,90 @@ pub fn handshake(data: &[u8]) -> bool {
             panic!("handshake completed from a single unauthenticated message");
         }
     }
-    true
+    let secret = SessionSecret::from_bytes(FUZZ_SESSION_SECRET);
+    let now = Timestamp::ZERO;
+
+    // The server side of a rail.
+    if let Some(mut server) = join_server() {
+        server.handle_frame(now, &header, payload);
+        while let Some(t) = server.poll_transmit() {
+            let bytes = t.to_vec();
+            assert!(
+                decode_frame(&bytes, &FUZZ_LIMITS).is_ok(),
+                "reply does not decode"
+            );
+            assert_eq!(
+                (t.header.src_shard, t.header.dst_shard),
+                (FUZZ_RAIL.remote, header.src_shard),
+                "reply not addressed back"
+            );
+            if let Ok(HandshakeMessage::Reject(r)) =
+                HandshakeMessage::decode(t.header.kind, t.payload())
+            {
+                outcome.join_refused = Some(r.reason);
+            }
+        }
+        outcome.join_accepted = server.state() == State::Ready;
+        // The join a secret holder makes for the session, from the frame's source shard.
+        let legitimate = match &msg {
+            HandshakeMessage::Join(join) => {
+                let rail = Rail {
+                    local: header.src_shard,
+                    remote: FUZZ_RAIL.remote,
+                };
+                let on_rail = Rails::new(4, 2).is_ok_and(|r| r.has_rail(rail.local, rail.remote));
+                let made = JoinAttempt::new(
+                    now,
+                    &fuzz_client_cfg(psk.clone(), rail.local).handshake,
+                    fuzz_server_peer(),
+                    secret.clone(),
+                    rail,
+                    join.nonce,
+                );
+                on_rail && made.join() == join && header.dst_shard == FUZZ_RAIL.remote
+            }
+            _ => false,
+        };
+        assert_eq!(
+            outcome.join_accepted, legitimate,
+            "join server accepted a forged join, or refused a legitimate one"
+        );
+        if outcome.join_accepted {
+            assert_eq!(server.peer(), Some(&fuzz_client_peer()));
+            assert_eq!(server.remote_shard(), Some(header.src_shard));
+        }
+    }
+
+    // The client side of a rail.
+    if let Some(mut client) = join_client() {
+        let own = match client
+            .poll_transmit()
+            .map(|t| HandshakeMessage::decode(t.header.kind, t.payload()))
+        {
+            Some(Ok(HandshakeMessage::Join(j))) => Some(j),
+            _ => None,
+        };
+        client.handle_frame(now, &header, payload);
+        outcome.joined_accepted = client.state() == State::Ready;
+        let expected = own.and_then(|j| {
+            let server_cfg = fuzz_server_cfg(psk, FUZZ_RAIL.remote).handshake;
+            accept_join(
+                &server_cfg,
+                &fuzz_client_peer(),
+                &secret,
+                FUZZ_RAIL.mirror(),
+                &j,
+            )
+            .ok()
+        });
+        let legitimate = matches!((&msg, expected), (HandshakeMessage::Joined(j), Some(e)) if *j == e)
+            && (header.src_shard, header.dst_shard) == (FUZZ_RAIL.remote, FUZZ_RAIL.local);
+        assert_eq!(
+            outcome.joined_accepted, legitimate,
+            "join client accepted a forged joined, or refused the right one"
+        );
+    }
+    outcome
 }
 
 /// The node [`rma`] checks requests as (the grantee of [`rma_table`]'s second region).

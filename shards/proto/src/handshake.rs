@@ -30,6 +30,52 @@
 //! after the handshake are not authenticated (UCX transports are not), so an attacker on the path
 //! can still inject frames or forge a `Reject`; a forged reject only costs a reconnect attempt.
 //!
+//! # Sessions and rails
+//!
+//! Authentication happens once per node pair; the connections that carry the pair's traffic
+//! are *rails*, one per (local shard, remote shard) pair of [`crate::Rails`]. The exchange above
+//! runs on one of them, the *primary*, and leaves both sides with the same 32-byte
+//! [`SessionSecret`]:
+//!
+//! ```text
+//! secret = HMAC(psk, "shardcx-session\0" ‖ hello ‖ welcome ‖ confirm)
+//! ```
+//!
+//! over the three messages as sent. It covers both fresh nonces, so every handshake makes a new
+//! one; it never travels, and it is independent of the proofs (another label). The net layer
+//! keeps it with the session's [`PeerInfo`] in a node-wide table, and every other rail *joins*
+//! the session with a two-message exchange keyed by it:
+//!
+//! ```text
+//! client (shard s of A)                                        server (shard r of B)
+//!   Join { version, node, incarnation, server_incarnation, shards, nonce_j,
+//!          proof_j = HMAC(secret, "shardcx-join\0" ‖ join[..64] ‖ s u16 ‖ r u16) }  ──▶
+//!   ◀──  Joined { echo nonce_j, proof = HMAC(secret, "shardcx-joined\0" ‖ join ‖ joined[..32]) }
+//! ```
+//!
+//! `s` and `r` are the rail's shards (little-endian), as written in the Join frame's header
+//! (`src_shard`, `dst_shard`). The server ([`accept_join`]) checks, in this order:
+//!
+//! 1. the join names the session it holds: node, the client's incarnation and the server's own
+//!    (a restarted server has a new incarnation, so no session from its previous life is
+//!    accepted), shard count, wire version, and [`Features::RAILS`] negotiated in it — else
+//!    `Reject` [`RejectReason::UnknownSession`], on which the client falls back to a full
+//!    handshake;
+//! 2. `(r, s)` is a rail of the pair — else [`RejectReason::NoSuchRail`];
+//! 3. the proof — else [`RejectReason::BadProof`].
+//!
+//! The client ([`JoinAttempt`]) accepts a `Joined` that echoes its nonce and whose proof
+//! verifies, or fails on a `Reject` echoing its nonce, or at the handshake deadline.
+//!
+//! Threat model of joins: only a holder of the secret, so of the key, can make a Join or a
+//! Joined that verifies. The exchange has no server challenge, so a Join recorded on the wire
+//! can be **replayed** on a new endpoint while its session lives; the server then accepts a rail
+//! from an endpoint that never proved anything. This is within the threat model above: frames
+//! after the handshake are not authenticated anyway, and the replayer gains nothing it could not
+//! get by injecting frames into an existing rail. A replay cannot join another rail (the shards
+//! are in the proof), another node pair or incarnation, or a later session (the secret is fresh
+//! per handshake).
+//!
 //! # Payload layouts (little-endian)
 //!
 //! ```text
@@ -41,7 +87,17 @@
 //! Confirm (64 B):  0 echo [32] | 32 proof [32]
 //! Reject  (40 B):  0 reason u8 | 1 min_version u8 | 2 max_version u8 | 3 reserved u8 = 0
 //!                  4 reserved u32 = 0 | 8 echo [32]
+//! Join    (96 B):  0 version u8 | 1 reserved u8 = 0 | 2 shard_count u16 | 4 reserved u32 = 0
+//!                  8 node_id u64 | 16 incarnation u64 | 24 server_incarnation u64
+//!                  32 nonce [32] | 64 proof [32]
+//! Joined  (64 B):  0 echo [32] | 32 proof [32]
 //! ```
+//!
+//! In a Join, `version` is the session's negotiated wire version, `node_id`, `incarnation` and
+//! `shard_count` are the client node's, and `server_incarnation` is the server's incarnation
+//! as the client learned it in the session's handshake. Reject reason codes: 1 bad proof,
+//! 2 version mismatch, 3 bad shard count, 4 wrong node, 5 busy, 6 shutdown, 7 unknown session,
+//! 8 no such rail; other codes are kept as [`RejectReason::Other`].
 //!
 //! # Calling order
 //!
@@ -49,9 +105,12 @@
 //! [`Handshake::server`]; feed it every received handshake message with
 //! [`Handshake::handle_message`] and call [`Handshake::handle_timeout`] when
 //! [`Handshake::poll_timeout`] is reached; after each input drain [`Handshake::poll_transmit`]
-//! and check [`Handshake::outcome`]. [`crate::Connection`] does all of this for you.
+//! and check [`Handshake::outcome`]. [`JoinAttempt`] (the client side of a join) is driven the
+//! same way; the server side of a join is the single call [`accept_join`]. [`crate::Connection`]
+//! does all of this for you.
 
-use crate::ids::{Incarnation, NodeId};
+use crate::ids::{Incarnation, NodeId, ShardId};
+use crate::rails::{Rail, Rails};
 use crate::shard_map::MAX_SHARDS;
 use crate::time::Timestamp;
 use crate::wire::{read_u16, read_u64, FrameKind, WireError, MAX_WIRE_VERSION, MIN_WIRE_VERSION};
@@ -79,12 +138,23 @@ pub const WELCOME_LEN: usize = 128;
 pub const CONFIRM_LEN: usize = 64;
 /// Encoded size of [`Reject`].
 pub const REJECT_LEN: usize = 40;
+/// Encoded size of [`Join`].
+pub const JOIN_LEN: usize = 96;
+/// Encoded size of [`Joined`].
+pub const JOINED_LEN: usize = 64;
+/// Size of a [`SessionSecret`].
+pub const SESSION_SECRET_LEN: usize = 32;
 /// The largest handshake payload.
 pub const MAX_HANDSHAKE_LEN: usize = WELCOME_LEN;
 
 const WELCOME_LABEL: &[u8] = b"shardcx-welcome\0";
 const CONFIRM_LABEL: &[u8] = b"shardcx-confirm\0";
 const NONCE_LABEL: &[u8] = b"shardcx-nonce\0";
+const SESSION_LABEL: &[u8] = b"shardcx-session\0";
+const JOIN_LABEL: &[u8] = b"shardcx-join\0";
+const JOINED_LABEL: &[u8] = b"shardcx-joined\0";
+/// The signed part of a [`Join`]: everything before its proof.
+const JOIN_SIGNED_LEN: usize = JOIN_LEN - PROOF_LEN;
 
 /// A 32-byte handshake nonce.
 pub type Nonce = [u8; NONCE_LEN];
@@ -97,6 +167,16 @@ pub struct Features(u64);
 /// The cluster's pre-shared key. Cheap to clone; `Debug` does not print it.
 #[derive(Clone)]
 pub struct PreSharedKey(Arc<[u8]>);
+
+/// The secret of an authenticated session between two nodes, derived by both sides of a
+/// completed hello / welcome / confirm exchange (see the module docs) and used as the HMAC key
+/// of the [`Join`] / [`Joined`] proofs of the session's other rails.
+///
+/// `Debug` does not print it. Equality is not constant-time: the secret is only ever used as an
+/// HMAC key (proofs are checked with HMAC's own constant-time comparison), and `==` is for
+/// tests.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SessionSecret([u8; SESSION_SECRET_LEN]);
 
 /// Why a handshake was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -114,6 +194,11 @@ pub enum RejectReason {
     Busy,
     /// The server is shutting down.
     Shutdown,
+    /// A [`Join`] names no session the server holds (node, incarnations, shard count, version,
+    /// or rails not negotiated): the client should run a full handshake.
+    UnknownSession,
+    /// The frame's shards are not a rail of this node pair (see [`crate::Rails`]).
+    NoSuchRail,
     /// A reason this build does not know (code kept).
     Other(u8),
 }
@@ -180,6 +265,34 @@ pub struct Reject {
     pub echo: Nonce,
 }
 
+/// A rail's request to join an authenticated session (client → server). See the module docs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Join {
+    /// The session's negotiated wire version.
+    pub version: u8,
+    /// The client node's shard count.
+    pub shard_count: u16,
+    /// The client node.
+    pub node_id: NodeId,
+    /// The client node's incarnation.
+    pub incarnation: Incarnation,
+    /// The server's incarnation when the session was made.
+    pub server_incarnation: Incarnation,
+    /// The client's fresh nonce.
+    pub nonce: Nonce,
+    /// HMAC under the session secret over the first 64 bytes and the rail's shards.
+    pub proof: [u8; PROOF_LEN],
+}
+
+/// The server's acceptance of a [`Join`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Joined {
+    /// The join's nonce, echoed.
+    pub echo: Nonce,
+    /// HMAC under the session secret over the join and the echo.
+    pub proof: [u8; PROOF_LEN],
+}
+
 /// Any handshake message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[allow(clippy::large_enum_variant)] // Short-lived values; boxing would allocate per handshake.
@@ -192,6 +305,10 @@ pub enum HandshakeMessage {
     Confirm(Confirm),
     /// See [`Reject`].
     Reject(Reject),
+    /// See [`Join`].
+    Join(Join),
+    /// See [`Joined`].
+    Joined(Joined),
 }
 
 /// Handshake failures, including decode errors for handshake payloads.
@@ -273,6 +390,17 @@ pub enum HandshakeError {
     /// The handshake deadline passed.
     #[error("handshake timed out")]
     Timeout,
+    /// A join named no session that rails may join (see [`RejectReason::UnknownSession`]).
+    #[error("join names no session held here")]
+    UnknownSession,
+    /// The shards of a join or hello are not a rail of the node pair.
+    #[error("shards (local {local}, remote {remote}) are not a rail of this pair")]
+    NoSuchRail {
+        /// This side's shard.
+        local: ShardId,
+        /// The other side's shard.
+        remote: ShardId,
+    },
 }
 
 /// What a handshake side needs to know about itself.
@@ -344,6 +472,23 @@ pub struct Handshake {
     peer: Option<PeerInfo>,
     outgoing: VecDeque<HandshakeMessage>,
     outcome: Option<Result<PeerInfo, HandshakeError>>,
+    secret: Option<SessionSecret>,
+    ignored: u64,
+}
+
+/// The client side of a join: one [`Join`] sent, waiting for a [`Joined`] (or a [`Reject`])
+/// until the handshake deadline. Driven like [`Handshake`]: [`JoinAttempt::handle_message`],
+/// [`JoinAttempt::handle_timeout`] at [`JoinAttempt::poll_timeout`], then
+/// [`JoinAttempt::poll_transmit`] and [`JoinAttempt::outcome`]. Its outcome on success is the
+/// session's [`PeerInfo`].
+#[derive(Clone, Debug)]
+pub struct JoinAttempt {
+    session: PeerInfo,
+    secret: SessionSecret,
+    deadline: Timestamp,
+    join: Join,
+    outgoing: Option<Join>,
+    outcome: Option<Result<PeerInfo, HandshakeError>>,
     ignored: u64,
 }
 
@@ -368,6 +513,11 @@ impl Features {
     pub const RPC: Features = Features(1 << 2);
     /// CUDA device memory.
     pub const CUDA: Features = Features(1 << 3);
+    /// Shard-addressed connections: the session's other rails join it with [`Join`] (see the
+    /// module docs). The net layer joins rails only when the session negotiated this bit (both
+    /// sides have it); otherwise the pair talks over the primary connection alone, and a server
+    /// refuses joins to the session with [`RejectReason::UnknownSession`].
+    pub const RAILS: Features = Features(1 << 4);
 
     /// Features from raw bits (unknown bits kept).
     pub const fn from_bits_retain(bits: u64) -> Features {
@@ -421,6 +571,60 @@ impl fmt::Debug for PreSharedKey {
     }
 }
 
+impl SessionSecret {
+    /// A secret from its bytes. Sessions get theirs from [`Handshake::session_secret`]; this is
+    /// for tests and for a net layer that must move a secret through bytes.
+    pub fn from_bytes(bytes: [u8; SESSION_SECRET_LEN]) -> SessionSecret {
+        SessionSecret(bytes)
+    }
+
+    /// Derives the secret from a completed exchange's messages (see the module docs).
+    fn derive(
+        psk: &PreSharedKey,
+        hello: &[u8; HELLO_LEN],
+        welcome: &[u8; WELCOME_LEN],
+        confirm: &[u8; CONFIRM_LEN],
+    ) -> SessionSecret {
+        let mut mac = psk.mac();
+        mac.update(SESSION_LABEL);
+        mac.update(hello);
+        mac.update(welcome);
+        mac.update(confirm);
+        SessionSecret(mac.finalize().into_bytes().into())
+    }
+
+    fn mac(&self) -> HmacSha256 {
+        // HMAC accepts keys of any length, so this cannot fail.
+        <HmacSha256 as Mac>::new_from_slice(&self.0).expect("HMAC takes keys of any length")
+    }
+
+    /// The MAC of a join's proof: its signed part and the rail, as the client sees it (`src`
+    /// its own shard, `dst` the server's).
+    fn join_mac(&self, signed: &[u8], src: ShardId, dst: ShardId) -> HmacSha256 {
+        let mut mac = self.mac();
+        mac.update(JOIN_LABEL);
+        mac.update(signed);
+        mac.update(&src.get().to_le_bytes());
+        mac.update(&dst.get().to_le_bytes());
+        mac
+    }
+
+    /// The MAC of a joined's proof: the whole join and the echo.
+    fn joined_mac(&self, join: &[u8; JOIN_LEN], echo: &Nonce) -> HmacSha256 {
+        let mut mac = self.mac();
+        mac.update(JOINED_LABEL);
+        mac.update(join);
+        mac.update(echo);
+        mac
+    }
+}
+
+impl fmt::Debug for SessionSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SessionSecret(..)")
+    }
+}
+
 impl RejectReason {
     /// The wire code.
     pub fn to_u8(self) -> u8 {
@@ -431,6 +635,8 @@ impl RejectReason {
             RejectReason::WrongNode => 4,
             RejectReason::Busy => 5,
             RejectReason::Shutdown => 6,
+            RejectReason::UnknownSession => 7,
+            RejectReason::NoSuchRail => 8,
             RejectReason::Other(code) => code,
         }
     }
@@ -444,6 +650,8 @@ impl RejectReason {
             4 => RejectReason::WrongNode,
             5 => RejectReason::Busy,
             6 => RejectReason::Shutdown,
+            7 => RejectReason::UnknownSession,
+            8 => RejectReason::NoSuchRail,
             other => RejectReason::Other(other),
         }
     }
@@ -529,6 +737,16 @@ impl Confirm {
 }
 
 impl Reject {
+    /// A rejection of `join` by a side speaking `min_version..=max_version`.
+    pub fn of_join(join: &Join, reason: RejectReason, min_version: u8, max_version: u8) -> Reject {
+        Reject {
+            reason,
+            min_version,
+            max_version,
+            echo: join.nonce,
+        }
+    }
+
     /// A rejection of `hello` by a side speaking `min_version..=max_version`.
     pub fn of_hello(
         hello: &Hello,
@@ -566,6 +784,54 @@ impl Reject {
     }
 }
 
+impl Join {
+    /// Encodes into exactly [`JOIN_LEN`] bytes.
+    pub fn to_bytes(&self) -> [u8; JOIN_LEN] {
+        let mut b = [0u8; JOIN_LEN];
+        b[0] = self.version;
+        b[2..4].copy_from_slice(&self.shard_count.to_le_bytes());
+        b[8..16].copy_from_slice(&self.node_id.get().to_le_bytes());
+        b[16..24].copy_from_slice(&self.incarnation.get().to_le_bytes());
+        b[24..32].copy_from_slice(&self.server_incarnation.get().to_le_bytes());
+        b[32..64].copy_from_slice(&self.nonce);
+        b[64..96].copy_from_slice(&self.proof);
+        b
+    }
+
+    fn from_bytes(b: &[u8]) -> Result<Join, HandshakeError> {
+        check_len(FrameKind::Join, b, JOIN_LEN)?;
+        check_zero(FrameKind::Join, b, 1..2)?;
+        check_zero(FrameKind::Join, b, 4..8)?;
+        Ok(Join {
+            version: b[0],
+            shard_count: read_u16(b, 2),
+            node_id: NodeId::new(read_u64(b, 8)),
+            incarnation: Incarnation::new(read_u64(b, 16)),
+            server_incarnation: Incarnation::new(read_u64(b, 24)),
+            nonce: array32(&b[32..64]),
+            proof: array32(&b[64..96]),
+        })
+    }
+}
+
+impl Joined {
+    /// Encodes into exactly [`JOINED_LEN`] bytes.
+    pub fn to_bytes(&self) -> [u8; JOINED_LEN] {
+        let mut b = [0u8; JOINED_LEN];
+        b[..32].copy_from_slice(&self.echo);
+        b[32..].copy_from_slice(&self.proof);
+        b
+    }
+
+    fn from_bytes(b: &[u8]) -> Result<Joined, HandshakeError> {
+        check_len(FrameKind::Joined, b, JOINED_LEN)?;
+        Ok(Joined {
+            echo: array32(&b[..32]),
+            proof: array32(&b[32..64]),
+        })
+    }
+}
+
 impl HandshakeMessage {
     /// The frame kind that carries this message.
     pub fn kind(&self) -> FrameKind {
@@ -574,6 +840,8 @@ impl HandshakeMessage {
             HandshakeMessage::Welcome(_) => FrameKind::Welcome,
             HandshakeMessage::Confirm(_) => FrameKind::Confirm,
             HandshakeMessage::Reject(_) => FrameKind::Reject,
+            HandshakeMessage::Join(_) => FrameKind::Join,
+            HandshakeMessage::Joined(_) => FrameKind::Joined,
         }
     }
 
@@ -584,6 +852,8 @@ impl HandshakeMessage {
             HandshakeMessage::Welcome(_) => WELCOME_LEN,
             HandshakeMessage::Confirm(_) => CONFIRM_LEN,
             HandshakeMessage::Reject(_) => REJECT_LEN,
+            HandshakeMessage::Join(_) => JOIN_LEN,
+            HandshakeMessage::Joined(_) => JOINED_LEN,
         }
     }
 
@@ -602,6 +872,8 @@ impl HandshakeMessage {
             HandshakeMessage::Welcome(m) => out.copy_from_slice(&m.to_bytes()),
             HandshakeMessage::Confirm(m) => out.copy_from_slice(&m.to_bytes()),
             HandshakeMessage::Reject(m) => out.copy_from_slice(&m.to_bytes()),
+            HandshakeMessage::Join(m) => out.copy_from_slice(&m.to_bytes()),
+            HandshakeMessage::Joined(m) => out.copy_from_slice(&m.to_bytes()),
         }
         Ok(len)
     }
@@ -614,7 +886,19 @@ impl HandshakeMessage {
             FrameKind::Welcome => Welcome::from_bytes(payload).map(HandshakeMessage::Welcome),
             FrameKind::Confirm => Confirm::from_bytes(payload).map(HandshakeMessage::Confirm),
             FrameKind::Reject => Reject::from_bytes(payload).map(HandshakeMessage::Reject),
+            FrameKind::Join => Join::from_bytes(payload).map(HandshakeMessage::Join),
+            FrameKind::Joined => Joined::from_bytes(payload).map(HandshakeMessage::Joined),
             other => Err(HandshakeError::NotHandshake { kind: other }),
+        }
+    }
+
+    /// The nonce of a message that opens an attempt ([`Hello`] or [`Join`]): what a [`Reject`]
+    /// of it echoes. `None` for the other messages.
+    pub fn opening_nonce(&self) -> Option<Nonce> {
+        match self {
+            HandshakeMessage::Hello(h) => Some(h.nonce),
+            HandshakeMessage::Join(j) => Some(j.nonce),
+            _ => None,
         }
     }
 }
@@ -662,6 +946,7 @@ impl Handshake {
             peer: None,
             outgoing: VecDeque::new(),
             outcome: None,
+            secret: None,
             ignored: 0,
         }
     }
@@ -694,6 +979,11 @@ impl Handshake {
     /// Whether the handshake has finished (either way).
     pub fn is_finished(&self) -> bool {
         self.outcome.is_some()
+    }
+
+    /// The session secret, once the handshake has succeeded (the same on both sides).
+    pub fn session_secret(&self) -> Option<&SessionSecret> {
+        self.secret.as_ref()
     }
 
     /// The next message to send, if any.
@@ -847,6 +1137,12 @@ impl Handshake {
         mac.update(&wb);
         mac.update(&confirm.echo);
         confirm.proof = mac.finalize().into_bytes().into();
+        self.secret = Some(SessionSecret::derive(
+            &self.cfg.psk,
+            &hello_bytes,
+            &wb,
+            &confirm.to_bytes(),
+        ));
         self.outgoing.push_back(HandshakeMessage::Confirm(confirm));
         self.succeed(PeerInfo {
             node_id: w.node_id,
@@ -877,6 +1173,12 @@ impl Handshake {
             self.fail(HandshakeError::BadProof);
             return;
         }
+        self.secret = Some(SessionSecret::derive(
+            &self.cfg.psk,
+            &hello_bytes,
+            &wb,
+            &c.to_bytes(),
+        ));
         self.succeed(peer);
     }
 
@@ -901,6 +1203,187 @@ impl Handshake {
     fn fail(&mut self, err: HandshakeError) {
         self.state = HsState::Failed;
         self.outcome = Some(Err(err));
+    }
+}
+
+impl JoinAttempt {
+    /// Starts a join at `now` of the rail `rail` (this side's view: `local` is this shard,
+    /// `remote` the server's) to the session with `session` (the server as learned in the
+    /// session's handshake) keyed by `secret`, with a fresh `nonce`; the [`Join`] is queued for
+    /// [`JoinAttempt::poll_transmit`]. If `rail` is not a rail of the pair (from
+    /// `cfg.shard_count` and `session.shard_count`), the attempt has already failed with
+    /// [`HandshakeError::NoSuchRail`] and sends nothing.
+    pub fn new(
+        now: Timestamp,
+        cfg: &HandshakeConfig,
+        session: PeerInfo,
+        secret: SessionSecret,
+        rail: Rail,
+        nonce: Nonce,
+    ) -> JoinAttempt {
+        let mut join = Join {
+            version: session.version,
+            shard_count: cfg.shard_count,
+            node_id: cfg.node_id,
+            incarnation: cfg.incarnation,
+            server_incarnation: session.incarnation,
+            nonce,
+            proof: [0; PROOF_LEN],
+        };
+        let signed = join.to_bytes();
+        join.proof = secret
+            .join_mac(&signed[..JOIN_SIGNED_LEN], rail.local, rail.remote)
+            .finalize()
+            .into_bytes()
+            .into();
+        let on_rail = Rails::new(cfg.shard_count, session.shard_count)
+            .is_ok_and(|r| r.has_rail(rail.local, rail.remote));
+        JoinAttempt {
+            session,
+            secret,
+            deadline: now.saturating_add(cfg.timeout),
+            join,
+            outgoing: on_rail.then_some(join),
+            outcome: (!on_rail).then_some(Err(HandshakeError::NoSuchRail {
+                local: rail.local,
+                remote: rail.remote,
+            })),
+            ignored: 0,
+        }
+    }
+
+    /// This attempt's nonce.
+    pub fn nonce(&self) -> &Nonce {
+        &self.join.nonce
+    }
+
+    /// The join this attempt sends.
+    pub fn join(&self) -> &Join {
+        &self.join
+    }
+
+    /// Messages ignored as stale or out of place.
+    pub fn ignored(&self) -> u64 {
+        self.ignored
+    }
+
+    /// The result, once the join has finished: the session's [`PeerInfo`] on success.
+    pub fn outcome(&self) -> Option<&Result<PeerInfo, HandshakeError>> {
+        self.outcome.as_ref()
+    }
+
+    /// Whether the join has finished (either way).
+    pub fn is_finished(&self) -> bool {
+        self.outcome.is_some()
+    }
+
+    /// The next message to send (the join, once).
+    pub fn poll_transmit(&mut self) -> Option<HandshakeMessage> {
+        self.outgoing.take().map(HandshakeMessage::Join)
+    }
+
+    /// The deadline while the join is in progress.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        (!self.is_finished()).then_some(self.deadline)
+    }
+
+    /// Fails the attempt with [`HandshakeError::Timeout`] if `now` is at or past the deadline.
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        if !self.is_finished() && now >= self.deadline {
+            self.outcome = Some(Err(HandshakeError::Timeout));
+        }
+    }
+
+    /// Processes a received handshake message: a [`Joined`] or a [`Reject`] echoing this
+    /// attempt's nonce ends it; anything else is ignored.
+    pub fn handle_message(&mut self, now: Timestamp, msg: &HandshakeMessage) {
+        if self.is_finished() {
+            self.ignored += 1;
+            return;
+        }
+        if now >= self.deadline {
+            self.outcome = Some(Err(HandshakeError::Timeout));
+            return;
+        }
+        match msg {
+            HandshakeMessage::Joined(j) if j.echo == self.join.nonce => {
+                let mac = self.secret.joined_mac(&self.join.to_bytes(), &j.echo);
+                self.outcome = Some(if mac.verify_slice(&j.proof).is_ok() {
+                    Ok(self.session)
+                } else {
+                    // No reject is sent: the server already considers the rail joined, and a
+                    // reject echoes a nonce the server does not have. The caller's failure
+                    // handling closes the rail.
+                    Err(HandshakeError::BadProof)
+                });
+            }
+            HandshakeMessage::Reject(r) if r.echo == self.join.nonce => {
+                self.outcome = Some(Err(HandshakeError::Rejected { reason: r.reason }));
+            }
+            _ => self.ignored += 1,
+        }
+    }
+}
+
+/// The server side of a join: checks `join`, received on `rail` (this side's view: `local` is
+/// this shard, `remote` the frame's `src_shard`), against the session with `session` (the
+/// client as learned in the session's handshake) keyed by `secret`, and returns the
+/// [`Joined`] to send. `cfg` is this node's. The checks and their order are in the module docs;
+/// the error's [`HandshakeError::reject_reason`] is the reason to answer with.
+pub fn accept_join(
+    cfg: &HandshakeConfig,
+    session: &PeerInfo,
+    secret: &SessionSecret,
+    rail: Rail,
+    join: &Join,
+) -> Result<Joined, HandshakeError> {
+    let same_session = join.node_id == session.node_id
+        && join.incarnation == session.incarnation
+        && join.server_incarnation == cfg.incarnation
+        && join.shard_count == session.shard_count
+        && join.version == session.version
+        && session.features.contains(Features::RAILS);
+    if !same_session {
+        return Err(HandshakeError::UnknownSession);
+    }
+    let on_rail = Rails::new(cfg.shard_count, session.shard_count)
+        .is_ok_and(|r| r.has_rail(rail.local, rail.remote));
+    if !on_rail {
+        return Err(HandshakeError::NoSuchRail {
+            local: rail.local,
+            remote: rail.remote,
+        });
+    }
+    let bytes = join.to_bytes();
+    // The client's view of the rail: its shard (our remote) to ours.
+    let mac = secret.join_mac(&bytes[..JOIN_SIGNED_LEN], rail.remote, rail.local);
+    if mac.verify_slice(&join.proof).is_err() {
+        return Err(HandshakeError::BadProof);
+    }
+    Ok(Joined {
+        echo: join.nonce,
+        proof: secret
+            .joined_mac(&bytes, &join.nonce)
+            .finalize()
+            .into_bytes()
+            .into(),
+    })
+}
+
+impl HandshakeError {
+    /// The reason a [`Reject`] for this error carries, for the errors a server answers that way
+    /// (bad proof, version mismatch, bad shard count, wrong node, unknown session, no such
+    /// rail); `None` for the others.
+    pub fn reject_reason(&self) -> Option<RejectReason> {
+        match self {
+            HandshakeError::BadProof => Some(RejectReason::BadProof),
+            HandshakeError::VersionMismatch { .. } => Some(RejectReason::VersionMismatch),
+            HandshakeError::BadShardCount { .. } => Some(RejectReason::BadShardCount),
+            HandshakeError::WrongPeer { .. } => Some(RejectReason::WrongNode),
+            HandshakeError::UnknownSession => Some(RejectReason::UnknownSession),
+            HandshakeError::NoSuchRail { .. } => Some(RejectReason::NoSuchRail),
+            _ => None,
+        }
     }
 }
 
@@ -930,8 +1413,8 @@ impl fmt::Debug for NonceGen {
 }
 
 impl HandshakeConfig {
-    /// A configuration speaking every wire version this build knows, with a 5 s timeout and no
-    /// features.
+    /// A configuration speaking every wire version this build knows, with a 5 s timeout and
+    /// [`Features::RAILS`] alone.
     pub fn new(
         node_id: NodeId,
         incarnation: Incarnation,
@@ -942,7 +1425,7 @@ impl HandshakeConfig {
             node_id,
             incarnation,
             shard_count,
-            features: Features::EMPTY,
+            features: Features::RAILS,
             min_version: MIN_WIRE_VERSION,
             max_version: MAX_WIRE_VERSION,
             psk,
@@ -1213,6 +1696,309 @@ mod tests {
         ));
         assert!(PreSharedKey::new(&[0; 15]).is_err());
         assert_eq!(format!("{:?}", psk(1)), "PreSharedKey(<32 bytes>)");
+    }
+
+    /// A completed exchange between node 1 (client, 2 shards) and node 2 (server, 3 shards):
+    /// (client's session: the server; server's session: the client; the secret).
+    fn session() -> (PeerInfo, PeerInfo, SessionSecret) {
+        let now = Timestamp::ZERO;
+        let mut c_cfg = cfg(1, 7);
+        c_cfg.shard_count = 2;
+        let mut s_cfg = cfg(2, 7);
+        s_cfg.shard_count = 3;
+        let mut c = Handshake::client(now, c_cfg, [1; 32]);
+        let mut s = Handshake::server(now, s_cfg, [2; 32]);
+        pump(now, &mut c, &mut s);
+        let secret = c.session_secret().unwrap().clone();
+        assert_eq!(s.session_secret(), Some(&secret));
+        let cp = *c.outcome().unwrap().as_ref().unwrap();
+        let sp = *s.outcome().unwrap().as_ref().unwrap();
+        (cp, sp, secret)
+    }
+
+    fn rail(local: u16, remote: u16) -> Rail {
+        Rail {
+            local: ShardId::new(local),
+            remote: ShardId::new(remote),
+        }
+    }
+
+    fn server_cfg() -> HandshakeConfig {
+        let mut s_cfg = cfg(2, 7);
+        s_cfg.shard_count = 3;
+        s_cfg
+    }
+
+    fn client_cfg() -> HandshakeConfig {
+        let mut c_cfg = cfg(1, 7);
+        c_cfg.shard_count = 2;
+        c_cfg
+    }
+
+    #[test]
+    fn session_secret_is_shared_and_fresh() {
+        let now = Timestamp::ZERO;
+        let (_, _, secret) = session();
+        // Another exchange (other nonces) makes another secret.
+        let mut c = Handshake::client(now, cfg(1, 7), [3; 32]);
+        let mut s = Handshake::server(now, cfg(2, 7), [2; 32]);
+        assert_eq!(c.session_secret(), None, "none before completion");
+        pump(now, &mut c, &mut s);
+        assert_eq!(c.session_secret(), s.session_secret());
+        assert_ne!(c.session_secret(), Some(&secret));
+        // A failed exchange has none.
+        let mut c = Handshake::client(now, cfg(1, 7), [1; 32]);
+        let mut s = Handshake::server(now, cfg(2, 8), [2; 32]);
+        pump(now, &mut c, &mut s);
+        assert_eq!((c.session_secret(), s.session_secret()), (None, None));
+        assert_eq!(format!("{secret:?}"), "SessionSecret(..)");
+        assert!(
+            HandshakeConfig::new(NodeId::new(1), Incarnation::new(1), 1, psk(1))
+                .features
+                .contains(Features::RAILS)
+        );
+    }
+
+    #[test]
+    fn join_is_accepted_and_verified() {
+        let now = Timestamp::ZERO;
+        let (server, client, secret) = session();
+        assert!(server.features.contains(Features::RAILS));
+        // Client shard 0 joins server shard 2: rails of 2 x 3 are (0,0), (1,1), (0,2).
+        let mut j = JoinAttempt::new(
+            now,
+            &client_cfg(),
+            server,
+            secret.clone(),
+            rail(0, 2),
+            [5; 32],
+        );
+        assert_eq!(j.poll_timeout(), Some(now + Duration::from_secs(5)));
+        let msg = round_trip(&j.poll_transmit().unwrap());
+        assert_eq!(j.poll_transmit(), None, "sent once");
+        let HandshakeMessage::Join(join) = msg else {
+            panic!("expected a join")
+        };
+        assert_eq!(&join, j.join());
+        assert_eq!(join.server_incarnation, Incarnation::new(20));
+        assert_eq!(join.version, server.version);
+        let joined = accept_join(&server_cfg(), &client, &secret, rail(2, 0), &join).unwrap();
+        // A joined for another nonce is ignored; the right one completes.
+        j.handle_message(
+            now,
+            &HandshakeMessage::Joined(Joined {
+                echo: [6; 32],
+                ..joined
+            }),
+        );
+        assert_eq!((j.is_finished(), j.ignored()), (false, 1));
+        j.handle_message(now, &round_trip(&HandshakeMessage::Joined(joined)));
+        assert_eq!(j.outcome(), Some(&Ok(server)));
+        assert_eq!(j.poll_timeout(), None);
+        j.handle_message(now, &HandshakeMessage::Joined(joined));
+        assert_eq!(j.ignored(), 2, "finished attempts ignore input");
+    }
+
+    #[test]
+    fn join_refusals_in_order() {
+        let now = Timestamp::ZERO;
+        let (server, client, secret) = session();
+        let s_cfg = server_cfg();
+        let join = |rail_c: Rail, secret: &SessionSecret, server: PeerInfo| {
+            let mut j =
+                JoinAttempt::new(now, &client_cfg(), server, secret.clone(), rail_c, [5; 32]);
+            match j.poll_transmit() {
+                Some(HandshakeMessage::Join(join)) => join,
+                other => panic!("{other:?}"),
+            }
+        };
+        let good = join(rail(1, 1), &secret, server);
+        assert!(accept_join(&s_cfg, &client, &secret, rail(1, 1), &good).is_ok());
+        // Every field that names the session.
+        let unknown = Err(HandshakeError::UnknownSession);
+        for bad in [
+            Join {
+                node_id: NodeId::new(9),
+                ..good
+            },
+            Join {
+                incarnation: Incarnation::new(11),
+                ..good
+            },
+            Join {
+                server_incarnation: Incarnation::new(19),
+                ..good
+            },
+            Join {
+                shard_count: 4,
+                ..good
+            },
+            Join { version: 9, ..good },
+        ] {
+            assert_eq!(
+                accept_join(&s_cfg, &client, &secret, rail(1, 1), &bad),
+                unknown
+            );
+        }
+        // A restarted server (new incarnation) holds no session from its previous life.
+        let restarted = HandshakeConfig {
+            incarnation: Incarnation::new(21),
+            ..s_cfg.clone()
+        };
+        assert_eq!(
+            accept_join(&restarted, &client, &secret, rail(1, 1), &good),
+            unknown
+        );
+        let no_rails = PeerInfo {
+            features: Features::RPC,
+            ..client
+        };
+        assert_eq!(
+            accept_join(&s_cfg, &no_rails, &secret, rail(1, 1), &good),
+            unknown
+        );
+        // (server 1, client 0) is no rail of 3 x 2: (0,0), (1,1), (2,0).
+        assert_eq!(
+            accept_join(&s_cfg, &client, &secret, rail(1, 0), &good),
+            Err(HandshakeError::NoSuchRail {
+                local: ShardId::new(1),
+                remote: ShardId::new(0)
+            })
+        );
+        // A join made for (client 1, server 1) replayed on the rail (server 0, client 0), or
+        // made with another secret, does not verify.
+        assert_eq!(
+            accept_join(&s_cfg, &client, &secret, rail(0, 0), &good),
+            Err(HandshakeError::BadProof)
+        );
+        let other = SessionSecret::from_bytes([0; 32]);
+        let forged = join(rail(1, 1), &other, server);
+        assert_eq!(
+            accept_join(&s_cfg, &client, &secret, rail(1, 1), &forged),
+            Err(HandshakeError::BadProof)
+        );
+        assert_eq!(
+            HandshakeError::UnknownSession.reject_reason(),
+            Some(RejectReason::UnknownSession)
+        );
+        assert_eq!(HandshakeError::Timeout.reject_reason(), None);
+    }
+
+    #[test]
+    fn join_client_failures() {
+        let now = Timestamp::ZERO;
+        let (server, client, secret) = session();
+        let c_cfg = client_cfg();
+        // Not a rail: failed at once, nothing sent.
+        let mut j = JoinAttempt::new(now, &c_cfg, server, secret.clone(), rail(1, 2), [5; 32]);
+        assert_eq!(j.poll_transmit(), None);
+        assert_eq!(
+            j.outcome(),
+            Some(&Err(HandshakeError::NoSuchRail {
+                local: ShardId::new(1),
+                remote: ShardId::new(2)
+            }))
+        );
+        // A joined whose proof does not verify (the server holds another secret).
+        let mut j = JoinAttempt::new(now, &c_cfg, server, secret.clone(), rail(1, 1), [5; 32]);
+        let Some(HandshakeMessage::Join(join)) = j.poll_transmit() else {
+            panic!("expected a join")
+        };
+        let mut joined = accept_join(&server_cfg(), &client, &secret, rail(1, 1), &join).unwrap();
+        joined.proof[0] ^= 1;
+        j.handle_message(now, &HandshakeMessage::Joined(joined));
+        assert_eq!(j.outcome(), Some(&Err(HandshakeError::BadProof)));
+        // A reject for this attempt; one for another is ignored.
+        let mut j = JoinAttempt::new(now, &c_cfg, server, secret.clone(), rail(1, 1), [5; 32]);
+        let reject = Reject::of_join(j.join(), RejectReason::UnknownSession, 1, 1);
+        j.handle_message(
+            now,
+            &HandshakeMessage::Reject(Reject {
+                echo: [0; 32],
+                ..reject
+            }),
+        );
+        j.handle_message(
+            now,
+            &HandshakeMessage::Confirm(Confirm {
+                echo: [5; 32],
+                proof: [0; 32],
+            }),
+        );
+        assert_eq!(j.ignored(), 2);
+        j.handle_message(now, &HandshakeMessage::Reject(reject));
+        assert_eq!(
+            j.outcome(),
+            Some(&Err(HandshakeError::Rejected {
+                reason: RejectReason::UnknownSession
+            }))
+        );
+        // The deadline.
+        let mut j = JoinAttempt::new(now, &c_cfg, server, secret, rail(1, 1), [5; 32]);
+        let deadline = j.poll_timeout().unwrap();
+        j.handle_timeout(Timestamp::from_nanos(deadline.as_nanos() - 1));
+        assert!(!j.is_finished());
+        j.handle_message(deadline, &HandshakeMessage::Joined(joined));
+        assert_eq!(j.outcome(), Some(&Err(HandshakeError::Timeout)));
+        assert_eq!(*j.nonce(), [5; 32]);
+    }
+
+    #[test]
+    fn join_layout_and_decode_errors() {
+        let join = Join {
+            version: 1,
+            shard_count: 0x0302,
+            node_id: NodeId::new(0x0807_0605_0403_0201),
+            incarnation: Incarnation::new(0x11),
+            server_incarnation: Incarnation::new(0x22),
+            nonce: [0xaa; 32],
+            proof: [0xbb; 32],
+        };
+        let b = join.to_bytes();
+        assert_eq!(&b[..8], &[1, 0, 2, 3, 0, 0, 0, 0]);
+        assert_eq!(&b[8..16], &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!((b[16], b[24], b[32], b[64]), (0x11, 0x22, 0xaa, 0xbb));
+        let msg = HandshakeMessage::Join(join);
+        assert_eq!(round_trip(&msg), msg);
+        assert_eq!(msg.opening_nonce(), Some([0xaa; 32]));
+        for offset in [1, 4, 7] {
+            let mut bad = b;
+            bad[offset] = 1;
+            assert_eq!(
+                HandshakeMessage::decode(FrameKind::Join, &bad),
+                Err(HandshakeError::ReservedNonZero {
+                    kind: FrameKind::Join,
+                    offset: if offset == 1 { 1 } else { 4 }
+                })
+            );
+        }
+        assert!(matches!(
+            HandshakeMessage::decode(FrameKind::Join, &b[..95]),
+            Err(HandshakeError::BadLength {
+                expected: 96,
+                got: 95,
+                ..
+            })
+        ));
+        assert!(matches!(
+            HandshakeMessage::decode(FrameKind::Joined, &b),
+            Err(HandshakeError::BadLength {
+                expected: 64,
+                got: 96,
+                ..
+            })
+        ));
+        let joined = HandshakeMessage::Joined(Joined {
+            echo: [1; 32],
+            proof: [2; 32],
+        });
+        assert_eq!(round_trip(&joined), joined);
+        assert_eq!(joined.opening_nonce(), None);
+        assert_eq!(joined.encoded_len(), JOINED_LEN);
+        // A PSK handshake ignores rail messages.
+        let mut s = Handshake::server(Timestamp::ZERO, cfg(2, 7), [2; 32]);
+        s.handle_message(Timestamp::ZERO, &msg);
+        assert_eq!((s.is_finished(), s.ignored()), (false, 1));
     }
 
     #[test]

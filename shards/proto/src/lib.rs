@@ -27,12 +27,17 @@
 //! * [`time`] — [`Timestamp`].
 //! * [`shard_map`] — [`ShardMap`]: which shard owns which peer (rendezvous hashing with a stable,
 //!   hand-written SipHash-2-4).
+//! * [`rails`] — [`Rails`]: the (local shard, remote shard) pairs that carry traffic between two
+//!   nodes, each with its own connection, the same set seen from both sides.
 //! * [`wire`] — the 48-byte frame header, the 64-bit tag layout and the message size limit; the
 //!   format is specified in that module's documentation.
 //! * [`handshake`] — hello / welcome / confirm / reject with version and feature negotiation and
-//!   a pre-shared-key proof (HMAC-SHA-256) from both sides.
-//! * [`conn`] — [`Connection`]: handshake, heartbeats with suspicion and death, reconnection with
-//!   jittered exponential backoff, draining, incarnation checks.
+//!   a pre-shared-key proof (HMAC-SHA-256) from both sides, which leaves both with a
+//!   [`SessionSecret`]; join / joined, with which the other rails of a node pair join that
+//!   authenticated session.
+//! * [`conn`] — [`Connection`], one per rail: handshake (primary) or join, heartbeats with
+//!   suspicion and death, reconnection with jittered exponential backoff, draining, incarnation
+//!   and shard checks.
 //! * [`request`] — [`PendingTable`] (deadlines; exactly one completion per request),
 //!   [`DedupWindow`] (at-most-once RPC), [`CreditWindow`] (flow control).
 //! * [`pool`] — [`SizeClassPool`]: a buddy allocator over offsets of a registered arena.
@@ -43,8 +48,8 @@
 //! * [`rng`] — [`Rng`], a small seeded generator (xoshiro256**), for jitter and simulation.
 //! * [`fuzzing`] — the decoder checks run by the cargo-fuzz targets in `fuzz/` and by the
 //!   corpus replay test.
-//! * [`sim`] — a deterministic network simulator driving real [`Connection`]s, used by this
-//!   crate's tests and available to other crates' tests.
+//! * [`sim`] — a deterministic network simulator driving real [`Connection`]s on rails, with a
+//!   net layer's session table, used by this crate's tests and available to other crates' tests.
 //!
 //! ## Invariants
 //!
@@ -55,10 +60,13 @@
 //!   [`wire::Limits::max_message_size`] before any caller could size a buffer from it. Property
 //!   tests and fuzz targets check this.
 //! * No frame from an incarnation other than the one authenticated in the handshake is delivered.
+//! * A connection is ready only after a pre-shared-key handshake, or a join whose proof verifies
+//!   under the secret of a session such a handshake made; and it delivers only frames addressed
+//!   to its own rail (`src_shard`, `dst_shard`).
 //! * A remote put or get is allowed only within a registered region's bounds (checked without
 //!   overflow), with its permission, by its grantee, and at its current generation.
 //! * A pending request completes exactly once; bytes in flight never exceed a credit window; an
-//!   RPC is executed at most once per `(node, incarnation, request id)`.
+//!   RPC is executed at most once per `(node, incarnation, sending shard, request id)`.
 //! * Library code holds no `unwrap` on external input; the few `expect`s state their invariant.
 //!
 //! ## Send and Sync
@@ -80,6 +88,7 @@ pub mod fuzzing;
 pub mod handshake;
 pub mod ids;
 pub mod pool;
+pub mod rails;
 pub mod region;
 pub mod request;
 pub mod rng;
@@ -90,9 +99,12 @@ pub mod time;
 pub mod wire;
 
 pub use conn::{ConnConfig, Connection, Event, Seeds, State, Transmit};
-pub use handshake::{Features, Handshake, HandshakeConfig, PeerInfo, PreSharedKey};
+pub use handshake::{
+    Features, Handshake, HandshakeConfig, JoinAttempt, PeerInfo, PreSharedKey, SessionSecret,
+};
 pub use ids::{AmId, FunctionId, Generation, Incarnation, NodeId, RegionId, ReqId, ShardId};
 pub use pool::{Block, PoolConfig, SizeClassPool};
+pub use rails::{Rail, Rails};
 pub use region::{
     Access, CheckedRange, GetRequest, Permissions, PutRequest, RegionDescriptor, RegionEntry,
     RegionError, RegionSpec, RegionTable, RmaError, RmaErrorCode, RmaReply, RmaWireError,
@@ -103,7 +115,7 @@ pub use rpc::{
     decode_error, decode_request, encode_error, encode_request, request_prefix, CallFlags,
     ErrorBody, RequestEnvelope, RpcErrorCode, RpcWireError, MAX_ERROR_MESSAGE, REQUEST_PREFIX_LEN,
 };
-pub use shard_map::ShardMap;
+pub use shard_map::{ShardCountError, ShardMap};
 pub use time::Timestamp;
 pub use wire::{FrameFlags, FrameHeader, FrameKind, Limits, Tag, TagKind, TagMask, WireError};
 
@@ -118,11 +130,15 @@ mod tests {
     fn public_types_are_send_and_sync() {
         assert_send_sync::<Connection>();
         assert_send_sync::<Handshake>();
+        assert_send_sync::<JoinAttempt>();
+        assert_send_sync::<SessionSecret>();
         assert_send_sync::<PendingTable<Vec<u8>>>();
         assert_send_sync::<DedupWindow<Vec<u8>>>();
         assert_send_sync::<CreditWindow>();
         assert_send_sync::<SizeClassPool>();
         assert_send_sync::<ShardMap>();
+        assert_send_sync::<Rails>();
+        assert_send_sync::<Rail>();
         assert_send_sync::<FrameHeader>();
         assert_send_sync::<Transmit>();
         assert_send_sync::<Event>();

@@ -3,13 +3,13 @@
 //! * [`PendingTable`] — the client side of requests: one entry per request in flight, with a
 //!   deadline. Completion, cancellation and expiry race; exactly one of them gets the entry.
 //! * [`DedupWindow`] — the server side of at-most-once RPC: remembers which
-//!   `(node, incarnation, request)` it has seen, bounded by count and age.
+//!   `(node, incarnation, shard, request)` it has seen, bounded by count and age.
 //! * [`CreditWindow`] — per-peer flow control: bytes in flight never exceed the window.
 //!
 //! All three follow the crate's sans-IO pattern: time is passed in, expiry is pulled with
 //! `poll_*`, and [`PendingTable::poll_timeout`] says when to come back.
 
-use crate::ids::{Incarnation, NodeId, ReqId};
+use crate::ids::{Incarnation, NodeId, ReqId, ShardId};
 use crate::time::Timestamp;
 use std::cmp::Reverse;
 use std::collections::hash_map::{Entry, RandomState};
@@ -65,14 +65,29 @@ pub enum DedupVerdict<'a, R> {
 }
 
 /// The key of a request in the dedup window.
+///
+/// Request ids are allocated by each sending shard from its own [`PendingTable`], and several
+/// shards of one node send to the same remote shard (one rail each, see [`crate::Rails`]), so
+/// the sending shard is part of the key: `(node, incarnation, shard, request)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DedupKey {
     /// Sending node.
     pub node: NodeId,
     /// Its incarnation.
     pub incarnation: Incarnation,
+    /// The sending shard (the frame's `src_shard`), whose pending table allocated `req_id`.
+    pub shard: ShardId,
     /// The request.
     pub req_id: ReqId,
+}
+
+/// What the window remembers of one sending node: its newest incarnation, and for that
+/// incarnation the floor of each of its shards.
+#[derive(Clone, Debug)]
+struct NodeFloors {
+    incarnation: Incarnation,
+    /// The largest request id evicted per sending shard (absent: none evicted yet).
+    floors: HashMap<ShardId, ReqId, DedupHasher>,
 }
 
 #[derive(Clone, Debug)]
@@ -88,17 +103,21 @@ enum DedupState<R> {
 /// window is full evicts the oldest `max_entries / 16` entries (at least one) at once, so that
 /// the next ones find room: the window then holds between 15/16 of `max_entries` and all of it.
 /// To stay at-most-once after
-/// forgetting, the window keeps for each node the newest incarnation seen and a *floor*: the
-/// largest request id it has evicted for that incarnation. A request at or below the floor, or
-/// from an older incarnation, is [`DedupVerdict::TooOld`]: it may have run, so it is refused.
-/// This relies on each sender allocating request ids in increasing order (as [`PendingTable`]
-/// does); a fresh request delayed past the window is refused too, which is the safe direction.
-/// The per-node table grows with the number of distinct peer nodes, not with traffic.
+/// forgetting, the window keeps for each node the newest incarnation seen and, for each of its
+/// sending shards, a *floor*: the largest request id it has evicted from that shard in that
+/// incarnation. A request at or below its shard's floor, or from an older incarnation of its
+/// node, is [`DedupVerdict::TooOld`]: it may have run, so it is refused. This relies on each
+/// sending shard allocating request ids in increasing order (as [`PendingTable`] does); a
+/// fresh request delayed past the window is refused too, which is the safe direction. The
+/// incarnation is per node, not per shard: once any shard of a node is seen in a newer
+/// incarnation, requests of every shard of its older one are refused. The floor tables grow
+/// with the number of distinct peer shards, not with traffic.
 ///
 /// # Cost and hashing
 ///
-/// A fresh request costs one lookup of its key (which also inserts it) and one of its node's
-/// floor; [`DedupWindow::complete`] one more; its eviction one more. Keys are hashed with a
+/// A fresh request costs one lookup of its key (which also inserts it), one of its node and
+/// one of its shard's floor in the node's small table; [`DedupWindow::complete`] one more; its
+/// eviction two more. Keys are hashed with a
 /// keyed multiply-fold hash ([`DedupHasher`]), several times cheaper than std's SipHash, whose
 /// key is drawn per window from std's [`RandomState`] (as `HashMap::new` does). Request ids and
 /// node ids come from the network, but a peer that does not know the key cannot choose ids
@@ -110,7 +129,8 @@ pub struct DedupWindow<R> {
     max_age: Duration,
     entries: HashMap<DedupKey, DedupState<R>, DedupHasher>,
     order: VecDeque<(Timestamp, DedupKey)>,
-    floors: HashMap<NodeId, (Incarnation, ReqId), DedupHasher>,
+    nodes: HashMap<NodeId, NodeFloors, DedupHasher>,
+    hasher: DedupHasher,
     evicted: u64,
 }
 
@@ -427,7 +447,8 @@ impl<R> DedupWindow<R> {
             max_age,
             entries: HashMap::with_hasher(hasher.clone()),
             order: VecDeque::new(),
-            floors: HashMap::with_hasher(hasher),
+            nodes: HashMap::with_hasher(hasher.clone()),
+            hasher,
             evicted: 0,
         }
     }
@@ -442,22 +463,24 @@ impl<R> DedupWindow<R> {
         if self.entries.len() >= self.max_entries {
             self.evict_batch();
         }
-        match self.floors.get(&key.node) {
-            Some((inc, _)) if key.incarnation < *inc => return DedupVerdict::TooOld,
-            Some((inc, floor)) if key.incarnation == *inc && key.req_id <= *floor => {
-                return DedupVerdict::TooOld;
+        match self.nodes.get(&key.node) {
+            Some(n) if key.incarnation < n.incarnation => return DedupVerdict::TooOld,
+            Some(n) if key.incarnation == n.incarnation => {
+                if n.floors.get(&key.shard).is_some_and(|f| key.req_id <= *f) {
+                    return DedupVerdict::TooOld;
+                }
             }
-            Some((inc, _)) if key.incarnation > *inc => {
+            Some(_) => {
                 // The node restarted: everything from its previous life is void. Drop it eagerly
                 // so old entries cannot crowd the window.
                 let node = key.node;
                 self.entries.retain(|k, _| k.node != node);
                 self.order.retain(|(_, k)| k.node != node);
-                self.floors.insert(node, (key.incarnation, ReqId::NONE));
+                self.nodes.insert(node, self.fresh_node(key.incarnation));
             }
-            Some(_) => {}
             None => {
-                self.floors.insert(key.node, (key.incarnation, ReqId::NONE));
+                self.nodes
+                    .insert(key.node, self.fresh_node(key.incarnation));
             }
         }
         match self.entries.entry(key) {
@@ -517,6 +540,13 @@ impl<R> DedupWindow<R> {
         self.evicted
     }
 
+    fn fresh_node(&self, incarnation: Incarnation) -> NodeFloors {
+        NodeFloors {
+            incarnation,
+            floors: HashMap::with_hasher(self.hasher.clone()),
+        }
+    }
+
     /// Evicts the oldest `max_entries / 16` entries (at least one).
     fn evict_batch(&mut self) {
         let batch = (self.max_entries / 16).max(1);
@@ -533,9 +563,10 @@ impl<R> DedupWindow<R> {
         };
         if self.entries.remove(&key).is_some() {
             self.evicted += 1;
-            if let Some((inc, floor)) = self.floors.get_mut(&key.node) {
-                if *inc == key.incarnation && key.req_id > *floor {
-                    *floor = key.req_id;
+            if let Some(n) = self.nodes.get_mut(&key.node) {
+                if n.incarnation == key.incarnation {
+                    let floor = n.floors.entry(key.shard).or_insert(ReqId::NONE);
+                    *floor = (*floor).max(key.req_id);
                 }
             }
         }
@@ -689,9 +720,14 @@ mod tests {
     }
 
     fn key(node: u64, inc: u64, req: u64) -> DedupKey {
+        shard_key(node, inc, 0, req)
+    }
+
+    fn shard_key(node: u64, inc: u64, shard: u16, req: u64) -> DedupKey {
         DedupKey {
             node: NodeId::new(node),
             incarnation: Incarnation::new(inc),
+            shard: ShardId::new(shard),
             req_id: ReqId::new(req),
         }
     }
@@ -750,6 +786,54 @@ mod tests {
     }
 
     #[test]
+    fn dedup_keys_and_floors_are_per_sending_shard() {
+        let mut w: DedupWindow<u32> = DedupWindow::new(100, Duration::from_millis(10));
+        let fresh = DedupVerdict::Fresh;
+        // Two shards of one node use the same request id: two distinct requests.
+        assert_eq!(w.check_and_insert(t(0), shard_key(1, 1, 0, 5)), fresh);
+        assert_eq!(w.check_and_insert(t(0), shard_key(1, 1, 1, 5)), fresh);
+        assert!(w.complete(shard_key(1, 1, 1, 5), 51));
+        assert_eq!(
+            w.check_and_insert(t(1), shard_key(1, 1, 1, 5)),
+            DedupVerdict::Done(&51)
+        );
+        assert_eq!(
+            w.check_and_insert(t(1), shard_key(1, 1, 0, 5)),
+            DedupVerdict::InProgress
+        );
+        assert_eq!(w.check_and_insert(t(5), shard_key(1, 1, 2, 1)), fresh);
+        // At 10 ms the two requests of t = 0 age out: shards 0 and 1 get floor 5, shard 2 none.
+        for (shard, req) in [(0, 5), (0, 4), (1, 5)] {
+            assert_eq!(
+                w.check_and_insert(t(10), shard_key(1, 1, shard, req)),
+                DedupVerdict::TooOld,
+                "shard {shard} request {req}"
+            );
+        }
+        assert_eq!(w.evicted(), 2);
+        assert_eq!(w.check_and_insert(t(10), shard_key(1, 1, 0, 6)), fresh);
+        assert_eq!(
+            w.check_and_insert(t(10), shard_key(1, 1, 2, 1)),
+            DedupVerdict::InProgress,
+            "shard 2 has no floor"
+        );
+        assert_eq!(w.check_and_insert(t(10), shard_key(1, 1, 3, 1)), fresh);
+        // A newer incarnation seen on one shard voids the old incarnation on every shard.
+        assert_eq!(w.check_and_insert(t(11), shard_key(1, 2, 0, 1)), fresh);
+        assert_eq!(w.len(), 1);
+        assert_eq!(
+            w.check_and_insert(t(11), shard_key(1, 1, 7, 100)),
+            DedupVerdict::TooOld,
+            "old incarnation, shard never seen"
+        );
+        assert_eq!(
+            w.check_and_insert(t(11), shard_key(1, 2, 1, 5)),
+            fresh,
+            "floors restart with the incarnation"
+        );
+    }
+
+    #[test]
     fn dedup_evicts_the_oldest_in_batches() {
         let mut w: DedupWindow<u32> = DedupWindow::new(64, Duration::from_secs(10));
         for r in 1..=64 {
@@ -802,6 +886,7 @@ mod tests {
         assert_ne!(a.hash_one(k), a.hash_one(key(7, 8, 10)));
         assert_ne!(a.hash_one(k), a.hash_one(key(7, 9, 9)));
         assert_ne!(a.hash_one(k), a.hash_one(key(8, 8, 9)));
+        assert_ne!(a.hash_one(k), a.hash_one(shard_key(7, 8, 1, 9)));
         let top: std::collections::HashSet<u64> =
             (0..256).map(|r| a.hash_one(key(7, 8, r)) >> 57).collect();
         let low: std::collections::HashSet<u64> =

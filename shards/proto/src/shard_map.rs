@@ -22,6 +22,10 @@
 //! sends to B it addresses the shard of B that owns A, which it computes with
 //! `ShardMap::new(B's shard count).owner_of(A)`; B's shard count arrives in the handshake.
 //!
+//! Connections between nodes no longer follow this map: they are per *rail*, a pair of shards
+//! both sides agree on, given by [`crate::Rails`] (whose docs say why rendezvous hashing cannot
+//! define them). `ShardMap` remains for what needs a stable, balanced owner per node.
+//!
 //! # Measured properties
 //!
 //! `tests/shard_map.rs` measures, over 10,000 peers, for every shard count 1..=64:

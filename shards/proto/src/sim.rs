@@ -1,9 +1,27 @@
 //! A deterministic network simulator for protocol tests.
 //!
-//! [`Sim`] runs N nodes in virtual time. Each node holds one real [`Connection`] per peer it has
-//! been linked with, plus a small RPC layer built from this crate's own parts ([`PendingTable`]
-//! on the caller, [`DedupWindow`] on the callee). Frames are really encoded to bytes, carried by
-//! a lossy network model and decoded again, so the wire format is exercised too.
+//! [`Sim`] runs N nodes in virtual time. Each node holds one real [`Connection`] per *rail* it
+//! has to a peer (a pair of shards, see [`crate::Rails`]), plus a small RPC layer built from this
+//! crate's own parts ([`PendingTable`] on the caller, [`DedupWindow`] on the callee). Frames are
+//! really encoded to bytes, carried by a lossy network model and decoded again, so the wire
+//! format is exercised too. A frame travels on its rail's endpoint: it reaches the connection of
+//! that rail on the other node whatever its header says, as with UCX endpoints, so the
+//! connection's own shard checks are what stands between a misaddressed frame and the
+//! application.
+//!
+//! # The net layer
+//!
+//! Each node plays the net layer's part: [`Sim::connect`] opens the *primary* of a node pair on
+//! rail (0, 0) (a pre-shared-key handshake; its server connection exists before the hello
+//! arrives, as if the server had been told to expect it). When a primary becomes ready, both
+//! nodes record its session ([`PeerInfo`] and [`SessionSecret`]) in their node-wide session
+//! table ([`SimNode::session`]). [`Sim::join`] opens another rail by joining that session. A
+//! frame arriving on a rail with no connection (or one that has failed or closed) is handled as
+//! a net layer must: a `Hello` gets a new [`Connection::server`]; a `Join` is decoded, its
+//! node's session looked up by node id, and a [`Connection::join_server`] made with it (the
+//! connection checks the incarnations, the rail and the proof itself), or, with no session, the
+//! join is answered with [`Connection::refuse`] ([`RejectReason::UnknownSession`]); anything
+//! else is dropped ([`NetStats::unrouted`]).
 //!
 //! The network model ([`NetConfig`]) delays each frame by a uniform latency, loses it with some
 //! probability, duplicates it with some probability, and with some probability adds extra delay
@@ -15,7 +33,9 @@
 //!
 //! # The RPC layer
 //!
-//! [`Sim::call`] sends an `RpcRequest` carrying a `u64` argument with a deadline. Until it
+//! [`Sim::call`] (on the primary) or [`Sim::call_on`] (on any rail) sends an `RpcRequest`
+//! carrying a `u64` argument with a deadline, on one rail, and the callee answers on the rail it
+//! arrived on. Until it
 //! completes the caller retransmits it every [`RpcConfig::retry_interval`] under the same request
 //! id (the function is *not* idempotent: the callee's dedup window must prevent a second
 //! execution). The callee executes `arg * 2 + 1`, caches the reply, and answers duplicates from
@@ -23,7 +43,9 @@
 //! deadline, or failure of its connection.
 
 use crate::conn::{ConnConfig, Connection, Event, Received, Seeds, State};
-use crate::ids::{Incarnation, NodeId, ReqId};
+use crate::handshake::{HandshakeMessage, PeerInfo, RejectReason, SessionSecret};
+use crate::ids::{Incarnation, NodeId, ReqId, ShardId};
+use crate::rails::Rail;
 use crate::request::{DedupKey, DedupVerdict, DedupWindow, PendingTable};
 use crate::rng::Rng;
 use crate::time::Timestamp;
@@ -69,6 +91,8 @@ pub struct SimEvent {
     pub node: usize,
     /// The peer node (index) of that connection.
     pub peer: usize,
+    /// The connection's rail, from `node`'s side.
+    pub rail: Rail,
     /// What.
     pub event: Event,
 }
@@ -93,6 +117,8 @@ pub struct RpcOutcome {
     pub node: usize,
     /// Called node.
     pub peer: usize,
+    /// The rail it was sent on, from the calling node's side.
+    pub rail: Rail,
     /// Request id (unique per calling node incarnation).
     pub req_id: ReqId,
     /// The caller's incarnation.
@@ -124,6 +150,8 @@ pub struct NetStats {
     pub cut: u64,
     /// Frames that did not decode.
     pub malformed: u64,
+    /// Frames that arrived on a rail with no connection and opened none.
+    pub unrouted: u64,
 }
 
 /// Simulator errors.
@@ -142,18 +170,29 @@ pub enum SimError {
         /// The index given.
         node: usize,
     },
+    /// The node holds no session with the peer to join.
+    #[error("node {node} has no session with node {peer}")]
+    NoSession {
+        /// The joining node.
+        node: usize,
+        /// The peer.
+        peer: usize,
+    },
 }
 
 #[derive(Clone, Debug)]
 struct Packet {
     from: usize,
     to: usize,
+    /// The rail's endpoint it travels on, from the sender's side.
+    rail: Rail,
     bytes: Vec<u8>,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct PendingCall {
     peer: usize,
+    rail: Rail,
     arg: u64,
     issued: Timestamp,
     next_send: Timestamp,
@@ -168,7 +207,10 @@ pub struct SimNode {
     up: bool,
     dials: BTreeSet<usize>,
     accepts: BTreeSet<usize>,
-    conns: BTreeMap<usize, Connection>,
+    /// Connections by (peer index, rail from this node's side).
+    conns: BTreeMap<(usize, Rail), Connection>,
+    /// The node-wide session table: peer node id → the session's peer and secret.
+    sessions: BTreeMap<NodeId, (PeerInfo, SessionSecret)>,
     pending: PendingTable<PendingCall>,
     dedup: DedupWindow<u64>,
     executions: HashMap<DedupKey, u32>,
@@ -186,6 +228,7 @@ pub struct Sim {
     in_flight: BTreeMap<(Timestamp, u64), Packet>,
     seq: u64,
     cuts: BTreeSet<(usize, usize)>,
+    rail_cuts: BTreeSet<((usize, ShardId), (usize, ShardId))>,
     events: Vec<SimEvent>,
     outcomes: Vec<RpcOutcome>,
     stats: NetStats,
@@ -217,6 +260,14 @@ impl Default for RpcConfig {
 }
 
 impl SimNode {
+    /// The node's connection settings on shard `shard`.
+    fn cfg_on(&self, shard: ShardId) -> ConnConfig {
+        ConnConfig {
+            local_shard: shard,
+            ..self.cfg.clone()
+        }
+    }
+
     /// The node's id.
     pub fn id(&self) -> NodeId {
         self.id
@@ -232,9 +283,26 @@ impl SimNode {
         self.up
     }
 
-    /// The connection to `peer`, if linked.
+    /// The primary connection to `peer` (rail (0, 0)), if linked.
     pub fn conn(&self, peer: usize) -> Option<&Connection> {
-        self.conns.get(&peer)
+        self.conns.get(&(peer, PRIMARY))
+    }
+
+    /// The connection to `peer` on `rail` (this node's side), if any.
+    pub fn rail(&self, peer: usize, rail: Rail) -> Option<&Connection> {
+        self.conns.get(&(peer, rail))
+    }
+
+    /// Every connection to `peer`, by rail, in rail order.
+    pub fn rails(&self, peer: usize) -> impl Iterator<Item = (Rail, &Connection)> + '_ {
+        self.conns
+            .range((peer, MIN_RAIL)..=(peer, MAX_RAIL))
+            .map(|((_, rail), c)| (*rail, c))
+    }
+
+    /// The session this node holds with node `peer_id`, from its session table.
+    pub fn session(&self, peer_id: NodeId) -> Option<&(PeerInfo, SessionSecret)> {
+        self.sessions.get(&peer_id)
     }
 
     /// How many times this node executed each request it received.
@@ -247,6 +315,17 @@ impl SimNode {
         self.pending.len()
     }
 }
+
+/// The rail of every primary the simulator opens.
+const PRIMARY: Rail = Rail {
+    local: ShardId::new(0),
+    remote: ShardId::new(0),
+};
+const MIN_RAIL: Rail = PRIMARY;
+const MAX_RAIL: Rail = Rail {
+    local: ShardId::new(u16::MAX),
+    remote: ShardId::new(u16::MAX),
+};
 
 impl Sim {
     /// A simulator with no nodes at time zero.
@@ -261,6 +340,7 @@ impl Sim {
             in_flight: BTreeMap::new(),
             seq: 0,
             cuts: BTreeSet::new(),
+            rail_cuts: BTreeSet::new(),
             events: Vec::new(),
             outcomes: Vec::new(),
             stats: NetStats::default(),
@@ -278,6 +358,7 @@ impl Sim {
             dials: BTreeSet::new(),
             accepts: BTreeSet::new(),
             conns: BTreeMap::new(),
+            sessions: BTreeMap::new(),
             pending: PendingTable::new(),
             dedup: DedupWindow::new(self.rpc.dedup_entries, self.rpc.dedup_age),
             executions: HashMap::new(),
@@ -285,7 +366,8 @@ impl Sim {
         self.nodes.len() - 1
     }
 
-    /// Links `client` to `server`: the client dials now, the server waits for its hello.
+    /// Links `client` to `server` with a primary on rail (0, 0): the client dials now, the
+    /// server waits for its hello.
     pub fn connect(&mut self, client: usize, server: usize) -> Result<(), SimError> {
         self.check(client)?;
         self.check(server)?;
@@ -294,6 +376,65 @@ impl Sim {
         self.open_server(server, client);
         self.open_client(client, server);
         Ok(())
+    }
+
+    /// Joins rail `rail` (`client`'s side) from `client` to `server` to the session `client`
+    /// holds with `server` (from a ready primary). The join client replaces any connection
+    /// `client` had on that rail.
+    pub fn join(&mut self, client: usize, server: usize, rail: Rail) -> Result<(), SimError> {
+        self.check(client)?;
+        self.check(server)?;
+        let server_id = self.nodes[server].id;
+        let Some((peer, secret)) = self.nodes[client].sessions.get(&server_id).cloned() else {
+            return Err(SimError::NoSession {
+                node: client,
+                peer: server,
+            });
+        };
+        self.join_with(client, server, rail, peer, secret)
+    }
+
+    /// [`Sim::join`] with a session given by the caller (a stale or forged one, say).
+    pub fn join_with(
+        &mut self,
+        client: usize,
+        server: usize,
+        rail: Rail,
+        session_peer: PeerInfo,
+        secret: SessionSecret,
+    ) -> Result<(), SimError> {
+        self.check(client)?;
+        self.check(server)?;
+        let seeds = self.seeds();
+        let now = self.now;
+        let n = &mut self.nodes[client];
+        let cfg = ConnConfig {
+            local_shard: rail.local,
+            ..n.cfg.clone()
+        };
+        let mut conn = Connection::join_client(cfg, session_peer, secret, rail.remote, seeds);
+        // A fresh client connection is Idle, so connect cannot fail.
+        let _ = conn.connect(now);
+        n.conns.insert((server, rail), conn);
+        self.flush(client);
+        Ok(())
+    }
+
+    /// Closes `node`'s connection to `peer` on `rail` (sending `Close` if it is up).
+    pub fn close_rail(&mut self, node: usize, peer: usize, rail: Rail) -> Result<(), SimError> {
+        self.check(node)?;
+        let now = self.now;
+        if let Some(c) = self.nodes[node].conns.get_mut(&(peer, rail)) {
+            c.close(now);
+        }
+        self.flush(node);
+        Ok(())
+    }
+
+    /// Sends raw `bytes` from `from` to `to` on the endpoint of `rail` (`from`'s side), as a
+    /// faulty or malicious peer could.
+    pub fn inject(&mut self, from: usize, to: usize, rail: Rail, bytes: Vec<u8>) {
+        self.send_bytes(from, to, rail, bytes);
     }
 
     /// The current virtual time.
@@ -340,6 +481,17 @@ impl Sim {
         self.cuts.remove(&(a.min(b), a.max(b)));
     }
 
+    /// Cuts one rail: between shard `rail.local` of `a` and shard `rail.remote` of `b`, both
+    /// directions, frames in flight included. The pair's other rails are unaffected.
+    pub fn cut_rail(&mut self, a: usize, b: usize, rail: Rail) {
+        self.rail_cuts.insert(rail_cut(a, b, rail));
+    }
+
+    /// Heals a rail cut.
+    pub fn heal_rail(&mut self, a: usize, b: usize, rail: Rail) {
+        self.rail_cuts.remove(&rail_cut(a, b, rail));
+    }
+
     /// Stops a node: its state is lost, its pending calls end as [`RpcResult::ConnectionLost`],
     /// frames to it are dropped.
     pub fn crash(&mut self, i: usize) -> Result<(), SimError> {
@@ -348,11 +500,13 @@ impl Sim {
         let node = &mut self.nodes[i];
         node.up = false;
         node.conns.clear();
+        node.sessions.clear();
         let incarnation = node.incarnation;
         for (req_id, call) in node.pending.drain() {
             self.outcomes.push(RpcOutcome {
                 node: i,
                 peer: call.peer,
+                rail: call.rail,
                 req_id,
                 incarnation,
                 arg: call.arg,
@@ -389,17 +543,31 @@ impl Sim {
         Ok(())
     }
 
-    /// Issues a call from `node` to `peer` with `timeout`. Returns `None` (nothing sent) when the
-    /// connection is not ready.
+    /// Issues a call from `node` to `peer` with `timeout` on the primary. Returns `None`
+    /// (nothing sent) when the connection is not ready.
     pub fn call(&mut self, node: usize, peer: usize, arg: u64, timeout: Duration) -> Option<ReqId> {
+        self.call_on(node, peer, PRIMARY, arg, timeout)
+    }
+
+    /// Issues a call from `node` to `peer` with `timeout` on `rail` (`node`'s side). Returns
+    /// `None` (nothing sent) when that rail's connection is not ready.
+    pub fn call_on(
+        &mut self,
+        node: usize,
+        peer: usize,
+        rail: Rail,
+        arg: u64,
+        timeout: Duration,
+    ) -> Option<ReqId> {
         let now = self.now;
         let n = self.nodes.get_mut(node)?;
-        if !n.up || n.conns.get(&peer).map(Connection::state) != Some(State::Ready) {
+        if !n.up || n.conns.get(&(peer, rail)).map(Connection::state) != Some(State::Ready) {
             return None;
         }
         let deadline = now.saturating_add(timeout);
         let call = PendingCall {
             peer,
+            rail,
             arg,
             issued: now,
             next_send: now,
@@ -459,8 +627,8 @@ impl Sim {
         let seeds = self.seeds();
         let now = self.now;
         let n = &mut self.nodes[node];
-        let conn = Connection::server(now, n.cfg.clone(), seeds);
-        n.conns.insert(peer, conn);
+        let conn = Connection::server(now, n.cfg_on(PRIMARY.local), seeds);
+        n.conns.insert((peer, PRIMARY), conn);
     }
 
     fn open_client(&mut self, node: usize, peer: usize) {
@@ -468,10 +636,56 @@ impl Sim {
         let now = self.now;
         let peer_id = self.nodes[peer].id;
         let n = &mut self.nodes[node];
-        let mut conn = Connection::client(n.cfg.clone(), peer_id, seeds);
+        let mut conn = Connection::client(n.cfg_on(PRIMARY.local), peer_id, PRIMARY.remote, seeds);
         // A fresh client connection is Idle, so connect cannot fail.
         let _ = conn.connect(now);
-        n.conns.insert(peer, conn);
+        n.conns.insert((peer, PRIMARY), conn);
+        self.flush(node);
+    }
+
+    /// The net layer's part for a frame that arrived on a rail with no usable connection (none,
+    /// or one that failed or closed): a hello opens a server, a join a join server on the
+    /// node's session with its sender (or is refused), anything else is dropped.
+    fn accept(
+        &mut self,
+        node: usize,
+        from: usize,
+        rail: Rail,
+        header: &FrameHeader,
+        payload: &[u8],
+    ) {
+        let now = self.now;
+        let msg = HandshakeMessage::decode(header.kind, payload);
+        let session = match &msg {
+            Ok(HandshakeMessage::Hello(_)) => None,
+            Ok(HandshakeMessage::Join(join)) => {
+                match self.nodes[node].sessions.get(&join.node_id).cloned() {
+                    Some(s) => Some(s),
+                    None => {
+                        let cfg = self.nodes[node].cfg_on(rail.local);
+                        if let Some(t) = msg.as_ref().ok().and_then(|m| {
+                            Connection::refuse(&cfg, header, m, RejectReason::UnknownSession)
+                        }) {
+                            self.send_bytes(node, from, rail, t.to_vec());
+                        }
+                        return;
+                    }
+                }
+            }
+            _ => {
+                self.stats.unrouted += 1;
+                return;
+            }
+        };
+        let seeds = self.seeds();
+        let n = &mut self.nodes[node];
+        let cfg = n.cfg_on(rail.local);
+        let mut conn = match session {
+            Some((peer, secret)) => Connection::join_server(now, cfg, peer, secret, seeds),
+            None => Connection::server(now, cfg, seeds),
+        };
+        conn.handle_frame(now, header, payload);
+        n.conns.insert((from, rail), conn);
         self.flush(node);
     }
 
@@ -510,12 +724,9 @@ impl Sim {
             if !self.nodes[i].up {
                 continue;
             }
-            let peers: Vec<usize> = self.nodes[i].conns.keys().copied().collect();
-            for peer in peers {
-                if let Some(c) = self.nodes[i].conns.get_mut(&peer) {
-                    if c.poll_timeout().is_some_and(|t| t <= now) {
-                        c.handle_timeout(now);
-                    }
+            for c in self.nodes[i].conns.values_mut() {
+                if c.poll_timeout().is_some_and(|t| t <= now) {
+                    c.handle_timeout(now);
                 }
             }
             self.flush(i);
@@ -524,6 +735,7 @@ impl Sim {
                 self.outcomes.push(RpcOutcome {
                     node: i,
                     peer: call.peer,
+                    rail: call.rail,
                     req_id,
                     incarnation,
                     arg: call.arg,
@@ -562,7 +774,7 @@ impl Sim {
         if let Some(c) = n.pending.get_mut(id) {
             c.next_send = now.saturating_add(retry);
         }
-        let Some(conn) = n.conns.get(&call.peer) else {
+        let Some(conn) = n.conns.get(&(call.peer, call.rail)) else {
             return;
         };
         let Ok(header) = conn.frame_header(FrameKind::RpcRequest) else {
@@ -572,19 +784,31 @@ impl Sim {
             req_id: id,
             ..header.with_deadline(now, deadline)
         };
-        self.send_app(node, call.peer, header, &call.arg.to_le_bytes());
+        self.send_app(node, call.peer, call.rail, header, &call.arg.to_le_bytes());
     }
 
-    fn send_app(&mut self, node: usize, peer: usize, header: FrameHeader, payload: &[u8]) {
+    fn send_app(
+        &mut self,
+        node: usize,
+        peer: usize,
+        rail: Rail,
+        header: FrameHeader,
+        payload: &[u8],
+    ) {
         let mut buf = vec![0u8; crate::wire::payload_offset() + payload.len()];
         if encode_frame(&header, payload, &mut buf, &self.limits).is_ok() {
-            self.send_bytes(node, peer, buf);
+            self.send_bytes(node, peer, rail, buf);
         }
     }
 
-    fn send_bytes(&mut self, from: usize, to: usize, bytes: Vec<u8>) {
+    fn is_cut(&self, from: usize, to: usize, rail: Rail) -> bool {
+        self.cuts.contains(&(from.min(to), from.max(to)))
+            || self.rail_cuts.contains(&rail_cut(from, to, rail))
+    }
+
+    fn send_bytes(&mut self, from: usize, to: usize, rail: Rail, bytes: Vec<u8>) {
         self.stats.sent += 1;
-        if self.cuts.contains(&(from.min(to), from.max(to))) {
+        if self.is_cut(from, to, rail) {
             self.stats.cut += 1;
             return;
         }
@@ -614,6 +838,7 @@ impl Sim {
                 Packet {
                     from,
                     to,
+                    rail,
                     bytes: bytes.clone(),
                 },
             );
@@ -622,7 +847,7 @@ impl Sim {
 
     fn deliver(&mut self, p: Packet) {
         let now = self.now;
-        if self.cuts.contains(&(p.from.min(p.to), p.from.max(p.to))) || !self.nodes[p.to].up {
+        if self.is_cut(p.from, p.to, p.rail) || !self.nodes[p.to].up {
             self.stats.cut += 1;
             return;
         }
@@ -634,7 +859,18 @@ impl Sim {
             }
         };
         self.stats.delivered += 1;
-        let Some(conn) = self.nodes[p.to].conns.get_mut(&p.from) else {
+        // The receiving side of the rail's endpoint.
+        let rail = p.rail.mirror();
+        let usable = self.nodes[p.to]
+            .conns
+            .get(&(p.from, rail))
+            .is_some_and(|c| !matches!(c.state(), State::Failed | State::Closed));
+        let opening = matches!(header.kind, FrameKind::Hello | FrameKind::Join);
+        if !usable && (opening || !self.nodes[p.to].conns.contains_key(&(p.from, rail))) {
+            self.accept(p.to, p.from, rail, &header, &payload);
+            return;
+        }
+        let Some(conn) = self.nodes[p.to].conns.get_mut(&(p.from, rail)) else {
             return;
         };
         let received = conn.handle_frame(now, &header, &payload);
@@ -642,7 +878,7 @@ impl Sim {
         self.flush(p.to);
         if received == Received::Deliver {
             if let Some(peer_id) = peer_id {
-                self.on_app_frame(p.to, p.from, peer_id, &header, &payload);
+                self.on_app_frame(p.to, p.from, rail, peer_id, &header, &payload);
             }
         }
     }
@@ -651,6 +887,7 @@ impl Sim {
         &mut self,
         node: usize,
         from: usize,
+        rail: Rail,
         peer_id: NodeId,
         header: &FrameHeader,
         payload: &[u8],
@@ -660,7 +897,7 @@ impl Sim {
             FrameKind::RpcRequest => {
                 let reply_header = |n: &SimNode, kind| {
                     n.conns
-                        .get(&from)
+                        .get(&(from, rail))
                         .and_then(|c| c.frame_header(kind).ok())
                         .map(|h| FrameHeader {
                             req_id: header.req_id,
@@ -670,13 +907,14 @@ impl Sim {
                 let n = &mut self.nodes[node];
                 let Ok(arg_bytes) = <[u8; 8]>::try_from(payload) else {
                     if let Some(h) = reply_header(n, FrameKind::RpcError) {
-                        self.send_app(node, from, h, &[]);
+                        self.send_app(node, from, rail, h, &[]);
                     }
                     return;
                 };
                 let key = DedupKey {
                     node: peer_id,
                     incarnation: header.incarnation,
+                    shard: header.src_shard,
                     req_id: header.req_id,
                 };
                 let reply = match n.dedup.check_and_insert(now, key) {
@@ -699,12 +937,12 @@ impl Sim {
                 match reply {
                     Some(r) => {
                         if let Some(h) = reply_header(n, FrameKind::RpcResponse) {
-                            self.send_app(node, from, h, &r.to_le_bytes());
+                            self.send_app(node, from, rail, h, &r.to_le_bytes());
                         }
                     }
                     None => {
                         if let Some(h) = reply_header(n, FrameKind::RpcError) {
-                            self.send_app(node, from, h, &[]);
+                            self.send_app(node, from, rail, h, &[]);
                         }
                     }
                 }
@@ -724,6 +962,7 @@ impl Sim {
                 self.outcomes.push(RpcOutcome {
                     node,
                     peer: call.peer,
+                    rail: call.rail,
                     req_id: header.req_id,
                     incarnation: n.incarnation,
                     arg: call.arg,
@@ -737,39 +976,53 @@ impl Sim {
         }
     }
 
-    /// Moves every queued transmit of `node` onto the network and records its events.
+    /// Moves every queued transmit of `node` onto the network and records its events; a primary
+    /// that becomes ready enters its session in the node's session table.
     fn flush(&mut self, node: usize) {
         let now = self.now;
-        let peers: Vec<usize> = self.nodes[node].conns.keys().copied().collect();
-        for peer in peers {
-            while let Some(conn) = self.nodes[node].conns.get_mut(&peer) {
+        let keys: Vec<(usize, Rail)> = self.nodes[node].conns.keys().copied().collect();
+        for (peer, rail) in keys {
+            while let Some(conn) = self.nodes[node].conns.get_mut(&(peer, rail)) {
                 if let Some(t) = conn.poll_transmit() {
-                    self.send_bytes(node, peer, t.to_vec());
+                    self.send_bytes(node, peer, rail, t.to_vec());
                     continue;
                 }
                 let Some(event) = conn.poll_event() else {
                     break;
                 };
-                if matches!(event, Event::Failed { .. }) {
-                    self.fail_calls(node, peer);
+                match &event {
+                    Event::Failed { .. } => self.fail_calls(node, peer, rail),
+                    Event::Connected(info) => {
+                        if let Some(secret) = conn.session_secret().cloned() {
+                            self.nodes[node]
+                                .sessions
+                                .insert(info.node_id, (*info, secret));
+                        }
+                    }
+                    _ => {}
                 }
                 self.events.push(SimEvent {
                     at: now,
                     node,
                     peer,
+                    rail,
                     event,
                 });
             }
         }
     }
 
-    fn fail_calls(&mut self, node: usize, peer: usize) {
+    fn fail_calls(&mut self, node: usize, peer: usize, rail: Rail) {
         let now = self.now;
         let n = &mut self.nodes[node];
-        for (id, call) in n.pending.drain_where(|_, c| c.peer == peer) {
+        for (id, call) in n
+            .pending
+            .drain_where(|_, c| c.peer == peer && c.rail == rail)
+        {
             self.outcomes.push(RpcOutcome {
                 node,
                 peer,
+                rail,
                 req_id: id,
                 incarnation: n.incarnation,
                 arg: call.arg,
@@ -780,4 +1033,10 @@ impl Sim {
             });
         }
     }
+}
+
+/// The key of a cut rail: both ends, (node, shard), in order.
+fn rail_cut(a: usize, b: usize, rail: Rail) -> ((usize, ShardId), (usize, ShardId)) {
+    let (x, y) = ((a, rail.local), (b, rail.remote));
+    (x.min(y), x.max(y))
 }

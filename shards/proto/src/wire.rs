@@ -87,6 +87,10 @@ pub enum FrameKind {
     HeartbeatAck = 6,
     /// Orderly close after draining. No payload.
     Close = 7,
+    /// Handshake: a rail joins an authenticated session ([`crate::handshake::Join`] payload).
+    Join = 8,
+    /// Handshake: the server accepted a join ([`crate::handshake::Joined`] payload).
+    Joined = 9,
     /// Active message; `id` is the [`crate::AmId`].
     Am = 16,
     /// RPC request; `id` is the [`crate::FunctionId`], `req_id` the request.
@@ -107,7 +111,7 @@ pub enum FrameKind {
 
 impl FrameKind {
     /// Every kind, in code order.
-    pub const ALL: [FrameKind; 15] = [
+    pub const ALL: [FrameKind; 17] = [
         FrameKind::Hello,
         FrameKind::Welcome,
         FrameKind::Confirm,
@@ -115,6 +119,8 @@ impl FrameKind {
         FrameKind::Heartbeat,
         FrameKind::HeartbeatAck,
         FrameKind::Close,
+        FrameKind::Join,
+        FrameKind::Joined,
         FrameKind::Am,
         FrameKind::RpcRequest,
         FrameKind::RpcResponse,
@@ -134,7 +140,12 @@ impl FrameKind {
     pub fn is_handshake(self) -> bool {
         matches!(
             self,
-            FrameKind::Hello | FrameKind::Welcome | FrameKind::Confirm | FrameKind::Reject
+            FrameKind::Hello
+                | FrameKind::Welcome
+                | FrameKind::Confirm
+                | FrameKind::Reject
+                | FrameKind::Join
+                | FrameKind::Joined
         )
     }
 
@@ -846,6 +857,12 @@ mod tests {
         assert_eq!(FrameKind::from_u8(0), None);
         assert!(FrameKind::Hello.is_handshake());
         assert!(!FrameKind::Heartbeat.is_handshake());
+        for k in [FrameKind::Join, FrameKind::Joined] {
+            assert!(k.is_handshake() && k.is_control(), "{k:?}");
+        }
+        assert_eq!(FrameKind::from_u8(8), Some(FrameKind::Join));
+        assert_eq!(FrameKind::from_u8(9), Some(FrameKind::Joined));
+        assert_eq!(FrameKind::from_u8(10), None);
         assert!(FrameFlags::ALL.contains(FrameFlags::ONE_WAY));
         assert_eq!(FrameFlags::from_bits(8), None);
     }

@@ -6,14 +6,18 @@
 #![allow(clippy::unwrap_used)]
 
 use shardcx_proto::fuzzing::{
-    self, ArchivedInner, ArchivedSample, Inner, RpcOutcome, Sample, Shape, FUZZ_LIMITS,
+    self, ArchivedInner, ArchivedSample, HandshakeOutcome, Inner, RpcOutcome, Sample, Shape,
+    FUZZ_LIMITS,
 };
-use shardcx_proto::handshake::{Confirm, HandshakeMessage, Hello, Reject, RejectReason, Welcome};
+use shardcx_proto::handshake::{
+    Confirm, HandshakeMessage, Hello, Join, Reject, RejectReason, Welcome,
+};
+use shardcx_proto::wire::decode_frame;
 use shardcx_proto::wire::{encode_frame, payload_offset};
 use shardcx_proto::{
     encode_error, encode_request, CallFlags, Features, FrameFlags, FrameHeader, FrameKind,
     Generation, GetRequest, Incarnation, NodeId, PutRequest, ReqId, RmaErrorCode, RmaReply,
-    RpcErrorCode, ShardId,
+    RpcErrorCode, ShardId, Timestamp,
 };
 use std::path::PathBuf;
 
@@ -92,6 +96,35 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {
     bad[40..48].copy_from_slice(&(FUZZ_LIMITS.max_message_size + 1).to_le_bytes());
     s.push(("frame", "length-over-limit", bad, false));
 
+    s.extend(
+        handshake_seeds()
+            .into_iter()
+            .map(|(name, bytes, o)| ("handshake", name, bytes, o.decoded)),
+    );
+    s.extend(rma_seeds());
+    s.extend(
+        rpc_seeds()
+            .into_iter()
+            .map(|(name, bytes, o)| ("rpc", name, bytes, o.request || o.error)),
+    );
+    s
+}
+
+/// (name, frame, expected outcome) for the `handshake` target. The hello seeds come from node 9
+/// (the fuzz session's client); the join seeds are the fuzz join client's own join (from its
+/// shard 2 to the server's shard 0) and variations, and the joined seeds the fuzz join server's
+/// answer to it.
+fn handshake_seeds() -> Vec<(&'static str, Vec<u8>, HandshakeOutcome)> {
+    let none = HandshakeOutcome::default();
+    let decoded = HandshakeOutcome {
+        decoded: true,
+        ..none
+    };
+    let refused = |reason| HandshakeOutcome {
+        join_refused: Some(reason),
+        ..decoded
+    };
+    let mut s = Vec::new();
     let hello = Hello {
         min_version: 1,
         max_version: 1,
@@ -112,28 +145,24 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {
         proof: [5; 32],
     };
     s.push((
-        "handshake",
         "valid-hello",
         hs_frame(HandshakeMessage::Hello(hello)),
-        true,
+        decoded,
     ));
     s.push((
-        "handshake",
         "valid-welcome-bad-proof",
         hs_frame(HandshakeMessage::Welcome(welcome)),
-        true,
+        decoded,
     ));
     s.push((
-        "handshake",
         "valid-confirm-bad-proof",
         hs_frame(HandshakeMessage::Confirm(Confirm {
             echo: [8; 32],
             proof: [0; 32],
         })),
-        true,
+        decoded,
     ));
     s.push((
-        "handshake",
         "valid-reject",
         hs_frame(HandshakeMessage::Reject(Reject {
             reason: RejectReason::Busy,
@@ -141,50 +170,188 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {
             max_version: 1,
             echo: [7; 32],
         })),
-        true,
+        decoded,
     ));
     s.push((
-        "handshake",
         "hello-zero-shards",
         hs_frame(HandshakeMessage::Hello(Hello {
             shard_count: 0,
             ..hello
         })),
-        true,
+        HandshakeOutcome {
+            join_refused: Some(RejectReason::BadShardCount),
+            ..decoded
+        },
     ));
     let mut p = hello.to_bytes();
     p[5] = 1;
     s.push((
-        "handshake",
         "hello-reserved-set",
         frame(FrameHeader::new(FrameKind::Hello), &p),
-        false,
+        none,
     ));
     s.push((
-        "handshake",
         "hello-short",
         frame(FrameHeader::new(FrameKind::Hello), &p[..63]),
-        false,
+        none,
     ));
     s.push((
-        "handshake",
         "welcome-as-confirm",
         frame(FrameHeader::new(FrameKind::Confirm), &welcome.to_bytes()),
-        false,
+        none,
     ));
     s.push((
-        "handshake",
         "not-handshake",
         frame(FrameHeader::new(FrameKind::Am), &p),
-        false,
+        none,
     ));
-    s.extend(rma_seeds());
-    s.extend(
-        rpc_seeds()
-            .into_iter()
-            .map(|(name, bytes, o)| ("rpc", name, bytes, o.request || o.error)),
-    );
+
+    // The fuzz join client's join, exactly as it sends it.
+    let mut client = fuzzing::join_client().unwrap();
+    let valid_join = client.poll_transmit().unwrap().to_vec();
+    let (join_header, join_payload) = decode_frame(&valid_join, &FUZZ_LIMITS).unwrap();
+    let Ok(HandshakeMessage::Join(join)) = HandshakeMessage::decode(join_header.kind, join_payload)
+    else {
+        panic!("the join client sends a join");
+    };
+    let join_frame = |header: FrameHeader, payload: &[u8]| frame(header, payload);
+    let rejoin = |j| {
+        let mut p = [0u8; 96];
+        HandshakeMessage::Join(j).encode(&mut p).unwrap();
+        join_frame(join_header, &p)
+    };
+    // The fuzz join server's answer to it.
+    let mut server = fuzzing::join_server().unwrap();
+    server.handle_frame(Timestamp::ZERO, &join_header, join_payload);
+    let valid_joined = server.poll_transmit().unwrap().to_vec();
+    let (joined_header, joined_payload) = decode_frame(&valid_joined, &FUZZ_LIMITS).unwrap();
+    let Ok(HandshakeMessage::Joined(joined)) =
+        HandshakeMessage::decode(joined_header.kind, joined_payload)
+    else {
+        panic!("the join server answers a joined");
+    };
+    s.push((
+        "valid-join",
+        valid_join.clone(),
+        HandshakeOutcome {
+            join_accepted: true,
+            ..decoded
+        },
+    ));
+    let mut bad_proof = join;
+    bad_proof.proof[31] ^= 0x80;
+    s.push((
+        "join-bad-proof",
+        rejoin(bad_proof),
+        refused(RejectReason::BadProof),
+    ));
+    s.push((
+        "join-stale-server-incarnation",
+        rejoin(Join {
+            server_incarnation: Incarnation::new(0),
+            ..join
+        }),
+        refused(RejectReason::UnknownSession),
+    ));
+    s.push((
+        "join-unknown-node",
+        rejoin(Join {
+            node_id: NodeId::new(10),
+            ..join
+        }),
+        refused(RejectReason::UnknownSession),
+    ));
+    // From client shard 1: the server's shard 0 has rails to client shards 0 and 2 only.
+    s.push((
+        "join-off-the-rails",
+        join_frame(
+            FrameHeader {
+                src_shard: ShardId::new(1),
+                ..join_header
+            },
+            join_payload,
+        ),
+        refused(RejectReason::NoSuchRail),
+    ));
+    // For the server's shard 1: dropped as misrouted, unanswered.
+    s.push((
+        "join-misrouted",
+        join_frame(
+            FrameHeader {
+                dst_shard: ShardId::new(1),
+                ..join_header
+            },
+            join_payload,
+        ),
+        decoded,
+    ));
+    let mut reserved = join_payload.to_vec();
+    reserved[1] = 1;
+    s.push((
+        "join-reserved-set",
+        join_frame(join_header, &reserved),
+        none,
+    ));
+    s.push((
+        "join-short",
+        join_frame(join_header, &join_payload[..95]),
+        none,
+    ));
+    s.push((
+        "valid-joined",
+        valid_joined.clone(),
+        HandshakeOutcome {
+            joined_accepted: true,
+            ..decoded
+        },
+    ));
+    let mut bad = joined;
+    bad.proof[0] ^= 1;
+    let mut p = [0u8; 64];
+    HandshakeMessage::Joined(bad).encode(&mut p).unwrap();
+    s.push(("joined-bad-proof", frame(joined_header, &p), decoded));
+    s.push((
+        "joined-as-join",
+        frame(
+            FrameHeader {
+                kind: FrameKind::Join,
+                ..joined_header
+            },
+            joined_payload,
+        ),
+        none,
+    ));
+    let reject = HandshakeMessage::Reject(Reject {
+        reason: RejectReason::UnknownSession,
+        min_version: 1,
+        max_version: 1,
+        echo: join.nonce,
+    });
+    let mut p = [0u8; 40];
+    reject.encode(&mut p).unwrap();
+    s.push((
+        "reject-unknown-session",
+        frame(
+            FrameHeader {
+                kind: FrameKind::Reject,
+                ..joined_header
+            },
+            &p,
+        ),
+        decoded,
+    ));
     s
+}
+
+#[test]
+fn handshake_seeds_have_expected_outcomes() {
+    for (name, bytes, expected) in handshake_seeds() {
+        assert_eq!(
+            fuzzing::handshake_outcome(&bytes),
+            expected,
+            "handshake/{name}"
+        );
+    }
 }
 
 fn rma_seeds() -> Vec<(&'static str, &'static str, Vec<u8>, bool)> {

@@ -5,7 +5,10 @@
 
 use proptest::prelude::*;
 use shardcx_proto::fuzzing::{self, Inner, RpcOutcome, Sample, Shape};
-use shardcx_proto::handshake::{Confirm, HandshakeMessage, Hello, Reject, RejectReason, Welcome};
+use shardcx_proto::handshake::{
+    accept_join, Confirm, HandshakeError, HandshakeMessage, Hello, Join, JoinAttempt, Joined,
+    Reject, RejectReason, Welcome,
+};
 use shardcx_proto::request::{CreditWindow, PendingTable};
 use shardcx_proto::wire::{decode_frame, encode_frame, payload_offset, HEADER_LEN};
 use shardcx_proto::{
@@ -16,7 +19,7 @@ use shardcx_proto::{
     Features, FrameFlags, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ReqId, ShardId,
     SizeClassPool, Tag, TagKind, Timestamp,
 };
-use shardcx_proto::{PoolConfig, WireError};
+use shardcx_proto::{PoolConfig, Rail, Rails, WireError};
 use std::collections::HashSet;
 
 fn kind() -> impl Strategy<Value = FrameKind> {
@@ -99,7 +102,7 @@ fn handshake_message() -> impl Strategy<Value = HandshakeMessage> {
             ),
         (nonce(), nonce())
             .prop_map(|(echo, proof)| HandshakeMessage::Confirm(Confirm { echo, proof })),
-        (1u8..=6, any::<u8>(), any::<u8>(), nonce()).prop_map(|(r, a, b, echo)| {
+        (1u8..=8, any::<u8>(), any::<u8>(), nonce()).prop_map(|(r, a, b, echo)| {
             HandshakeMessage::Reject(Reject {
                 reason: RejectReason::from_u8(r),
                 min_version: a,
@@ -107,7 +110,31 @@ fn handshake_message() -> impl Strategy<Value = HandshakeMessage> {
                 echo,
             })
         }),
+        join().prop_map(HandshakeMessage::Join),
+        (nonce(), nonce())
+            .prop_map(|(echo, proof)| HandshakeMessage::Joined(Joined { echo, proof })),
     ]
+}
+
+fn join() -> impl Strategy<Value = Join> {
+    (
+        any::<u8>(),
+        any::<u16>(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+        nonce(),
+        nonce(),
+    )
+        .prop_map(|(v, s, n, i, si, nonce, proof)| Join {
+            version: v,
+            shard_count: s,
+            node_id: NodeId::new(n),
+            incarnation: Incarnation::new(i),
+            server_incarnation: Incarnation::new(si),
+            nonce,
+            proof,
+        })
 }
 
 proptest! {
@@ -156,6 +183,22 @@ proptest! {
         let mut buf = [0u8; 128];
         let n = m.encode(&mut buf).unwrap();
         prop_assert_eq!(HandshakeMessage::decode(m.kind(), &buf[..n]), Ok(m));
+    }
+
+    /// Every proper prefix of an encoded message, and the message with a byte more, is refused
+    /// as a bad length (for its own kind).
+    #[test]
+    fn handshake_truncations_are_refused(m in handshake_message(), extra in any::<u8>()) {
+        let mut buf = [0u8; 129];
+        let n = m.encode(&mut buf).unwrap();
+        for cut in 0..n {
+            let got = HandshakeMessage::decode(m.kind(), &buf[..cut]);
+            let refused = matches!(got, Err(HandshakeError::BadLength { expected, got, .. }) if expected == n && got == cut);
+            prop_assert!(refused, "{:?} cut at {}: {:?}", m.kind(), cut, got);
+        }
+        buf[n] = extra;
+        let longer = HandshakeMessage::decode(m.kind(), &buf[..n + 1]);
+        prop_assert!(matches!(longer, Err(HandshakeError::BadLength { .. })), "{longer:?}");
     }
 
     #[test]
@@ -390,5 +433,160 @@ proptest! {
     #[test]
     fn rpc_fuzz_entry_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let _ = fuzzing::rpc(&bytes);
+    }
+}
+
+/// Shard counts: mostly small (where the interesting coincidences are), sometimes large.
+fn shard_count() -> impl Strategy<Value = u16> {
+    prop_oneof![4 => 1u16..=16, 1 => 1u16..=shardcx_proto::shard_map::MAX_SHARDS]
+}
+
+proptest! {
+    /// The set node B computes (M, N) is node A's (N, M) with every pair mirrored.
+    #[test]
+    fn rails_are_symmetric(n in shard_count(), m in shard_count()) {
+        let a = Rails::new(n, m).unwrap();
+        let b = Rails::new(m, n).unwrap();
+        prop_assert_eq!(a.mirror(), b);
+        let mut ours: Vec<Rail> = a.iter().map(Rail::mirror).collect();
+        let mut theirs: Vec<Rail> = b.iter().collect();
+        ours.sort();
+        theirs.sort();
+        prop_assert_eq!(ours, theirs);
+        for rail in a.iter() {
+            prop_assert!(b.has_rail(rail.remote, rail.local));
+        }
+    }
+
+    /// max(N, M) distinct rails, and every shard of either node is on at least one.
+    #[test]
+    fn rails_cover_every_shard(n in shard_count(), m in shard_count()) {
+        let r = Rails::new(n, m).unwrap();
+        let all: HashSet<Rail> = r.iter().collect();
+        prop_assert_eq!(all.len(), usize::from(n.max(m)));
+        prop_assert_eq!(r.len(), all.len());
+        let locals: HashSet<u16> = all.iter().map(|x| x.local.get()).collect();
+        let remotes: HashSet<u16> = all.iter().map(|x| x.remote.get()).collect();
+        prop_assert_eq!(locals.len(), usize::from(n));
+        prop_assert_eq!(remotes.len(), usize::from(m));
+        for rail in &all {
+            prop_assert!(rail.local.get() < n && rail.remote.get() < m);
+            prop_assert!(r.has_rail(rail.local, rail.remote));
+        }
+    }
+
+    /// The default rail of a local shard and the owner's rail to a remote shard are rails;
+    /// remotes_of and locals_of list exactly the rails of a shard.
+    #[test]
+    fn default_and_owner_rails_exist(n in shard_count(), m in shard_count(), l in any::<u16>(), j in any::<u16>()) {
+        let r = Rails::new(n, m).unwrap();
+        let (l, j) = (ShardId::new(l % n), ShardId::new(j % m));
+        prop_assert!(r.has_rail(l, r.default_remote(l)));
+        prop_assert!(r.has_rail(r.owner_of_remote(j), j));
+        prop_assert!(r.remotes_of(l).any(|x| x == r.default_remote(l)));
+        prop_assert!(r.locals_of(j).any(|x| x == r.owner_of_remote(j)));
+        let expected: Vec<ShardId> = r.iter().filter(|x| x.local == l).map(|x| x.remote).collect();
+        let mut listed: Vec<ShardId> = r.remotes_of(l).collect();
+        prop_assert!(listed.windows(2).all(|w| w[0] < w[1]), "increasing");
+        listed.sort();
+        let mut expected = expected;
+        expected.sort();
+        prop_assert_eq!(listed, expected);
+        prop_assert_eq!(r.has_rail(l, j), r.iter().any(|x| x.local == l && x.remote == j));
+    }
+
+    /// With equal shard counts, local shard i's default rail is remote shard i, on both sides.
+    #[test]
+    fn equal_counts_pair_same_index(n in shard_count(), i in any::<u16>()) {
+        let r = Rails::new(n, n).unwrap();
+        let i = ShardId::new(i % n);
+        prop_assert_eq!(r.default_remote(i), i);
+        prop_assert_eq!(r.mirror().default_remote(i), i);
+        prop_assert_eq!(r.owner_of_remote(i), i);
+        prop_assert_eq!(r.remotes_of(i).collect::<Vec<_>>(), vec![i]);
+    }
+}
+
+proptest! {
+    /// Over random shard counts, rails and secrets: a join verifies on its own rail and its
+    /// Joined completes the client; the same join on another rail, under another secret, or
+    /// with any byte of its proof changed, is refused.
+    #[test]
+    fn joins_verify_only_on_their_rail_and_secret(
+        n in 1u16..=8,
+        m in 1u16..=8,
+        k in any::<prop::sample::Index>(),
+        other in any::<prop::sample::Index>(),
+        secret_bytes in nonce(),
+        flip in (0usize..32, 1u8..=255),
+        nonce_c in nonce(),
+    ) {
+        use shardcx_proto::{HandshakeConfig, PeerInfo, PreSharedKey, SessionSecret};
+        let psk = PreSharedKey::new(&[1; 32]).unwrap();
+        let client_cfg = HandshakeConfig::new(NodeId::new(1), Incarnation::new(10), n, psk.clone());
+        let server_cfg = HandshakeConfig::new(NodeId::new(2), Incarnation::new(20), m, psk);
+        let server = PeerInfo { node_id: NodeId::new(2), incarnation: Incarnation::new(20), shard_count: m, features: Features::RAILS, version: 1 };
+        let client = PeerInfo { node_id: NodeId::new(1), incarnation: Incarnation::new(10), shard_count: n, features: Features::RAILS, version: 1 };
+        let secret = SessionSecret::from_bytes(secret_bytes);
+        let rails: Vec<Rail> = Rails::new(n, m).unwrap().iter().collect();
+        let r = rails[k.index(rails.len())];
+        let now = Timestamp::ZERO;
+        let mut attempt = JoinAttempt::new(now, &client_cfg, server, secret.clone(), r, nonce_c);
+        let Some(HandshakeMessage::Join(join)) = attempt.poll_transmit() else {
+            return Err(TestCaseError::fail("no join sent"));
+        };
+        let joined = accept_join(&server_cfg, &client, &secret, r.mirror(), &join).unwrap();
+        attempt.handle_message(now, &HandshakeMessage::Joined(joined));
+        prop_assert_eq!(attempt.outcome(), Some(&Ok(server)));
+        let o = rails[other.index(rails.len())];
+        if o != r {
+            prop_assert_eq!(accept_join(&server_cfg, &client, &secret, o.mirror(), &join), Err(HandshakeError::BadProof));
+        }
+        let tampered = Join { proof: flipped(&join.proof, flip), ..join };
+        prop_assert_eq!(accept_join(&server_cfg, &client, &secret, r.mirror(), &tampered), Err(HandshakeError::BadProof));
+        let other_secret = SessionSecret::from_bytes(flipped(&secret_bytes, flip));
+        prop_assert_eq!(accept_join(&server_cfg, &client, &other_secret, r.mirror(), &join), Err(HandshakeError::BadProof));
+        // A tampered joined does not complete a second attempt.
+        let mut again = JoinAttempt::new(now, &client_cfg, server, secret.clone(), r, nonce_c);
+        let bad = Joined { proof: flipped(&joined.proof, flip), ..joined };
+        again.handle_message(now, &HandshakeMessage::Joined(bad));
+        prop_assert_eq!(again.outcome(), Some(&Err(HandshakeError::BadProof)));
+    }
+}
+
+/// `bytes` with byte `flip.0` xored with `flip.1` (non-zero).
+fn flipped(bytes: &[u8; 32], flip: (usize, u8)) -> [u8; 32] {
+    let mut out = *bytes;
+    out[flip.0] ^= flip.1;
+    out
+}
+
+proptest! {
+    /// The handshake fuzz entry (and its join oracle: a join or joined is accepted exactly when
+    /// it is the legitimate one) on the fuzz join client's join and the server's joined, with a
+    /// few bytes changed and cut anywhere.
+    #[test]
+    fn handshake_fuzz_entry_holds_on_mutated_joins(
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        cut in any::<prop::sample::Index>(),
+        joined in any::<bool>(),
+    ) {
+        let mut client = fuzzing::join_client().unwrap();
+        let mut bytes = client.poll_transmit().unwrap().to_vec();
+        if joined {
+            let (h, p) = decode_frame(&bytes, &fuzzing::FUZZ_LIMITS).unwrap();
+            let mut server = fuzzing::join_server().unwrap();
+            server.handle_frame(Timestamp::ZERO, &h, p);
+            bytes = server.poll_transmit().unwrap().to_vec();
+        }
+        let pristine = edits.iter().all(|(at, b)| bytes[at.index(bytes.len())] == *b);
+        for (at, byte) in &edits {
+            let i = at.index(bytes.len());
+            bytes[i] = *byte;
+        }
+        let o = fuzzing::handshake_outcome(&bytes);
+        let accepted = if joined { o.joined_accepted } else { o.join_accepted };
+        prop_assert!(accepted || !pristine, "the unchanged frame is accepted");
+        let _ = fuzzing::handshake_outcome(&bytes[..cut.index(bytes.len() + 1)]);
     }
 }

@@ -1,13 +1,15 @@
-//! Deterministic simulation scenarios (issue #3, item 8).
+//! Deterministic simulation scenarios (issue #3, item 8), and of rails: a primary handshake per
+//! node pair, the other rails joining its session.
 
 // Tests may unwrap: a panic is a test failure with a message.
 #![allow(clippy::unwrap_used)]
 
-use shardcx_proto::conn::{FailReason, State};
+use shardcx_proto::conn::{CloseReason, FailReason, State};
 use shardcx_proto::handshake::{HandshakeError, RejectReason};
-use shardcx_proto::sim::{NetConfig, RpcConfig, RpcOutcome, RpcResult, Sim};
+use shardcx_proto::sim::{NetConfig, RpcConfig, RpcOutcome, RpcResult, Sim, SimError};
 use shardcx_proto::{
-    ConnConfig, Event, HandshakeConfig, Incarnation, NodeId, PreSharedKey, Timestamp,
+    ConnConfig, Event, Features, FrameHeader, FrameKind, HandshakeConfig, Incarnation, Limits,
+    NodeId, PeerInfo, PreSharedKey, Rail, Rails, SessionSecret, ShardId, Timestamp,
 };
 use std::collections::HashMap;
 use std::time::Duration;
@@ -427,4 +429,432 @@ fn same_seed_same_run() {
     };
     assert_eq!(run(11), run(11));
     assert_ne!(run(11).2, run(12).2);
+}
+
+// ---- Rails: a primary handshake per node pair, the other rails join its session. ----
+
+fn rail(local: u16, remote: u16) -> Rail {
+    Rail {
+        local: ShardId::new(local),
+        remote: ShardId::new(remote),
+    }
+}
+
+const PRIMARY: Rail = Rail {
+    local: ShardId::new(0),
+    remote: ShardId::new(0),
+};
+
+/// Node 0 (id 101, `a` shards) dials node 1 (id 202, `b` shards); runs until the primary is up.
+fn rail_pair(seed: u64, a: u16, b: u16) -> Sim {
+    let mut sim = Sim::new(seed, NetConfig::default(), RpcConfig::default());
+    let mut ca = cfg(101, KEY);
+    ca.handshake.shard_count = a;
+    let mut cb = cfg(202, KEY);
+    cb.handshake.shard_count = b;
+    let (na, nb) = (sim.add_node(ca), sim.add_node(cb));
+    sim.connect(na, nb).unwrap();
+    sim.run_for(ms(5)).unwrap();
+    assert_eq!(sim.node(na).conn(nb).unwrap().state(), State::Ready);
+    assert_eq!(sim.node(nb).conn(na).unwrap().state(), State::Ready);
+    sim
+}
+
+fn rail_events(sim: &Sim, node: usize, r: Rail) -> Vec<Event> {
+    sim.events()
+        .iter()
+        .filter(|e| e.node == node && e.rail == r)
+        .map(|e| e.event.clone())
+        .collect()
+}
+
+fn failed(reason: FailReason) -> Event {
+    Event::Failed { reason }
+}
+
+fn rejected(reason: RejectReason) -> Event {
+    failed(FailReason::Handshake(HandshakeError::Rejected { reason }))
+}
+
+/// The primary, then a join of every other rail; every rail ready on both sides, and calls in
+/// both directions on every rail answered on the rail they came in on.
+fn join_every_rail(a: u16, b: u16) {
+    let mut sim = rail_pair(21, a, b);
+    let (ida, idb) = (sim.node(0).id(), sim.node(1).id());
+    // Both sides hold the same session secret; each knows the other.
+    let (peer_b, secret_a) = sim.node(0).session(idb).cloned().unwrap();
+    let (peer_a, secret_b) = sim.node(1).session(ida).cloned().unwrap();
+    assert_eq!(secret_a, secret_b);
+    assert_eq!((peer_b.node_id, peer_b.shard_count), (idb, b));
+    assert_eq!((peer_a.node_id, peer_a.shard_count), (ida, a));
+    assert!(peer_a.features.contains(Features::RAILS));
+    let rails = Rails::new(a, b).unwrap();
+    for r in rails.iter().filter(|r| *r != PRIMARY) {
+        sim.join(0, 1, r).unwrap();
+    }
+    sim.run_for(ms(5)).unwrap();
+    assert_eq!(sim.node(0).rails(1).count(), rails.len());
+    assert_eq!(sim.node(1).rails(0).count(), rails.len());
+    for r in rails.iter() {
+        let (ours, theirs) = (
+            sim.node(0).rail(1, r).unwrap(),
+            sim.node(1).rail(0, r.mirror()).unwrap(),
+        );
+        assert_eq!(
+            (ours.state(), theirs.state()),
+            (State::Ready, State::Ready),
+            "{r:?}"
+        );
+        assert_eq!((ours.rail(), theirs.rail()), (Some(r), Some(r.mirror())));
+        assert_eq!(ours.peer(), Some(&peer_b));
+        assert_eq!(theirs.peer(), Some(&peer_a));
+        let joined = r != PRIMARY;
+        assert_eq!(
+            (ours.is_join(), theirs.is_join()),
+            (joined, joined),
+            "{r:?}"
+        );
+        assert_eq!(ours.stats().joins, u64::from(joined));
+        assert_eq!(theirs.stats().joins, u64::from(joined));
+        if joined {
+            assert_eq!(
+                rail_events(&sim, 0, r),
+                vec![Event::Connected(peer_b)],
+                "{r:?}"
+            );
+            assert_eq!(ours.session_secret(), None);
+        }
+    }
+    // Calls on every rail, from both sides.
+    let mut arg = 0;
+    let mut issued = Vec::new();
+    for r in rails.iter() {
+        for (node, peer, on) in [(0, 1, r), (1, 0, r.mirror())] {
+            let id = sim.call_on(node, peer, on, arg, ms(100)).unwrap();
+            issued.push((node, id, arg));
+            arg += 1;
+        }
+    }
+    sim.run_for(ms(10)).unwrap();
+    let outcomes = check_outcomes(&sim, &issued);
+    assert!(outcomes
+        .values()
+        .all(|o| matches!(o.result, RpcResult::Reply(_))));
+    // Each request ran once, keyed by its sending shard.
+    for (node, peer) in [(0usize, 1usize), (1, 0)] {
+        let mut shards: Vec<u16> = sim
+            .node(peer)
+            .executions()
+            .keys()
+            .map(|k| k.shard.get())
+            .collect();
+        shards.sort_unstable();
+        let mut want: Vec<u16> = sim
+            .node(node)
+            .rails(peer)
+            .map(|(r, _)| r.local.get())
+            .collect();
+        want.sort_unstable();
+        assert_eq!(
+            shards, want,
+            "node {peer} executed requests of node {node}'s shards"
+        );
+    }
+    // No frame was misrouted or dropped on any rail.
+    for (node, peer) in [(0usize, 1usize), (1, 0)] {
+        for (r, c) in sim.node(node).rails(peer) {
+            let s = c.stats();
+            assert_eq!(
+                (s.dropped_misrouted, s.dropped_not_ready, s.dropped_other),
+                (0, 0, 0),
+                "node {node} {r:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn primary_then_joins_of_every_rail_2x3() {
+    join_every_rail(2, 3);
+}
+
+#[test]
+fn primary_then_joins_of_every_rail_3x2() {
+    join_every_rail(3, 2);
+}
+
+#[test]
+fn join_with_a_wrong_secret_is_refused() {
+    let mut sim = rail_pair(22, 2, 2);
+    let (peer, _) = sim.node(0).session(sim.node(1).id()).cloned().unwrap();
+    let wrong = SessionSecret::from_bytes([7; 32]);
+    sim.join_with(0, 1, rail(1, 1), peer, wrong).unwrap();
+    sim.run_for(Duration::from_secs(2)).unwrap();
+    assert_eq!(
+        rail_events(&sim, 0, rail(1, 1)),
+        vec![rejected(RejectReason::BadProof)]
+    );
+    assert_eq!(
+        rail_events(&sim, 1, rail(1, 1)),
+        vec![failed(FailReason::Handshake(HandshakeError::BadProof))]
+    );
+    // Neither side retries; the primary is untouched.
+    assert_eq!(
+        sim.node(0).rail(1, rail(1, 1)).unwrap().state(),
+        State::Failed
+    );
+    assert_eq!(
+        sim.node(1).rail(0, rail(1, 1)).unwrap().state(),
+        State::Failed
+    );
+    assert_eq!(
+        sim.node(1)
+            .rail(0, rail(1, 1))
+            .unwrap()
+            .stats()
+            .joins_refused,
+        1
+    );
+    assert_eq!(sim.node(0).conn(1).unwrap().state(), State::Ready);
+    assert_eq!(rail_events(&sim, 0, PRIMARY).len(), 1, "connected only");
+}
+
+#[test]
+fn join_for_an_unknown_session_is_refused() {
+    // Two nodes that never ran a primary handshake.
+    let mut sim = Sim::new(23, NetConfig::default(), RpcConfig::default());
+    let (a, b) = (sim.add_node(cfg(101, KEY)), sim.add_node(cfg(202, KEY)));
+    assert_eq!(
+        sim.join(a, b, rail(1, 1)),
+        Err(SimError::NoSession { node: a, peer: b })
+    );
+    // A session made up by the client (it knows the server's identity, not a secret).
+    let made_up = PeerInfo {
+        node_id: sim.node(b).id(),
+        incarnation: sim.node(b).incarnation(),
+        shard_count: 4,
+        features: Features::RAILS,
+        version: 1,
+    };
+    sim.join_with(
+        a,
+        b,
+        rail(1, 1),
+        made_up,
+        SessionSecret::from_bytes([1; 32]),
+    )
+    .unwrap();
+    sim.run_for(ms(50)).unwrap();
+    assert_eq!(
+        rail_events(&sim, a, rail(1, 1)),
+        vec![rejected(RejectReason::UnknownSession)]
+    );
+    // The server's net layer answered with Connection::refuse and made no connection.
+    assert_eq!(sim.node(b).rails(a).count(), 0);
+    assert_eq!(
+        sim.node(a).rail(b, rail(1, 1)).unwrap().state(),
+        State::Failed
+    );
+}
+
+#[test]
+fn join_to_a_restarted_server_is_refused_until_a_new_session() {
+    let mut sim = rail_pair(24, 2, 2);
+    let idb = sim.node(1).id();
+    let (old_peer, old_secret) = sim.node(0).session(idb).cloned().unwrap();
+    sim.restart(1).unwrap();
+    // At once: the restarted server has no session at all with the client.
+    sim.join(0, 1, rail(1, 1)).unwrap();
+    sim.run_for(ms(5)).unwrap();
+    assert_eq!(
+        rail_events(&sim, 0, rail(1, 1)),
+        vec![rejected(RejectReason::UnknownSession)]
+    );
+    assert_eq!(sim.node(1).rails(0).count(), 1, "only the primary's server");
+    // The primary notices the restart (dead peer), reconnects, and makes a new session.
+    sim.run_for(ms(300)).unwrap();
+    assert!(events_of(&sim, 0).iter().any(|(_, e)| *e
+        == Event::PeerRestarted {
+            old: Incarnation::new(1),
+            new: Incarnation::new(2)
+        }));
+    let (new_peer, new_secret) = sim.node(0).session(idb).cloned().unwrap();
+    assert_eq!(new_peer.incarnation, Incarnation::new(2));
+    assert_ne!(new_secret, old_secret);
+    // A join with the old session names the server's previous incarnation: the server holds a
+    // session with the client now, but not that one.
+    sim.join_with(0, 1, rail(1, 1), old_peer, old_secret)
+        .unwrap();
+    sim.run_for(ms(5)).unwrap();
+    assert_eq!(
+        rail_events(&sim, 0, rail(1, 1)),
+        vec![
+            rejected(RejectReason::UnknownSession),
+            rejected(RejectReason::UnknownSession)
+        ]
+    );
+    assert_eq!(
+        rail_events(&sim, 1, rail(1, 1)),
+        vec![failed(FailReason::Handshake(
+            HandshakeError::UnknownSession
+        ))]
+    );
+    // The client's fallback: the current session joins.
+    sim.join(0, 1, rail(1, 1)).unwrap();
+    sim.run_for(ms(5)).unwrap();
+    assert_eq!(
+        sim.node(0).rail(1, rail(1, 1)).unwrap().state(),
+        State::Ready
+    );
+    assert_eq!(
+        sim.node(1).rail(0, rail(1, 1)).unwrap().state(),
+        State::Ready
+    );
+    assert_eq!(
+        sim.node(1)
+            .rail(0, rail(1, 1))
+            .unwrap()
+            .peer()
+            .unwrap()
+            .incarnation,
+        Incarnation::new(1)
+    );
+}
+
+#[test]
+fn join_that_gets_no_answer_times_out_and_stays_failed() {
+    let mut sim = rail_pair(25, 2, 2);
+    sim.cut_rail(0, 1, rail(1, 1));
+    let t0 = sim.now();
+    sim.join(0, 1, rail(1, 1)).unwrap();
+    sim.run_for(Duration::from_secs(3)).unwrap();
+    let ev: Vec<_> = sim
+        .events()
+        .iter()
+        .filter(|e| e.node == 0 && e.rail == rail(1, 1))
+        .collect();
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!(
+        ev[0].event,
+        failed(FailReason::Handshake(HandshakeError::Timeout))
+    );
+    // The handshake timeout of `cfg` (200 ms) from the join.
+    assert_eq!(ev[0].at, t0 + ms(200));
+    let c = sim.node(0).rail(1, rail(1, 1)).unwrap();
+    assert_eq!((c.state(), c.poll_timeout()), (State::Failed, None));
+    assert_eq!(c.stats().reconnects, 0);
+    assert_eq!(
+        sim.node(1).rails(0).count(),
+        1,
+        "nothing reached the server"
+    );
+    // Healed, a new join works.
+    sim.heal_rail(0, 1, rail(1, 1));
+    sim.join(0, 1, rail(1, 1)).unwrap();
+    sim.run_for(ms(5)).unwrap();
+    assert_eq!(
+        sim.node(0).rail(1, rail(1, 1)).unwrap().state(),
+        State::Ready
+    );
+}
+
+#[test]
+fn heartbeats_and_close_are_per_rail() {
+    let mut sim = rail_pair(26, 2, 3);
+    for r in [rail(1, 1), rail(0, 2)] {
+        sim.join(0, 1, r).unwrap();
+    }
+    sim.run_for(Duration::from_secs(1)).unwrap();
+    for (r, c) in sim.node(0).rails(1) {
+        assert_eq!(c.state(), State::Ready, "{r:?}");
+        assert!(c.stats().heartbeat_acks >= 90, "{r:?}: {:?}", c.stats());
+    }
+    for (r, c) in sim.node(1).rails(0) {
+        assert!(c.stats().heartbeat_acks >= 90, "{r:?}: {:?}", c.stats());
+    }
+    // One rail cut: it alone dies, on both sides, within the detection bound.
+    let t0 = sim.now();
+    sim.cut_rail(0, 1, rail(1, 1));
+    sim.run_for(ms(200)).unwrap();
+    let bound = cfg(0, KEY).failure_detection_bound();
+    for (node, r) in [(0, rail(1, 1)), (1, rail(1, 1))] {
+        let dead = sim
+            .events()
+            .iter()
+            .find(|e| e.node == node && e.rail == r && e.event == Event::PeerDead)
+            .map(|e| e.at)
+            .expect("dead");
+        assert!(dead <= t0 + bound, "node {node}: dead at {dead:?}");
+    }
+    assert_eq!(
+        sim.node(0).rail(1, rail(1, 1)).unwrap().state(),
+        State::Failed
+    );
+    for (node, r) in [(0, PRIMARY), (0, rail(0, 2)), (1, PRIMARY), (1, rail(2, 0))] {
+        assert_eq!(
+            rail_events(&sim, node, r).len(),
+            1,
+            "node {node} {r:?}: connected only"
+        );
+    }
+    // Closing one rail closes its other end only.
+    sim.close_rail(0, 1, rail(0, 2)).unwrap();
+    sim.run_for(ms(5)).unwrap();
+    assert_eq!(
+        rail_events(&sim, 1, rail(2, 0)).last(),
+        Some(&Event::Closed {
+            reason: CloseReason::Peer
+        })
+    );
+    assert_eq!(
+        sim.node(1).rail(0, rail(2, 0)).unwrap().state(),
+        State::Closed
+    );
+    assert_eq!(sim.node(0).conn(1).unwrap().state(), State::Ready);
+    let id = sim.call(0, 1, 5, ms(100)).unwrap();
+    sim.run_for(ms(5)).unwrap();
+    assert!(sim
+        .outcomes()
+        .iter()
+        .any(|o| o.req_id == id && o.result == RpcResult::Reply(11)));
+    // The cut rail rejoins once healed.
+    sim.heal_rail(0, 1, rail(1, 1));
+    sim.join(0, 1, rail(1, 1)).unwrap();
+    sim.run_for(ms(5)).unwrap();
+    assert_eq!(
+        sim.node(0).rail(1, rail(1, 1)).unwrap().state(),
+        State::Ready
+    );
+    assert_eq!(
+        sim.node(1).rail(0, rail(1, 1)).unwrap().state(),
+        State::Ready
+    );
+}
+
+#[test]
+fn frames_off_their_rail_are_dropped() {
+    let mut sim = rail_pair(27, 2, 3);
+    sim.join(0, 1, rail(0, 2)).unwrap();
+    sim.join(0, 1, rail(1, 1)).unwrap();
+    sim.run_for(ms(5)).unwrap();
+    // A request built for rail (0, 2), sent down the endpoint of rail (1, 1).
+    let header = FrameHeader {
+        req_id: shardcx_proto::ReqId::new(99),
+        payload_len: 8,
+        ..sim
+            .node(0)
+            .rail(1, rail(0, 2))
+            .unwrap()
+            .frame_header(FrameKind::RpcRequest)
+            .unwrap()
+    };
+    let mut bytes = vec![0u8; shardcx_proto::wire::payload_offset() + 8];
+    shardcx_proto::wire::encode_frame(&header, &7u64.to_le_bytes(), &mut bytes, &Limits::default())
+        .unwrap();
+    sim.inject(0, 1, rail(1, 1), bytes);
+    sim.run_for(ms(5)).unwrap();
+    let c = sim.node(1).rail(0, rail(1, 1)).unwrap();
+    assert_eq!(c.stats().dropped_misrouted, 1);
+    assert_eq!(c.state(), State::Ready);
+    assert!(sim.node(1).executions().is_empty());
 }
