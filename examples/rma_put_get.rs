@@ -48,7 +48,7 @@ use shardcx::bench::format_size;
 use shardcx::rma::{
     Permissions, Region, RemoteRegion, RmaOpError, TrustedDescriptor, TrustedRegion,
 };
-use shardcx::{AmId, AmMsg, Error, Node, NodeId, Peer, ShardId};
+use shardcx::{AmId, AmMsg, Error, Node, NodeId, OwnedAmMsg, Peer, ShardId};
 
 const KEY: &[u8] = b"rma_put_get example pre-shared key";
 /// Client → server: send me the descriptor of your region on shard `want`.
@@ -174,7 +174,7 @@ thread_local! {
     /// The checksum the server reported last, on this shard.
     static LAST_SUM: Cell<Option<u64>> = const { Cell::new(None) };
     /// Answers for this client shard.
-    static ANSWERS: RefCell<Option<LocalSender<AmMsg>>> = const { RefCell::new(None) };
+    static ANSWERS: RefCell<Option<LocalSender<OwnedAmMsg>>> = const { RefCell::new(None) };
 }
 
 /// A control header: the client shard waiting for the answer, and the server shard meant.
@@ -297,7 +297,7 @@ fn serve(o: &Opts, addr: SocketAddr, bound: mpsc::Sender<SocketAddr>, stop: Arc<
         .expect("server node");
 }
 
-fn deliver(msg: AmMsg) {
+fn deliver(msg: OwnedAmMsg) {
     ANSWERS.with(|a| {
         if let Some(tx) = a.borrow().as_ref() {
             let _ = tx.try_send(msg);
@@ -311,6 +311,7 @@ fn on_answer(node: &Node, msg: AmMsg) {
         return;
     };
     let origin = ShardId::new(u16::from_le_bytes([h[0], h[1]]));
+    let msg = msg.into_owned();
     if origin == node.shard() {
         deliver(msg);
     } else {
@@ -325,7 +326,13 @@ fn on_answer(node: &Node, msg: AmMsg) {
 }
 
 /// Sends control message `id` about server shard `want` and waits for the answer.
-async fn call(peer: Peer, rx: &LocalReceiver<AmMsg>, me: ShardId, id: AmId, want: u16) -> AmMsg {
+async fn call(
+    peer: Peer,
+    rx: &LocalReceiver<OwnedAmMsg>,
+    me: ShardId,
+    id: AmId,
+    want: u16,
+) -> OwnedAmMsg {
     peer.am_send(id, &header(me, want), &[])
         .await
         .expect("send control message");
@@ -356,7 +363,7 @@ enum Mode {
 }
 
 /// The descriptor in a `DESC` answer, and what its header says about the server.
-fn remote_of(msg: &AmMsg) -> (Remote, u16) {
+fn remote_of(msg: &OwnedAmMsg) -> (Remote, u16) {
     let h = msg.header();
     let shard = u16::from_le_bytes([h[2], h[3]]);
     let shards = u16::from_le_bytes([h[4], h[5]]);
@@ -568,8 +575,8 @@ fn client(o: &Opts, addr: SocketAddr) {
 }
 
 /// Shows the refusals on the server's region of its shard 0, and that they changed nothing.
-async fn refusals(peer: Peer, rx: &LocalReceiver<AmMsg>, me: ShardId, old: RemoteRegion) {
-    let sum = |m: AmMsg| u64::from_le_bytes(m.payload().try_into().expect("8-byte checksum"));
+async fn refusals(peer: Peer, rx: &LocalReceiver<OwnedAmMsg>, me: ShardId, old: RemoteRegion) {
+    let sum = |m: OwnedAmMsg| u64::from_le_bytes(m.payload().try_into().expect("8-byte checksum"));
     let before = sum(call(peer, rx, me, CHECK, 0).await);
     let junk = [0xFFu8; 8];
     match peer.put(&old, old.len() - 4, &junk).await {

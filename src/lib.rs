@@ -11,7 +11,8 @@ pub mod tag;
 
 pub use error::Error;
 pub use node::{
-    AmMsg, Node, NodeBuilder, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID, MAX_AM_HEADER,
+    AmMsg, Node, NodeBuilder, OwnedAmMsg, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID,
+    MAX_AM_HEADER,
 };
 pub use rma::{Region, RemoteRegion, TrustedDescriptor, TrustedRegion};
 pub use rpc::{FunctionId, Rpc, RpcConfig, RpcContext, RpcError, RpcFunction, RpcStats};

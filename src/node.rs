@@ -28,16 +28,19 @@
 //!
 //! Handlers are registered by [`AmId`] on the builder, as a `Send` factory called once on every
 //! shard ([`NodeBuilder::on_am`]): the handler itself need not be `Send` and may hold the
-//! shard's state. A message from a peer runs the handler on this node's owner shard of that
-//! peer, with the header and payload ([`AmMsg`]). The handler must not block; it may spawn
-//! local tasks (to answer with [`Peer::am_send`], or to forward work to another shard).
-//! Handlers are installed before a shard serves anything, so no message finds a shard without
-//! them.
+//! shard's state. A message runs the handler on the shard it arrived on (the shard at the end
+//! of the rail it came on: from a peer's shard `i` by default, this node's shard `i mod N`),
+//! inline on that shard's progress driver right after UCX delivered it, with the header and
+//! the payload read in place ([`AmMsg`]). The handler must not block; it may answer at once
+//! ([`AmMsg::reply`], [`Peer::am_send_now`]: no task, no copy when UCX takes the frame in
+//! place), keep the message, or spawn local tasks (to answer with [`Peer::am_send`], or to
+//! forward work to another shard). A handler that panics loses that message only; the panic
+//! is caught and counted ([`shardcx_shards::NetStats::handler_panics`]). Handlers are
+//! installed before a shard serves anything, so no message finds a shard without them.
 //!
-//! On the wire an active message is one application frame of the connection (see
-//! `shardcx_shards::net`) whose payload is a 4-byte little-endian header length, the header,
-//! then the payload. A frame too short for its header length is dropped and counted
-//! ([`Node::malformed_am`]).
+//! On the wire an active message is one application frame of the rail (see
+//! `shardcx_shards::net`): its header travels in UCX's AM header after the frame header (at
+//! most [`MAX_AM_HEADER`] bytes), its payload as UCX's data.
 //!
 //! ## Deadlines
 //!
@@ -54,7 +57,7 @@
 //! server runs [`NodeBuilder::serve`] (or a closure awaiting [`Node::stopped`]) and is stopped
 //! through its [`Shutdown`] switch, from any thread; see [`crate::shutdown`].
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -66,6 +69,7 @@ use std::time::{Duration, Instant};
 
 use futures_lite::FutureExt;
 use glommio::timer::sleep;
+use shardcx_shards::net::{Dest, Frame};
 use shardcx_shards::proto::{AmId, Incarnation, NodeId, ShardId};
 use shardcx_shards::{NetConfig, NetError, Placement, RemoteNode, ShardCtx, ShardsBuilder};
 
@@ -77,8 +81,9 @@ use crate::Error;
 /// Default deadline of every operation.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Longest active-message header.
-pub const MAX_AM_HEADER: usize = 64 << 10;
+/// Longest active-message header: it travels in UCX's AM header, which UCX 1.12 carries in one
+/// fragment of its transport.
+pub const MAX_AM_HEADER: usize = shardcx_shards::net::MAX_USER_HEADER;
 
 /// Active-message ids from this one up are reserved for the runtime (tag messages and what
 /// comes later); [`NodeBuilder::run`] refuses handlers for them.
@@ -87,9 +92,6 @@ pub use shardcx_shards::tag::FIRST_RESERVED_AM_ID;
 /// How often a shard whose closure has ended looks whether the others' have (a shard that
 /// waits there should stay close to idle: this is 50 wake-ups a second, not 500).
 const END_POLL: Duration = Duration::from_millis(20);
-
-/// Bytes before the header in an active message's frame payload (the header length).
-const AM_PREFIX: usize = 4;
 
 type Handler = Rc<dyn Fn(&Node, AmMsg)>;
 type Factory = Arc<dyn Fn() -> Handler + Send + Sync>;
@@ -118,7 +120,6 @@ pub struct Node {
 pub(crate) struct ShardLocal {
     deadline: Duration,
     shutdown: Shutdown,
-    malformed: Cell<u64>,
     /// Where known peers listen, shared by the node's shards (see [`NodeBuilder::peer_addr`]).
     book: AddressBook,
     /// This shard's RPC functions, dedup window and counters.
@@ -167,19 +168,37 @@ impl BookEntry {
     }
 }
 
-/// A remote node: `Send + Copy`, usable from any shard of this node.
+/// A remote node, or one shard of it: `Send + Copy`, usable from any shard of this node.
+///
+/// [`Peer::new`] addresses the node: an operation from local shard `i` goes on shard `i`'s own
+/// rail to it (to its shard with the same index when both nodes have as many shards), with no
+/// hop on either side. [`Peer::shard`] addresses one shard of it: the operation lands there,
+/// forwarded first to the local shard that holds the rail to it when the calling shard does
+/// not (see `shardcx_shards::net`, "Rails"). A message's [`AmMsg::from`] names the sending
+/// shard, so an answer through it goes back on the rail the message came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Peer {
     node: NodeId,
+    shard: Option<ShardId>,
 }
 
-/// An active message received from a peer.
-#[derive(Debug)]
+/// An active message received from a peer, handed to its handler on the progress driver right
+/// after it arrived. The payload is read in place from UCX's buffer (no copy); keeping the
+/// message keeps that buffer. `!Send`: the buffer belongs to this shard's worker;
+/// [`AmMsg::into_owned`] gives a copy that may go to another thread or shard.
 pub struct AmMsg {
     from: Peer,
     id: AmId,
-    bytes: Vec<u8>,
-    header_end: usize,
+    frame: Frame,
+}
+
+/// An active message copied out of UCX's buffer ([`AmMsg::into_owned`]): `Send`.
+#[derive(Debug, Clone)]
+pub struct OwnedAmMsg {
+    from: Peer,
+    id: AmId,
+    header: Vec<u8>,
+    payload: Vec<u8>,
 }
 
 thread_local! {
@@ -231,7 +250,7 @@ impl Node {
         self.shared
             .book
             .lock()
-            .map(|b| b.iter().map(|(n, e)| (Peer { node: *n }, e.addr)).collect())
+            .map(|b| b.iter().map(|(n, e)| (Peer::new(*n), e.addr)).collect())
             .unwrap_or_default()
     }
 
@@ -294,11 +313,6 @@ impl Node {
         self.shared.shutdown.wait()
     }
 
-    /// Active messages dropped on this shard as malformed (shorter than their header length).
-    pub fn malformed_am(&self) -> u64 {
-        self.shared.malformed.get()
-    }
-
     /// The shard of this node that owns `peer` (holds its connection).
     pub fn owner_of(&self, peer: Peer) -> ShardId {
         self.ctx.owner_of(peer.node)
@@ -324,9 +338,7 @@ impl Node {
             Ok(self.ctx.connect(addr).await?)
         })
         .await?;
-        Ok(Peer {
-            node: remote.node_id,
-        })
+        Ok(Peer::new(remote.node_id))
     }
 }
 
@@ -541,7 +553,6 @@ impl NodeBuilder {
             let local = ShardLocal {
                 deadline,
                 shutdown: start_shutdown.clone(),
-                malformed: Cell::new(0),
                 book: start_book.clone(),
                 rpc: start_rpc.build(),
             };
@@ -562,7 +573,6 @@ impl NodeBuilder {
                         shared: Rc::new(ShardLocal {
                             deadline,
                             shutdown: shutdown.clone(),
-                            malformed: Cell::new(0),
                             book: book.clone(),
                             rpc: rpc.build(),
                         }),
@@ -606,23 +616,38 @@ fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(A
         let handler = factory();
         let id = *id;
         let shared = shared.clone();
-        ctx.set_net_handler(id, move |ctx, from, bytes| {
+        ctx.set_frame_handler_am(id, move |ctx, frame| {
             let node = Node {
                 ctx: ctx.clone(),
                 shared: shared.clone(),
             };
-            match AmMsg::decode(Peer { node: from }, id, bytes) {
-                Some(msg) => handler(&node, msg),
-                None => shared.malformed.set(shared.malformed.get() + 1),
-            }
+            let from = Peer {
+                node: frame.node(),
+                shard: Some(frame.header().src_shard),
+            };
+            handler(&node, AmMsg { from, id, frame });
         });
     }
 }
 
 impl Peer {
-    /// The peer for a node id (e.g. learnt from a message or a directory).
+    /// The peer for a node id (e.g. learnt from a message or a directory), addressing the node
+    /// as a whole (see the type's docs).
     pub fn new(node: NodeId) -> Self {
-        Self { node }
+        Self { node, shard: None }
+    }
+
+    /// This peer's shard `shard`: operations through it land on that shard of the node.
+    pub fn shard(self, shard: ShardId) -> Self {
+        Self {
+            shard: Some(shard),
+            ..self
+        }
+    }
+
+    /// The node as a whole (dropping the shard this peer names, if any).
+    pub fn node(self) -> Self {
+        Self::new(self.node)
     }
 
     /// The peer's node id.
@@ -630,12 +655,28 @@ impl Peer {
         self.node
     }
 
+    /// The shard this peer names, if it names one.
+    pub fn target_shard(&self) -> Option<ShardId> {
+        self.shard
+    }
+
+    /// Where the runtime sends for this peer.
+    pub(crate) fn dest(&self) -> Dest {
+        Dest {
+            node: self.node,
+            shard: self.shard,
+        }
+    }
+
     /// Sends active message `id` with `header` and `payload`, from any shard of a running
-    /// node, within the default deadline. Resolves once the message is queued on the owner
-    /// shard's endpoint (it then goes out in order with the connection's other frames).
+    /// node, within the default deadline. Resolves once the message is with UCX or queued on
+    /// the rail (it then goes out in order with the rail's other frames); when the calling
+    /// shard holds the rail and UCX takes the message at once, that is before the first
+    /// `.await` returns Pending: no timer, no task switch, no copy.
     ///
     /// Errors: [`Error::NotOnShard`], [`Error::HeaderTooLarge`], [`Error::TimedOut`], and the
-    /// connection's ([`shardcx_shards::NetError::NotConnected`] when there is no session).
+    /// connection's ([`shardcx_shards::NetError::NotConnected`] when there is no session and
+    /// no known address to connect to).
     pub async fn am_send(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
         let node = Node::current().ok_or(Error::NotOnShard)?;
         let timeout = node.shared.deadline;
@@ -654,6 +695,19 @@ impl Peer {
         self.send_on(&node, id, header, payload, timeout).await
     }
 
+    /// Sends active message `id` at once, from the calling shard, on its rail to this peer:
+    /// the synchronous send of a handler (an answer, a forward of work) or of a tight loop.
+    /// UCX takes the message in place when it can; otherwise it is copied and queued behind
+    /// the rail's earlier frames. Never waits and never connects: errors
+    /// [`Error::NotOnShard`], [`Error::HeaderTooLarge`], and the connection's
+    /// ([`shardcx_shards::NetError::NotConnected`] when this shard has no ready rail to the
+    /// peer, [`shardcx_shards::NetError::OtherShard`] when another local shard holds the rail
+    /// to the shard this peer names).
+    pub fn am_send_now(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        send_now(&node, self.dest(), id, header, payload)
+    }
+
     async fn send_on(
         &self,
         node: &Node,
@@ -662,15 +716,30 @@ impl Peer {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(), Error> {
-        let peer = self.node;
+        // This shard's rail, UCX taking the frame at once: no timer, no task.
+        match send_now(node, self.dest(), id, header, payload) {
+            Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {}
+            done => return done,
+        }
+        let (peer, dest) = (self.node, self.dest());
         within("am_send", timeout, async {
             lazily(node, peer, timeout, || async {
-                let bytes = AmMsg::encode(header, payload)?;
-                Ok(node.ctx.send_am(peer, id, bytes).await?)
+                Ok(node.ctx.send_am_parts(dest, id, header, payload).await?)
             })
             .await
         })
         .await
+    }
+}
+
+/// [`Peer::am_send_now`] on `node`'s shard.
+fn send_now(node: &Node, dest: Dest, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
+    if header.len() > MAX_AM_HEADER {
+        return Err(Error::HeaderTooLarge { len: header.len() });
+    }
+    match node.ctx.send_am_now(dest, id, header, payload) {
+        Err(NetError::HeaderTooLarge { len, .. }) => Err(Error::HeaderTooLarge { len }),
+        other => Ok(other?),
     }
 }
 
@@ -761,34 +830,8 @@ pub(crate) async fn connect_lazily(
 }
 
 impl AmMsg {
-    fn encode(header: &[u8], payload: &[u8]) -> Result<Vec<u8>, Error> {
-        if header.len() > MAX_AM_HEADER {
-            return Err(Error::HeaderTooLarge { len: header.len() });
-        }
-        let mut b = Vec::with_capacity(AM_PREFIX + header.len() + payload.len());
-        // Fits: checked against MAX_AM_HEADER above.
-        b.extend_from_slice(&(header.len() as u32).to_le_bytes());
-        b.extend_from_slice(header);
-        b.extend_from_slice(payload);
-        Ok(b)
-    }
-
-    fn decode(from: Peer, id: AmId, bytes: Vec<u8>) -> Option<Self> {
-        let len: [u8; AM_PREFIX] = bytes.get(..AM_PREFIX)?.try_into().ok()?;
-        let header_len = usize::try_from(u32::from_le_bytes(len)).ok()?;
-        let header_end = AM_PREFIX.checked_add(header_len)?;
-        if header_len > MAX_AM_HEADER || header_end > bytes.len() {
-            return None;
-        }
-        Some(Self {
-            from,
-            id,
-            bytes,
-            header_end,
-        })
-    }
-
-    /// The sending peer.
+    /// The sending peer, naming the shard it was sent from: an answer through it goes back on
+    /// the rail the message came in on.
     pub fn from(&self) -> Peer {
         self.from
     }
@@ -800,18 +843,74 @@ impl AmMsg {
 
     /// The header.
     pub fn header(&self) -> &[u8] {
-        &self.bytes[AM_PREFIX..self.header_end]
+        self.frame.user_header()
+    }
+
+    /// The payload, read in place.
+    pub fn payload(&self) -> &[u8] {
+        self.frame.payload()
+    }
+
+    /// The payload, owned (moved when it came by rendezvous; copied out of UCX's buffer
+    /// otherwise).
+    pub fn into_payload(self) -> Vec<u8> {
+        self.frame.into_vec()
+    }
+
+    /// Answers at once with active message `id`, `header` and `payload`, on the rail this
+    /// message came in on ([`Peer::am_send_now`] to [`AmMsg::from`]): from the handler, it costs
+    /// no task and, when UCX takes it in place, no copy.
+    pub fn reply(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
+        self.from.am_send_now(id, header, payload)
+    }
+
+    /// A copy that may cross threads (header and payload copied out of UCX's buffer, which is
+    /// released).
+    pub fn into_owned(self) -> OwnedAmMsg {
+        OwnedAmMsg {
+            from: self.from,
+            id: self.id,
+            header: self.frame.user_header().to_vec(),
+            payload: self.frame.into_vec(),
+        }
+    }
+}
+
+impl std::fmt::Debug for AmMsg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmMsg")
+            .field("from", &self.from)
+            .field("id", &self.id)
+            .field("header", &self.header().len())
+            .field("payload", &self.payload().len())
+            .finish()
+    }
+}
+
+impl OwnedAmMsg {
+    /// The sending peer (see [`AmMsg::from`]).
+    pub fn from(&self) -> Peer {
+        self.from
+    }
+
+    /// The message's id.
+    pub fn id(&self) -> AmId {
+        self.id
+    }
+
+    /// The header.
+    pub fn header(&self) -> &[u8] {
+        &self.header
     }
 
     /// The payload.
     pub fn payload(&self) -> &[u8] {
-        &self.bytes[self.header_end..]
+        &self.payload
     }
 
-    /// The payload, owned (moves the bytes down over the header; no new allocation).
-    pub fn into_payload(mut self) -> Vec<u8> {
-        self.bytes.drain(..self.header_end);
-        self.bytes
+    /// The payload, owned.
+    pub fn into_payload(self) -> Vec<u8> {
+        self.payload
     }
 }
 
@@ -838,24 +937,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn am_frames_round_trip_and_refuse_short_input() {
+    fn peers_name_a_node_or_one_shard_of_it() {
         let p = Peer::new(NodeId::new(3));
-        let b = AmMsg::encode(b"hdr", b"payload").unwrap();
-        let m = AmMsg::decode(p, AmId::new(7), b.clone()).unwrap();
-        assert_eq!((m.header(), m.payload()), (&b"hdr"[..], &b"payload"[..]));
-        assert_eq!(m.into_payload(), b"payload");
-        for cut in 0..AM_PREFIX + 3 {
-            assert!(AmMsg::decode(p, AmId::new(7), b[..cut].to_vec()).is_none());
-        }
-        let empty = AmMsg::encode(b"", b"").unwrap();
-        let m = AmMsg::decode(p, AmId::new(1), empty).unwrap();
-        assert!(m.header().is_empty() && m.payload().is_empty());
-        let mut huge = (u32::MAX).to_le_bytes().to_vec();
-        huge.extend_from_slice(&[0; 8]);
-        assert!(AmMsg::decode(p, AmId::new(1), huge).is_none());
-        assert!(matches!(
-            AmMsg::encode(&vec![0; MAX_AM_HEADER + 1], b""),
-            Err(Error::HeaderTooLarge { .. })
-        ));
+        assert_eq!(p.target_shard(), None);
+        let s = p.shard(ShardId::new(2));
+        assert_eq!(
+            (s.node_id(), s.target_shard()),
+            (NodeId::new(3), Some(ShardId::new(2)))
+        );
+        assert_eq!(s.node(), p);
+        assert_eq!(s.dest(), Dest::shard(NodeId::new(3), ShardId::new(2)));
+        assert_eq!(p.dest(), Dest::from(NodeId::new(3)));
     }
 }

@@ -149,7 +149,7 @@ fn start_server(
                         bad: BAD.with(Cell::get),
                         served: SERVED.with(Cell::get),
                         unanswered: UNANSWERED.with(Cell::get),
-                        malformed: node.malformed_am(),
+                        malformed: node.shard_ctx().net_stats().dropped_malformed,
                     }
                 }
             })
@@ -327,7 +327,7 @@ fn public_types_auto_traits() {
     copy::<Peer>();
     send::<NodeBuilder>();
     send_sync::<Error>();
-    send::<AmMsg>();
+    send::<shardcx::OwnedAmMsg>();
     send_sync::<shardcx::Shutdown>();
     send_sync::<shardcx::Stopped>();
     trait AmbiguousIfSend<A> {
@@ -337,6 +337,8 @@ fn public_types_auto_traits() {
     impl<T: ?Sized + Send> AmbiguousIfSend<u8> for T {}
     // Compiles only if `Node` is NOT Send: it holds the shard's state.
     let _ = <Node as AmbiguousIfSend<_>>::some_item;
+    // Nor `AmMsg`: it holds UCX's buffer, which belongs to the shard's worker.
+    let _ = <AmMsg as AmbiguousIfSend<_>>::some_item;
 }
 
 /// The server half of `across_two_processes`, run in a child process (see there).

@@ -354,6 +354,7 @@ impl ShardsBuilder {
             psk,
             listen: self.listen,
             listen_addr: Arc::new(OnceLock::new()),
+            sessions: Arc::default(),
             error_mode,
             cfg: self.net.clone(),
         })

@@ -229,6 +229,32 @@ pub enum NetError {
         /// The limit.
         max: usize,
     },
+    /// A node announced a shard count this node cannot pair rails with (outside
+    /// `1..=MAX_SHARDS`, or a directory without a worker for one of its shards).
+    #[error("node {node} has an unusable shard count {count}")]
+    BadShardCount {
+        /// The remote node.
+        node: NodeId,
+        /// The shard count it announced.
+        count: u16,
+    },
+    /// Another local shard holds the rail: a synchronous send must be made there (or use the
+    /// asynchronous form, which forwards).
+    #[error("the rail to node {node} is held by local shard {owner}")]
+    OtherShard {
+        /// The remote node.
+        node: NodeId,
+        /// The local shard that holds the rail.
+        owner: ShardId,
+    },
+    /// No rail of this node leads to that shard of the remote node (it has fewer shards).
+    #[error("node {node} has no shard {shard}")]
+    NoSuchShard {
+        /// The remote node.
+        node: NodeId,
+        /// The shard asked for.
+        shard: ShardId,
+    },
     /// The frame kind cannot be used for this operation (e.g. a control kind, or a reply kind
     /// that does not answer the request's kind).
     #[error("frame kind {kind:?} cannot be used to {op}")]

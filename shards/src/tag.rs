@@ -1,4 +1,4 @@
-//! Tag send/recv between nodes: ucx-py-style, per remote node, matched on the owner shard.
+//! Tag send/recv between nodes: ucx-py-style, per remote node, matched on the receiving shard.
 //!
 //! ## The model
 //!
@@ -22,10 +22,12 @@
 //!
 //! ## Matching
 //!
-//! Frames from node `P` arrive on this node's owner shard of `P`
-//! ([`ShardCtx::owner_of`]), and that shard alone holds `P`'s matching state, so a receive
-//! posted on another shard is forwarded there (over the mesh) and its data comes back through
-//! the forward's result. Per remote node:
+//! A tag message travels on a rail (see [`crate::net`]): from the sending shard, on its default
+//! rail to the node (to the shard of it with the same index when the shard counts match) or on
+//! its rail to the shard named with [`crate::net::Dest::shard`]. Each shard matches the
+//! messages that arrive on its own rails, against the receives posted on it: a receive posted
+//! on shard `i` for node `P` takes what `P`'s shards sent to shard `i`, with no hop. Per
+//! remote node and receiving shard:
 //!
 //! - a receive for `P` with `(pattern, mask)` matches only messages from `P` (the connection's
 //!   authenticated sender), whose tag satisfies `(tag ^ pattern) & mask == 0`;
@@ -67,11 +69,6 @@
 //!
 //! ## Limits (what is not here yet)
 //!
-//! - A message matched by a receive on another shard whose caller then drops the future (or
-//!   whose result is on its way back when the caller gives up) is lost: the forward's result
-//!   cannot be recalled. Receives posted on the owner shard hand such messages back.
-//! - A dropped receive posted from another shard is noticed by the owner within a few tens of
-//!   milliseconds (it polls a shared flag), not at once; it never matches meanwhile.
 //! - When a rendezvous pull fails and several messages with the same tag from the same node are
 //!   being pulled, the failure is charged to the oldest of them (the net layer reports the
 //!   failure without the buffer that identifies it). On a connection that works, pulls do not
@@ -84,8 +81,6 @@ use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::future::poll_fn;
 use std::rc::{Rc, Weak};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
@@ -94,6 +89,7 @@ use glommio::timer::sleep;
 
 use crate::boot::ShardCtx;
 use crate::error::NetError;
+use crate::net::Dest;
 use crate::proto::{AmId, FrameHeader, FrameKind, NodeId, ReqId, Tag, TagKind, TagMask};
 
 /// First active-message id of the range the runtime reserves for itself; application ids must
@@ -105,8 +101,6 @@ pub const TAG_AM: AmId = AmId::new(FIRST_RESERVED_AM_ID);
 pub const TAG_TRAILER_LEN: usize = 8;
 /// Longest a tag receive may wait (longer timeouts are cut to this).
 pub const MAX_RECV_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
-/// Longest interval at which the owner looks whether a receive from another shard was dropped.
-const CANCEL_POLL_MAX: Duration = Duration::from_millis(32);
 
 /// Bounds of each remote node's unexpected queue on its owner shard. `Send`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,8 +162,6 @@ struct Posted {
     pattern: Tag,
     mask: TagMask,
     buf: Option<Vec<u8>>,
-    /// Set by a caller on another shard that dropped the receive.
-    cancel: Option<Arc<AtomicBool>>,
     /// Filled with the slot of the message that matched.
     matched: Rc<RefCell<Option<Rc<Slot>>>>,
     waker: Rc<RefCell<Option<Waker>>>,
@@ -245,14 +237,6 @@ impl Slot {
     }
 }
 
-impl Posted {
-    fn is_cancelled(&self) -> bool {
-        self.cancel
-            .as_ref()
-            .is_some_and(|c| c.load(Ordering::Acquire))
-    }
-}
-
 impl PeerTags {
     /// Inserts `slot` in the unexpected queue at its place by arrival.
     fn insert_unexpected(&mut self, slot: Rc<Slot>) {
@@ -278,7 +262,6 @@ impl PeerTags {
 
     /// Takes the first posted receive matching `tag`, dropping cancelled ones on the way.
     fn claim_posted(&mut self, tag: Tag) -> Option<Posted> {
-        self.posted.retain(|p| !p.is_cancelled());
         let at = self
             .posted
             .iter()
@@ -458,7 +441,7 @@ impl TagState {
             let mut peers = self.peers.borrow_mut();
             for (n, peer) in peers.iter_mut() {
                 if node.is_none_or(|node| *n == node) {
-                    failed.extend(peer.posted.drain(..).filter(|p| !p.is_cancelled()));
+                    failed.extend(peer.posted.drain(..));
                 }
             }
             peers.retain(|_, p| !p.is_empty());
@@ -476,10 +459,7 @@ impl TagState {
         let peers = self.peers.borrow();
         s.unexpected_now = peers.values().map(|p| p.unexpected.len() as u64).sum();
         s.unexpected_bytes_now = peers.values().map(|p| p.unexpected_bytes as u64).sum();
-        s.posted_now = peers
-            .values()
-            .map(|p| p.posted.iter().filter(|r| !r.is_cancelled()).count() as u64)
-            .sum();
+        s.posted_now = peers.values().map(|p| p.posted.len() as u64).sum();
         s
     }
 }
@@ -596,26 +576,13 @@ async fn wait_slot(slot: &Slot) -> Outcome {
     .await
 }
 
-/// Ends when `cancel` is set (polled with a growing interval), or never.
-async fn cancelled(cancel: Option<Arc<AtomicBool>>) {
-    let Some(cancel) = cancel else {
-        return future::pending().await;
-    };
-    let mut every = Duration::from_millis(1);
-    while !cancel.load(Ordering::Acquire) {
-        sleep(every).await;
-        every = (every * 2).min(CANCEL_POLL_MAX);
-    }
-}
-
-/// A receive on the shard that owns `node`.
+/// A receive posted on this shard for messages from `node`.
 async fn recv_local(
     ctx: &Rc<ShardCtx>,
     node: NodeId,
     (pattern, mask): (Tag, TagMask),
     buf: Option<Vec<u8>>,
     timeout: Duration,
-    cancel: Option<Arc<AtomicBool>>,
 ) -> Outcome {
     let st = state(ctx);
     let timeout = timeout.min(MAX_RECV_TIMEOUT);
@@ -659,7 +626,6 @@ async fn recv_local(
                 pattern,
                 mask,
                 buf: buf.take(),
-                cancel: cancel.clone(),
                 matched: matched.clone(),
                 waker: waker.clone(),
             });
@@ -668,7 +634,6 @@ async fn recv_local(
         /// The tag, the data, and the lent buffer if the data is not in it.
         Done(Result<(Tag, Vec<u8>, Spare), NetError>),
         TimedOut,
-        Cancelled,
     }
     let got = future::or(
         async {
@@ -685,26 +650,15 @@ async fn recv_local(
             let spare = slot.spare.borrow_mut().take();
             Got::Done(out.map(|(tag, data)| (tag, data, spare)))
         },
-        future::or(
-            async {
-                sleep(timeout).await;
-                Got::TimedOut
-            },
-            async {
-                cancelled(cancel).await;
-                Got::Cancelled
-            },
-        ),
+        async {
+            sleep(timeout).await;
+            Got::TimedOut
+        },
     )
     .await;
     let out = match got {
         Got::Done(o) => o,
         Got::TimedOut => {
-            return Err(NetError::TimedOut {
-                what: "tag receive",
-            })
-        }
-        Got::Cancelled => {
             return Err(NetError::TimedOut {
                 what: "tag receive",
             })
@@ -724,21 +678,11 @@ async fn recv_local(
     }
 }
 
-/// Sets the shared flag of a receive forwarded to another shard when it is dropped unfinished.
-struct CancelOnDrop(Option<Arc<AtomicBool>>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.take() {
-            c.store(true, Ordering::Release);
-        }
-    }
-}
-
 impl ShardCtx {
-    /// Sends `data` with `tag` to the connected `node`, from any shard (forwarded to the owner).
-    /// Resolves once the frame is queued on the owner's endpoint, in order with this shard's
-    /// other frames to `node`.
+    /// Sends `data` with `tag` to `dest`: on this shard's default rail to the node, or on the
+    /// rail to the named shard (forwarded to the local shard that holds it when that is
+    /// another). Resolves once the frame is with UCX or queued on the rail, in order with this
+    /// shard's other frames on it.
     ///
     /// The tag's kind and source shard are set here ([`TagKind::User`], this shard); only its
     /// user bits are taken from `tag`. The tag is appended to `data` ([`TAG_TRAILER_LEN`]
@@ -747,7 +691,7 @@ impl ShardCtx {
     /// trailer, [`NetError::Forward`]).
     pub async fn tag_send(
         self: &Rc<Self>,
-        node: NodeId,
+        dest: impl Into<Dest>,
         tag: Tag,
         mut data: Vec<u8>,
     ) -> Result<(), NetError> {
@@ -755,7 +699,7 @@ impl ShardCtx {
             .map_err(|source| NetError::Wire { source })?;
         data.extend_from_slice(&tag.raw().to_le_bytes());
         self.send_frame(
-            node,
+            dest,
             FrameKind::Am,
             TAG_AM.get(),
             ReqId::new(tag.raw()),
@@ -765,8 +709,8 @@ impl ShardCtx {
     }
 
     /// Receives from `node` the earliest message whose tag matches `pattern` under `mask`
-    /// (`(tag ^ pattern) & mask == 0`), from any shard (matched on the owner shard of `node`;
-    /// see the module docs). Resolves with the message's tag and payload, or
+    /// (`(tag ^ pattern) & mask == 0`) among those that arrive on this shard's rails (see the
+    /// module docs). Resolves with the message's tag and payload, or
     /// [`NetError::TimedOut`] (`"tag receive"`) after `timeout` (at most
     /// [`MAX_RECV_TIMEOUT`]); a receive that times out or is dropped never takes a later
     /// message. Other errors: [`NetError::Receive`] when a rendezvous pull of the matched
@@ -778,8 +722,7 @@ impl ShardCtx {
         mask: TagMask,
         timeout: Duration,
     ) -> Result<(Tag, Vec<u8>), NetError> {
-        self.recv_on_owner(node, (pattern, mask), None, timeout)
-            .await
+        recv_local(self, node, (pattern, mask), None, timeout).await
     }
 
     /// [`ShardCtx::tag_recv`] into a lent buffer: the result's vector is `buf`, cleared and
@@ -795,33 +738,10 @@ impl ShardCtx {
         buf: Vec<u8>,
         timeout: Duration,
     ) -> Result<(Tag, Vec<u8>), NetError> {
-        self.recv_on_owner(node, (pattern, mask), Some(buf), timeout)
-            .await
+        recv_local(self, node, (pattern, mask), Some(buf), timeout).await
     }
 
-    async fn recv_on_owner(
-        self: &Rc<Self>,
-        node: NodeId,
-        matching: (Tag, TagMask),
-        buf: Option<Vec<u8>>,
-        timeout: Duration,
-    ) -> Outcome {
-        let owner = self.owner_of(node);
-        if owner == self.id() {
-            return recv_local(self, node, matching, buf, timeout, None).await;
-        }
-        let flag = Arc::new(AtomicBool::new(false));
-        let mut guard = CancelOnDrop(Some(flag.clone()));
-        let out = self
-            .forward(owner, move |c| async move {
-                recv_local(&c, node, matching, buf, timeout, Some(flag)).await
-            })
-            .await;
-        guard.0 = None;
-        out?
-    }
-
-    /// This shard's tag counters and queue sizes (for the remote nodes it owns).
+    /// This shard's tag counters and queue sizes (for the messages that arrive on its rails).
     pub fn tag_stats(&self) -> TagStats {
         installed(self).map(|st| st.snapshot()).unwrap_or_default()
     }

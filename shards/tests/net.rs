@@ -10,10 +10,10 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
-use shardcx_shards::net::{frame_am_header, NetConfig, NetStats, FRAME_AM};
+use shardcx_shards::net::{frame_am_header, NetConfig, NetStats, DATA_AM, FRAME_AM};
 use shardcx_shards::proto::handshake::RejectReason;
 use shardcx_shards::proto::wire::{encode_frame, frame_len};
-use shardcx_shards::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId, ShardMap};
+use shardcx_shards::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId};
 use shardcx_shards::ucx::{AmProto, Endpoint, EpOptions, ErrorMode};
 use shardcx_shards::{NetError, Placement, RemoteNode, ShardCtx, ShardsBuilder};
 
@@ -130,51 +130,61 @@ fn finish_b(done: &AtomicBool, h: std::thread::JoinHandle<Vec<Report>>) -> Vec<R
         .expect("node B panicked")
 }
 
+/// A connect from one shard sets up the whole node pair: one pre-shared-key handshake (on
+/// shard 0 of each side), then every other rail joined, so that every shard of A holds its own
+/// default rail to the shard of B with its index, and B holds the mirror rails.
 #[test]
-fn connect_puts_endpoints_on_owner_shards() {
+fn connect_sets_up_a_rail_on_every_shard() {
     let _g = serial();
     let (addr, done, b) = start_b(KEY);
-    let owner_a = ShardMap::new(2).unwrap().owner_of(B); // on A, owns B
-    let owner_b = ShardMap::new(2).unwrap().owner_of(A); // on B, owns A
     let got = run_a(KEY, move |ctx| async move {
-        // Connect from the shard that does not own B, so that the connect is forwarded.
-        if ctx.id() == owner_a {
+        // Connect from shard 1, so that the establishment is forwarded to shard 0.
+        if ctx.id().get() != 1 {
             return None;
         }
         let remote = ctx.connect(addr).await.expect("connect");
-        // The endpoint really sits on the owner: ask every shard.
-        let mut holders = Vec::new();
+        // Every shard now holds its default rail: ask each one.
+        let mut rails = Vec::new();
         for s in 0..2u16 {
             let to = shardcx_shards::proto::ShardId::new(s);
-            let nodes = ctx
-                .forward(to, |c| async move { c.connected_nodes() })
+            let (nodes, stats) = ctx
+                .forward(to, |c| async move { (c.connected_nodes(), c.net_stats()) })
                 .await
                 .unwrap();
-            holders.push(nodes);
+            rails.push((nodes, stats));
         }
-        Some((remote, holders))
+        Some((remote, rails))
     });
     let reports = finish_b(&done, b);
-    let (remote, holders) = got.into_iter().flatten().next().expect("a result");
+    let (remote, rails) = got.into_iter().flatten().next().expect("a result");
     assert_eq!(remote.node_id, B);
     assert_eq!(remote.shard_count, 2);
-    assert_eq!(remote.owner, owner_a);
-    assert_eq!(remote.remote_shard, owner_b);
-    for (s, nodes) in holders.iter().enumerate() {
-        let has_b = nodes.iter().any(|r| r.node_id == B);
+    assert_eq!((remote.owner.get(), remote.remote_shard.get()), (1, 1));
+    for (s, (nodes, stats)) in rails.iter().enumerate() {
+        let b = nodes.iter().find(|r| r.node_id == B);
+        let b = b.unwrap_or_else(|| panic!("shard {s} of A has no rail to B: {nodes:?}"));
+        assert_eq!((b.owner.index(), b.remote_shard.index()), (s, s));
+        let (primary, joined) = if s == 0 { (1, 0) } else { (0, 1) };
         assert_eq!(
-            has_b,
-            s == owner_a.index(),
-            "shard {s} of A holds {nodes:?}"
+            (stats.handshakes, stats.joins),
+            (primary, joined),
+            "shard {s} of A"
         );
     }
     for (s, r) in reports.iter().enumerate() {
-        let want = u64::from(s == owner_b.index());
-        assert_eq!(r.stats.handshakes, want, "shard {s} of B: {r:?}");
+        let (primary, joined) = if s == 0 { (1, 0) } else { (0, 1) };
+        assert_eq!(
+            (r.stats.handshakes, r.stats.joins),
+            (primary, joined),
+            "shard {s} of B: {r:?}"
+        );
         assert_eq!(r.stats.dropped_misrouted, 0);
+        assert_eq!(r.stats.dropped_unauthenticated, 0);
     }
 }
 
+/// Pings from every shard of A, each on its own default rail, land on the shard of B with the
+/// same index, whose answers go back on the same rail: no shard handles another's traffic.
 #[test]
 fn round_trip_from_every_shard() {
     let _g = serial();
@@ -185,15 +195,17 @@ fn round_trip_from_every_shard() {
         let pongs = pongs.clone();
         async move {
             let p = pongs.clone();
+            let me = ctx.id().get() as u8;
             ctx.set_net_handler(PONG, move |_ctx, from, payload| {
                 assert_eq!(from, B);
+                assert_eq!(payload[0], me, "a pong for another shard's ping");
                 p.lock().unwrap().insert(payload);
             });
             let remote = ctx.connect(addr).await.expect("connect");
             assert_eq!(remote.node_id, B);
             let mut worst = Duration::ZERO;
             for i in 0..N {
-                let msg = vec![ctx.id().get() as u8, i, 0xAB];
+                let msg = vec![me, i, 0xAB];
                 let t0 = Instant::now();
                 ctx.send_am(B, PING, msg.clone()).await.expect("send");
                 let deadline = t0 + Duration::from_secs(5);
@@ -208,11 +220,11 @@ fn round_trip_from_every_shard() {
     });
     let reports = finish_b(&done, b);
     assert_eq!(rtts.len(), 2);
-    let pings: u64 = reports.iter().map(|r| r.pings).sum();
-    assert_eq!(pings, 2 * u64::from(N));
-    let owner_b = ShardMap::new(2).unwrap().owner_of(A);
-    assert_eq!(reports[owner_b.index()].pings, 2 * u64::from(N));
-    assert_eq!(reports[owner_b.index()].stats.handshakes, 1);
+    for (s, r) in reports.iter().enumerate() {
+        assert_eq!(r.pings, u64::from(N), "shard {s} of B: {r:?}");
+    }
+    let handshakes: u64 = reports.iter().map(|r| r.stats.handshakes).sum();
+    assert_eq!(handshakes, 1, "one pre-shared-key handshake per node pair");
 }
 
 #[test]
@@ -287,10 +299,10 @@ fn frame_before_handshake_is_dropped() {
         if ctx.id().get() != 0 {
             return;
         }
-        // Learn B's workers, but do not handshake: send an application frame straight to the
-        // shard of B that owns A, claiming to be A.
+        // Learn B's workers, but do not handshake: send application frames straight to shard
+        // 0 of B, claiming to be A, in the control frames' format and in the data frames'.
         let dir = ctx.bootstrap(addr).await.expect("bootstrap");
-        let r = ShardMap::new(dir.shard_count()).unwrap().owner_of(A);
+        let r = shardcx_shards::proto::ShardId::new(0);
         let opts = EpOptions {
             error_mode: ErrorMode::Peer,
         };
@@ -314,6 +326,12 @@ fn frame_before_handshake_is_dropped() {
             ctx.wake_driver();
             let (res, _) = send.await;
             res.expect("raw send");
+            let mut data_header = frame_am_header(A, 0).to_vec();
+            data_header.extend_from_slice(&header.to_bytes());
+            let send = ep.am_send(DATA_AM, &data_header, payload.to_vec(), AmProto::Eager);
+            ctx.wake_driver();
+            let (res, _) = send.await;
+            res.expect("raw data send");
         }
         let flushed = futures_lite::future::or(async { ep.flush().await.is_ok() }, async {
             sleep(Duration::from_secs(3)).await;
@@ -329,7 +347,7 @@ fn frame_before_handshake_is_dropped() {
         .iter()
         .map(|r| r.stats.dropped_unauthenticated)
         .sum();
-    assert_eq!(dropped, 3, "{reports:?}");
+    assert_eq!(dropped, 6, "{reports:?}");
     assert!(reports
         .iter()
         .all(|r| r.pings == 0 && r.stats.delivered == 0));

@@ -10,8 +10,9 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
+use shardcx_shards::net::Dest;
 use shardcx_shards::net::NetConfig;
-use shardcx_shards::proto::{AmId, FrameHeader, FrameKind, NodeId, ReqId, ShardMap};
+use shardcx_shards::proto::{AmId, FrameHeader, FrameKind, NodeId, ReqId, ShardId};
 use shardcx_shards::ucx::AlignedBuf;
 use shardcx_shards::{NetError, NetStats, Placement, ShardCtx, ShardsBuilder};
 
@@ -26,6 +27,17 @@ const BIG: AmId = AmId::new(10);
 const PLAIN: AmId = AmId::new(11);
 /// B's acknowledgement of a large message: its length and checksum.
 const ACK: AmId = AmId::new(12);
+
+/// Shard 0 of B: the requests and messages of these tests all go there, from A's shard 0 on its
+/// rail to it and from A's shard 1 forwarded to A's shard 0 (shards of A hold rails to the shard
+/// of B with their index), so that one shard of each side sees all the traffic, as the owner
+/// shards did before rails.
+fn b0() -> Dest {
+    Dest::shard(B, ShardId::new(0))
+}
+
+/// The shard of A that holds the rail to shard 0 of B.
+const RAIL_HOLDER: ShardId = ShardId::new(0);
 
 /// Two nodes of two shards each must fit the 8 MiB locked-memory limit: one test at a time.
 fn serial() -> MutexGuard<'static, ()> {
@@ -210,7 +222,7 @@ fn requests_from_owner_and_non_owner_get_their_replies() {
     let _g = serial();
     let b = start_b(net_config(), echo_reversed);
     let addr = b.addr;
-    let owner_a = ShardMap::new(2).unwrap().owner_of(B);
+    let owner_a = RAIL_HOLDER;
     let finished = Arc::new(AtomicUsize::new(0));
     const N: usize = 200;
     let got = run_a(net_config(), move |ctx| {
@@ -225,7 +237,7 @@ fn requests_from_owner_and_non_owner_get_their_replies() {
                 let t0 = Instant::now();
                 let (h, reply) = ctx
                     .request(
-                        B,
+                        b0(),
                         FrameKind::RpcRequest,
                         7,
                         msg.clone(),
@@ -250,7 +262,7 @@ fn requests_from_owner_and_non_owner_get_their_replies() {
             let big = pattern(300 << 10, me);
             let (h, reply) = ctx
                 .request(
-                    B,
+                    b0(),
                     FrameKind::RpcRequest,
                     8,
                     big.clone(),
@@ -263,14 +275,20 @@ fn requests_from_owner_and_non_owner_get_their_replies() {
             assert!(reply.iter().rev().eq(big.iter()), "large reply content");
             // An RMA get carries its region id.
             let (h, reply) = ctx
-                .request(B, FrameKind::RmaGet, 0x1234, vec![], Duration::from_secs(5))
+                .request(
+                    b0(),
+                    FrameKind::RmaGet,
+                    0x1234,
+                    vec![],
+                    Duration::from_secs(5),
+                )
                 .await
                 .expect("rma get");
             assert_eq!(h.kind, FrameKind::RmaReply);
             assert_eq!(reply, 0x1234u32.to_le_bytes().repeat(4));
             // Kinds that are not requests are refused before anything is sent.
             let r = ctx
-                .request(B, FrameKind::Am, 1, vec![], Duration::from_secs(1))
+                .request(b0(), FrameKind::Am, 1, vec![], Duration::from_secs(1))
                 .await;
             assert!(matches!(r, Err(NetError::BadKind { .. })), "{r:?}");
             let pending = ctx
@@ -298,7 +316,7 @@ fn requests_from_owner_and_non_owner_get_their_replies() {
         );
         assert!(*pending <= 1, "owner still has {pending} pending");
     }
-    let owner_b = ShardMap::new(2).unwrap().owner_of(A);
+    let owner_b = ShardId::new(0);
     let s = reports[owner_b.index()].stats;
     // 2 × (N + 2) requests delivered to handlers.
     assert_eq!(s.delivered, 2 * (N as u64 + 2), "{s:?}");
@@ -320,7 +338,7 @@ fn unanswered_requests_time_out() {
         .unwrap();
     });
     let addr = b.addr;
-    let owner_a = ShardMap::new(2).unwrap().owner_of(B);
+    let owner_a = RAIL_HOLDER;
     let finished = Arc::new(AtomicUsize::new(0));
     let timeout = Duration::from_millis(300);
     let got = run_a(net_config(), move |ctx| {
@@ -328,13 +346,13 @@ fn unanswered_requests_time_out() {
         async move {
             // Before connecting: nothing to send on.
             let r = ctx
-                .request(B, FrameKind::RpcRequest, 1, vec![1], timeout)
+                .request(b0(), FrameKind::RpcRequest, 1, vec![1], timeout)
                 .await;
             assert_eq!(r, Err(NetError::NotConnected { node: B }));
             ctx.connect(addr).await.expect("connect");
             let t0 = Instant::now();
             let r = ctx
-                .request(B, FrameKind::RpcRequest, 1, vec![1, 2, 3], timeout)
+                .request(b0(), FrameKind::RpcRequest, 1, vec![1, 2, 3], timeout)
                 .await;
             let took = t0.elapsed();
             let pending = ctx
@@ -386,7 +404,7 @@ fn a_burst_of_eager_frames_arrives_in_order() {
         });
     });
     let addr = b.addr;
-    let owner_a = ShardMap::new(2).unwrap().owner_of(B);
+    let owner_a = RAIL_HOLDER;
     let got_a = got.clone();
     let sent = run_a(net_config(), move |ctx| {
         let got = got_a.clone();
@@ -398,7 +416,7 @@ fn a_burst_of_eager_frames_arrives_in_order() {
             for seq in 0..FRAMES {
                 let mut payload = vec![seq as u8; len];
                 payload[..8].copy_from_slice(&seq.to_le_bytes());
-                ctx.send_am(B, SEQ, payload).await.expect("queued");
+                ctx.send_am(b0(), SEQ, payload).await.expect("queued");
             }
             let deadline = Instant::now() + LIMIT;
             while got.load(Ordering::Acquire) < FRAMES as usize && Instant::now() < deadline {
@@ -443,7 +461,7 @@ fn a_shorter_request_times_out_at_its_own_deadline() {
             .unwrap();
     });
     let addr = b.addr;
-    let owner_a = ShardMap::new(2).unwrap().owner_of(B);
+    let owner_a = RAIL_HOLDER;
     let got = run_a(quiet(), move |ctx| async move {
         if ctx.id() != owner_a {
             return None;
@@ -582,9 +600,9 @@ fn requests_pending_at_shutdown_are_answered_within_the_drain_timeout() {
         let (seen, out) = (seen.clone(), out.clone());
         async move {
             ctx.connect(addr).await.expect("connect");
-            // Only from the owner shard: a request from the other shard is a forwarded job,
-            // which the mesh's drain waits for anyway.
-            if ctx.owner_of(B) != ctx.id() {
+            // Only from the shard that holds the rail: a request from the other shard is a
+            // forwarded job, which the mesh's drain waits for anyway.
+            if ctx.id() != RAIL_HOLDER {
                 return;
             }
             // A request left running when the shard's future returns.
@@ -592,7 +610,7 @@ fn requests_pending_at_shutdown_are_answered_within_the_drain_timeout() {
             glommio::spawn_local(async move {
                 let r = c
                     .request(
-                        B,
+                        b0(),
                         FrameKind::RpcRequest,
                         1,
                         vec![7],
@@ -687,7 +705,7 @@ fn large_messages_arrive_by_rendezvous_in_the_handlers_buffer() {
     let chosen = Arc::new(AtomicUsize::new(0));
     let b = start_b(net_config(), large_handlers(chosen.clone()));
     let addr = b.addr;
-    let owner_a = ShardMap::new(2).unwrap().owner_of(B);
+    let owner_a = RAIL_HOLDER;
     let acks: Acks = Arc::default();
     let finished = Arc::new(AtomicUsize::new(0));
     let got = run_a(net_config(), move |ctx| {
@@ -708,7 +726,7 @@ fn large_messages_arrive_by_rendezvous_in_the_handlers_buffer() {
                 let msg = pattern(len, me.wrapping_add(id.get() as u8));
                 let want = (len as u64, checksum(&msg));
                 let t0 = Instant::now();
-                ctx.send_am(B, id, msg).await.expect("send");
+                ctx.send_am(b0(), id, msg).await.expect("send");
                 let arrived = wait_for_ack(&acks, want, Duration::from_secs(30)).await;
                 ok.push((id, len, arrived, t0.elapsed()));
             }
@@ -722,7 +740,7 @@ fn large_messages_arrive_by_rendezvous_in_the_handlers_buffer() {
         eprintln!("{len} bytes to {id:?} acknowledged after {took:?}");
     }
     assert_eq!(chosen.load(Ordering::Acquire), 2, "choose ran once per BIG");
-    let owner_b = ShardMap::new(2).unwrap().owner_of(A);
+    let owner_b = ShardId::new(0);
     let s = reports[owner_b.index()].stats;
     assert_eq!(s.rendezvous, 4, "{s:?}");
     assert_eq!(
@@ -743,7 +761,7 @@ fn oversized_payloads_are_refused_before_allocation() {
     };
     let b = start_b(b_cfg, large_handlers(chosen.clone()));
     let addr = b.addr;
-    let owner_a = ShardMap::new(2).unwrap().owner_of(B);
+    let owner_a = RAIL_HOLDER;
     // A sends up to 1.5 MiB eager, and accepts the default 16 MiB.
     let a_cfg = NetConfig {
         rndv_threshold: 3 << 19,
@@ -756,10 +774,16 @@ fn oversized_payloads_are_refused_before_allocation() {
             // Over A's own limit: refused on this shard, from either shard, before sending.
             let max = 16u64 << 20;
             let too_big = vec![0u8; (max + 1) as usize];
-            let r = ctx.send_am(B, BIG, too_big.clone()).await;
+            let r = ctx.send_am(b0(), BIG, too_big.clone()).await;
             assert_eq!(r, Err(NetError::TooLarge { len: max + 1, max }));
             let r = ctx
-                .request(B, FrameKind::RpcRequest, 1, too_big, Duration::from_secs(1))
+                .request(
+                    b0(),
+                    FrameKind::RpcRequest,
+                    1,
+                    too_big,
+                    Duration::from_secs(1),
+                )
                 .await;
             assert!(matches!(r, Err(NetError::TooLarge { .. })), "{r:?}");
             if ctx.id() != owner_a {
@@ -769,12 +793,12 @@ fn oversized_payloads_are_refused_before_allocation() {
             ctx.connect(addr).await.expect("connect");
             // Over B's limit: 2 MiB by rendezvous, 1.25 MiB eager. B drops both.
             for len in [2 << 20, 5 << 18] {
-                ctx.send_am(B, BIG, pattern(len, 1)).await.expect("send");
+                ctx.send_am(b0(), BIG, pattern(len, 1)).await.expect("send");
             }
             // Then one within the limit (eager here) still arrives: the connection is fine.
             let msg = pattern(1 << 20, 2);
             let want = (msg.len() as u64, checksum(&msg));
-            ctx.send_am(B, BIG, msg).await.expect("send");
+            ctx.send_am(b0(), BIG, msg).await.expect("send");
             Some(wait_for_ack(&acks, want, Duration::from_secs(20)).await)
         }
     });
@@ -782,7 +806,7 @@ fn oversized_payloads_are_refused_before_allocation() {
     assert_eq!(got.into_iter().flatten().collect::<Vec<_>>(), vec![true]);
     // Neither oversized message reached `choose` or was pulled.
     assert_eq!(chosen.load(Ordering::Acquire), 0);
-    let owner_b = ShardMap::new(2).unwrap().owner_of(A);
+    let owner_b = ShardId::new(0);
     let s = reports[owner_b.index()].stats;
     assert_eq!(s.dropped_too_large, 2, "{s:?}");
     assert_eq!(s.rendezvous, 0, "{s:?}");

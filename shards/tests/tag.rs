@@ -13,7 +13,7 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
-use shardcx_shards::net::NetConfig;
+use shardcx_shards::net::{Dest, NetConfig};
 use shardcx_shards::proto::{NodeId, ShardId, Tag, TagKind, TagMask};
 use shardcx_shards::tag::{self, TagConfig, TAG_TRAILER_LEN};
 use shardcx_shards::{NetError, Placement, ShardCtx, ShardsBuilder, TagStats};
@@ -92,11 +92,9 @@ async fn wait_for_async<F: Future<Output = bool>>(what: &str, mut cond: impl FnM
     }
 }
 
-/// Tag counters of this node's owner shard of `peer`.
-async fn owner_stats(ctx: &Rc<ShardCtx>, peer: NodeId) -> TagStats {
-    ctx.forward(ctx.owner_of(peer), |c| async move { c.tag_stats() })
-        .await
-        .unwrap()
+/// Tag counters of this shard (which matches the messages that arrive on its rails).
+async fn shard_stats(ctx: &Rc<ShardCtx>) -> TagStats {
+    ctx.tag_stats()
 }
 
 /// The listener's address, once its shard 0 has bound it.
@@ -164,7 +162,7 @@ async fn connect(ctx: &Rc<ShardCtx>, addr: &Addr) {
 }
 
 /// Exact and masked matching, messages queued before their receive and receives posted before
-/// their message, order per tag, from owner and non-owner shards on both sides.
+/// their message, order per tag, on every shard's own rail, both ways.
 #[test]
 fn matching_queueing_order_and_routes() {
     let _g = serial();
@@ -184,7 +182,7 @@ fn matching_queueing_order_and_routes() {
                 .expect("marker");
             assert_eq!((t.user(), m.as_slice()), (0x300 | me, &b"sent"[..]));
             assert_eq!(t.source_shard(), ShardId::new(me as u16));
-            assert!(owner_stats(&ctx, A).await.unexpected_now >= u64::from(N));
+            assert!(shard_stats(&ctx).await.unexpected_now >= u64::from(N));
             for seq in 0..N {
                 let (t, data) = ctx
                     .tag_recv(A, utag(0x100 | me), exact(), WAIT)
@@ -212,7 +210,7 @@ fn matching_queueing_order_and_routes() {
             };
             wait_for_async("posted receive", || {
                 let c = ctx.clone();
-                async move { owner_stats(&c, A).await.posted_now >= 2 }
+                async move { shard_stats(&c).await.posted_now >= 1 }
             })
             .await;
             posted.fetch_add(1, Ordering::AcqRel);
@@ -261,22 +259,22 @@ fn matching_queueing_order_and_routes() {
                 assert_eq!(t.user(), 0x800 | me);
                 assert_eq!(data, payload(0x400 | me, seq, seq as usize * 7));
             }
-            ctx.owner_of(B) == ctx.id()
+            ctx.tag_stats()
         }
     });
-    let mut out = join_all(vec![a]).into_iter();
-    let routes = out.next().unwrap();
-    // One shard of A owns B (sends and receives directly), the other goes through it.
-    assert_eq!(routes.iter().filter(|&&own| own).count(), 1);
+    let a_stats = join_all(vec![a]).remove(0);
     let stats = join_all(vec![b]).remove(0);
-    // Everything from A arrives on B's one owner shard of A.
-    let owner: Vec<_> = stats.iter().filter(|s| s.arrived > 0).collect();
-    assert_eq!(owner.len(), 1, "{stats:?}");
-    let s = owner[0];
-    assert_eq!(s.arrived, u64::from(2 * (2 * N + 1)), "{stats:?}");
-    assert!(s.matched_on_arrival >= 2, "{stats:?}");
-    assert_eq!((s.dropped_unexpected, s.malformed), (0, 0), "{stats:?}");
-    assert_eq!((s.unexpected_now, s.posted_now), (0, 0), "{stats:?}");
+    // Each shard of B matched what the shard of A with its index sent on their rail, and each
+    // shard of A the echoes of its own messages: no shard saw another's.
+    for s in &stats {
+        assert_eq!(s.arrived, u64::from(2 * N + 1), "{stats:?}");
+        assert!(s.matched_on_arrival >= 1, "{stats:?}");
+        assert_eq!((s.dropped_unexpected, s.malformed), (0, 0), "{stats:?}");
+        assert_eq!((s.unexpected_now, s.posted_now), (0, 0), "{stats:?}");
+    }
+    for s in &a_stats {
+        assert_eq!(s.arrived, u64::from(N), "{a_stats:?}");
+    }
 }
 
 /// 1 MiB messages by rendezvous: into the lent buffer of a posted receive (no copy: the same
@@ -304,7 +302,7 @@ fn rendezvous_into_the_posted_receive_buffer() {
             };
             wait_for_async("posted receive", || {
                 let c = ctx.clone();
-                async move { owner_stats(&c, A).await.posted_now >= 2 }
+                async move { shard_stats(&c).await.posted_now >= 1 }
             })
             .await;
             posted.fetch_add(1, Ordering::AcqRel);
@@ -323,7 +321,7 @@ fn rendezvous_into_the_posted_receive_buffer() {
             // The second one was sent before this receive: pulled into the queue first.
             wait_for_async("queued big message", || {
                 let c = ctx.clone();
-                async move { owner_stats(&c, A).await.unexpected_bytes_now >= BIG as u64 }
+                async move { shard_stats(&c).await.unexpected_bytes_now >= BIG as u64 }
             })
             .await;
             let (t, data) = ctx
@@ -356,14 +354,12 @@ fn rendezvous_into_the_posted_receive_buffer() {
     });
     let b_stats = join_all(vec![b]).remove(0);
     join_all(vec![a]);
-    let s = b_stats
-        .iter()
-        .find(|s| s.arrived > 0)
-        .expect("an owner shard");
-    // Both first messages, and maybe second ones whose receive came first.
-    assert!(s.rndv_into_receive >= 2, "{b_stats:?}");
-    assert_eq!((s.unexpected_now, s.posted_now), (0, 0), "{b_stats:?}");
-    assert_eq!(s.pull_failed, 0, "{b_stats:?}");
+    for s in &b_stats {
+        // The first message, and maybe the second if its receive came first.
+        assert!(s.rndv_into_receive >= 1, "{b_stats:?}");
+        assert_eq!((s.unexpected_now, s.posted_now), (0, 0), "{b_stats:?}");
+        assert_eq!(s.pull_failed, 0, "{b_stats:?}");
+    }
 }
 
 /// Over the unexpected queue's caps, messages are dropped and counted.
@@ -376,7 +372,8 @@ fn unexpected_queue_caps_drop_and_count() {
         max_unexpected_count: 5,
     };
     let b = listener(B, cfg, &addr, move |ctx: Rc<ShardCtx>| async move {
-        if ctx.owner_of(A) != ctx.id() {
+        // Shard 0 of A sends on its rail to shard 0 of B.
+        if ctx.id() != ShardId::new(0) {
             return None;
         }
         wait_for("13 messages", || ctx.tag_stats().arrived >= 13).await;
@@ -416,7 +413,7 @@ fn unexpected_queue_caps_drop_and_count() {
         let addr = addr.clone();
         async move {
             connect(&ctx, &addr).await;
-            if ctx.owner_of(B) == ctx.id() {
+            if ctx.id() == ShardId::new(0) {
                 for i in 0..13u32 {
                     let len = if i < 3 { 400 } else { 10 };
                     let data = payload(0, i, len);
@@ -432,8 +429,7 @@ fn unexpected_queue_caps_drop_and_count() {
     assert_eq!(stats.iter().flatten().count(), 1);
 }
 
-/// A receive that timed out, or was dropped, does not take a later message: on the owner shard
-/// and on the other one.
+/// A receive that timed out, or was dropped, does not take a later message, on either shard.
 #[test]
 fn ended_receives_do_not_swallow_later_messages() {
     let _g = serial();
@@ -449,21 +445,21 @@ fn ended_receives_do_not_swallow_later_messages() {
                 .await;
             assert!(matches!(r, Err(NetError::TimedOut { .. })), "{r:?}");
             {
-                // Posted (polled once, which sends it to the owner), then dropped.
+                // Posted (polled once), then dropped.
                 let mut f = Box::pin(ctx.tag_recv(A, utag(0x50 | me), exact(), WAIT));
                 assert!(futures_lite::future::poll_once(&mut f).await.is_none());
                 sleep(Duration::from_millis(20)).await;
             }
-            // The owner forgets both (the dropped one within its polling interval).
+            // The shard forgets both.
             wait_for_async("no posted receives", || {
                 let c = ctx.clone();
-                async move { owner_stats(&c, A).await.posted_now == 0 }
+                async move { shard_stats(&c).await.posted_now == 0 }
             })
             .await;
             ready.fetch_add(1, Ordering::AcqRel);
             wait_for_async("A's message", || {
                 let c = ctx.clone();
-                async move { owner_stats(&c, A).await.unexpected_now > 0 }
+                async move { shard_stats(&c).await.unexpected_now > 0 }
             })
             .await;
             let (t, d) = ctx
@@ -506,7 +502,7 @@ fn receives_match_only_their_peer() {
             wait_for("A's message", || phase.load(Ordering::Acquire) >= 1).await;
             wait_for_async("A's message queued", || {
                 let c = ctx.clone();
-                async move { owner_stats(&c, A).await.unexpected_now == 1 }
+                async move { shard_stats(&c).await.unexpected_now == 1 }
             })
             .await;
             // Posted while A's message with the same tag waits: only C's may match.
@@ -544,7 +540,8 @@ fn receives_match_only_their_peer() {
             connect(&ctx, &addr).await;
             wait_for("B's receive", || phase.load(Ordering::Acquire) >= 2).await;
             if ctx.id() == ShardId::new(1) {
-                ctx.tag_send(B, utag(7), b"from C".to_vec())
+                // To shard 0 of B, which holds the receive (forwarded to C's shard 0).
+                ctx.tag_send(Dest::shard(B, ShardId::new(0)), utag(7), b"from C".to_vec())
                     .await
                     .expect("send");
             }

@@ -33,7 +33,7 @@ use super::{
     Measurement, Route, RpcEcho, RpcSink, ShardFigures, Test, Transport, ACK, ECHO, ECHO_REPLY,
     FLAG_ACK, PEERS, PEERS_REPLY, REGION, REGION_REPLY, SINK, TAG_START,
 };
-use crate::{AmId, AmMsg, Node, Peer, TAG_MASK_EXACT};
+use crate::{AmId, AmMsg, Node, OwnedAmMsg, Peer, TAG_MASK_EXACT};
 
 /// Deadline of every operation and answer of a benchmark.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -76,7 +76,7 @@ pub struct ClientConfig {
 
 thread_local! {
     /// Where this shard's answers go.
-    static ANSWERS: RefCell<Option<LocalSender<AmMsg>>> = const { RefCell::new(None) };
+    static ANSWERS: RefCell<Option<LocalSender<OwnedAmMsg>>> = const { RefCell::new(None) };
 }
 
 /// The barrier between tests: round `k` opens once every shard has arrived `k` times.
@@ -92,7 +92,7 @@ struct Session {
     me: ShardId,
     peer: Peer,
     route: Route,
-    answers: LocalReceiver<AmMsg>,
+    answers: LocalReceiver<OwnedAmMsg>,
     watch: Rc<Watch>,
     region: Option<RemoteRegion>,
     seq: Cell<u64>,
@@ -227,6 +227,7 @@ fn on_answer(node: &Node, msg: AmMsg) {
     let Some((origin, _, _)) = parse_header(msg.header()) else {
         return;
     };
+    let msg = msg.into_owned();
     if origin == node.shard() {
         deliver(msg);
     } else if origin.index() < node.shard_count() {
@@ -240,7 +241,7 @@ fn on_answer(node: &Node, msg: AmMsg) {
     }
 }
 
-fn deliver(msg: AmMsg) {
+fn deliver(msg: OwnedAmMsg) {
     ANSWERS.with(|a| {
         if let Some(tx) = a.borrow().as_ref() {
             let _ = tx.try_send(msg);
@@ -254,7 +255,7 @@ async fn shard_main(
     cfg: &ClientConfig,
     plan: &[(Test, usize)],
     gate: &Gate,
-    answers: LocalReceiver<AmMsg>,
+    answers: LocalReceiver<OwnedAmMsg>,
 ) -> Result<Vec<ShardFigures>, BenchError> {
     let me = node.shard();
     let main = node.connect_within(cfg.addr, DEADLINE).await?;
@@ -355,7 +356,7 @@ impl Session {
     }
 
     /// The next answer, which must be `id` with sequence number `seq`.
-    async fn answer(&self, id: AmId, seq: u64) -> Result<AmMsg, BenchError> {
+    async fn answer(&self, id: AmId, seq: u64) -> Result<OwnedAmMsg, BenchError> {
         // No timer per answer: the watchdog closes the channel when an answer is overdue.
         self.watch.waiting.set(true);
         let msg = self.answers.recv().await;

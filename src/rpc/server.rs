@@ -604,6 +604,7 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>, shared: &Rc<ShardLocal>) {
         let key = DedupKey {
             node: from,
             incarnation: header.incarnation,
+            shard: header.src_shard,
             req_id: header.req_id,
         };
         let running = on_cancel.rpc.running.borrow().get(&key).cloned();
@@ -809,6 +810,7 @@ fn on_request_frame<P: AsRef<[u8]>>(
     let key = DedupKey {
         node: from,
         incarnation: header.incarnation,
+        shard: header.src_shard,
         req_id: header.req_id,
     };
     if !one_way {

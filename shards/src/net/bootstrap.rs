@@ -8,7 +8,7 @@ use glommio::timer::sleep;
 
 use super::{session, NetError, Reader, RemoteNode, DIRECTORY_AM, MAX_ADDR_LEN};
 use crate::boot::ShardCtx;
-use crate::proto::{Incarnation, NodeId, ShardId, ShardMap};
+use crate::proto::{Incarnation, NodeId, ShardId};
 use crate::ucx::{AmProto, Endpoint, EpOptions, ErrorMode, Listener, WorkerAddress};
 
 const DIRECTORY_MAGIC: u32 = u32::from_le_bytes(*b"SCXD");
@@ -203,8 +203,10 @@ impl ShardCtx {
     }
 
     /// Connects this node to the node listening at `addr`, from any shard: bootstraps from this
-    /// shard, then runs the handshake on the owner shards of both sides (forwarding here to the
-    /// local owner). Returns the existing session if there is one.
+    /// shard, then has local shard 0 establish the node pair (one handshake per node pair,
+    /// then every rail of every local shard joined; see `session`), and resolves with this
+    /// shard's default rail. Returns at once, after the bootstrap, when that rail is already
+    /// up with the node's current incarnation.
     pub async fn connect(self: &Rc<Self>, addr: SocketAddr) -> Result<RemoteNode, NetError> {
         if self.net().settings.psk.is_none() {
             return Err(NetError::NoKey);
@@ -213,24 +215,26 @@ impl ShardCtx {
         if dir.node_id == self.node_id() {
             return Err(NetError::SelfConnect);
         }
-        let remote_map =
-            ShardMap::new(dir.shard_count()).map_err(|_| NetError::BadDirectory { addr })?;
-        let r = remote_map.owner_of(self.node_id());
-        let address = dir
-            .workers
-            .get(r.index())
-            .cloned()
-            .ok_or(NetError::BadDirectory { addr })?;
-        let node = dir.node_id;
-        let owner = self.owner_of(node);
-        if owner == self.id() {
-            session::open(self, node, address).await
-        } else {
-            self.forward(owner, move |c| async move {
-                session::open(&c, node, address).await
-            })
-            .await?
+        if dir.workers.is_empty() {
+            return Err(NetError::BadDirectory { addr });
         }
+        let node = dir.node_id;
+        if let Some(up) = self
+            .session(node)
+            .filter(|r| r.incarnation == dir.incarnation)
+        {
+            return Ok(up);
+        }
+        let coordinator = ShardId::new(0);
+        if self.id() == coordinator {
+            session::establish(self, dir).await?;
+        } else {
+            self.forward(coordinator, move |c| async move {
+                session::establish(&c, dir).await
+            })
+            .await??;
+        }
+        self.session(node).ok_or(NetError::NotConnected { node })
     }
 }
 

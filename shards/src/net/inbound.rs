@@ -9,7 +9,7 @@ use futures_lite::future;
 use glommio::timer::sleep;
 
 use super::request::{is_reply_kind, is_request_kind, reply_fits};
-use super::session::{self, accept_hello};
+use super::session::{self, accept_opening};
 use super::{
     parse_am_header, NetError, NetState, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, DIRECTORY_AM,
     FRAME_AM, MAX_ADDR_LEN, MAX_USER_HEADER,
@@ -18,8 +18,9 @@ use crate::boot::ShardCtx;
 use crate::driver::DispatchHook;
 use crate::pool::PoolBuf;
 use crate::proto::conn::{DropReason, Received};
+use crate::proto::handshake::Role;
 use crate::proto::wire::decode_frame;
-use crate::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId, Timestamp, WireError};
+use crate::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId, ShardId, Timestamp, WireError};
 use crate::ucx::{AlignedBuf, AmData, AmPayload, AmRndv, IoBufMut};
 
 /// A handler of application frames (an AM id's, or a request kind's).
@@ -77,9 +78,10 @@ pub(super) enum Inbound {
     },
     TooLarge,
     Malformed,
-    /// A connection's sender found its endpoint failed (pushed by the sender task).
+    /// A rail's sender found its endpoint failed (pushed by the sender task).
     TransportError {
         node: NodeId,
+        remote: ShardId,
         generation: u64,
     },
 }
@@ -346,12 +348,18 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
             user,
             data,
         } => {
-            let received = match net.peers.borrow_mut().get_mut(&node) {
-                Some(p) => p.conn.handle_frame(now, &header, &[]),
+            let remote = header.src_shard;
+            let received = match net
+                .peers
+                .borrow_mut()
+                .get_mut(&node)
+                .and_then(|p| p.get_mut(remote))
+            {
+                Some(r) => r.conn.handle_frame(now, &header, &[]),
                 None => Received::Dropped(DropReason::NotReady),
             };
             if !matches!(received, Received::Deliver) {
-                session::service(net, node);
+                session::service(net, node, remote);
             }
             if count_received(net, &header, received) {
                 match data {
@@ -375,18 +383,30 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
         } => handle_control(ctx, net, node, addr_len, &bytes, now),
         Inbound::Malformed => net.count(|s| s.dropped_malformed += 1),
         Inbound::TooLarge => net.count(|s| s.dropped_too_large += 1),
-        Inbound::TransportError { node, generation } => {
-            if let Some(p) = net.peers.borrow_mut().get_mut(&node) {
-                if p.generation == generation {
-                    p.conn.handle_transport_error(now);
+        Inbound::TransportError {
+            node,
+            remote,
+            generation,
+        } => {
+            if let Some(r) = net
+                .peers
+                .borrow_mut()
+                .get_mut(&node)
+                .and_then(|p| p.get_mut(remote))
+            {
+                if r.generation == generation {
+                    r.conn.handle_transport_error(now);
                 }
             }
-            session::service(net, node);
+            session::service(net, node, remote);
         }
     }
 }
 
-/// A [`FRAME_AM`] message: a control frame of a connection, or a hello that opens one.
+/// A [`FRAME_AM`] message: a control frame of a rail, or a `Hello` or `Join` that opens one.
+/// An opening on a rail that already has a connection goes to that connection when it can
+/// take it (a server answers a new `Hello`; a join server a new `Join`), else it replaces it
+/// (a `Join` from a peer whose earlier rail this shard still holds as a primary).
 fn handle_control(
     ctx: &Rc<ShardCtx>,
     net: &NetState,
@@ -406,15 +426,40 @@ fn handle_control(
             return;
         }
     };
-    let known = net.peers.borrow().contains_key(&node);
-    if !known && !accept_hello(ctx, net, node, addr, &header, payload) {
+    let remote = header.src_shard;
+    let fits = net
+        .peers
+        .borrow()
+        .get(&node)
+        .and_then(|p| p.get(remote))
+        .map(|r| match header.kind {
+            FrameKind::Join => r.conn.role() == Role::Server && r.conn.is_join(),
+            _ => true,
+        });
+    let takes = match fits {
+        Some(true) => true,
+        Some(false) | None => {
+            header.kind.is_handshake()
+                && matches!(header.kind, FrameKind::Hello | FrameKind::Join)
+                && accept_opening(ctx, net, node, addr, &header, payload)
+        }
+    };
+    if !takes {
+        if fits.is_none() && !matches!(header.kind, FrameKind::Hello | FrameKind::Join) {
+            net.count(|s| s.dropped_unauthenticated += 1);
+        }
         return;
     }
-    let received = match net.peers.borrow_mut().get_mut(&node) {
-        Some(p) => p.conn.handle_frame(now, &header, payload),
+    let received = match net
+        .peers
+        .borrow_mut()
+        .get_mut(&node)
+        .and_then(|p| p.get_mut(remote))
+    {
+        Some(r) => r.conn.handle_frame(now, &header, payload),
         None => return,
     };
-    session::service(net, node);
+    session::service(net, node, remote);
     if count_received(net, &header, received) {
         // Application frames travel as DATA_AM only.
         net.count(|s| s.dropped_malformed += 1);
@@ -455,11 +500,9 @@ fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
             net.handlers.borrow().contains_key(&id) || net.rndv_handlers.borrow().contains_key(&id)
         }
         k if is_reply_kind(k) => {
-            let fits = net
-                .pending
-                .borrow()
-                .get(header.req_id)
-                .is_some_and(|p| p.node == node && reply_fits(p.kind, k));
+            let fits = net.pending.borrow().get(header.req_id).is_some_and(|p| {
+                p.node == node && p.remote == header.src_shard && reply_fits(p.kind, k)
+            });
             if !fits {
                 net.count(|s| s.dropped_unmatched += 1);
                 return false;
@@ -507,9 +550,9 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
         k if is_reply_kind(k) => {
             let p = {
                 let mut pending = net.pending.borrow_mut();
-                let fits = pending
-                    .get(header.req_id)
-                    .is_some_and(|p| p.node == frame.node && reply_fits(p.kind, k));
+                let fits = pending.get(header.req_id).is_some_and(|p| {
+                    p.node == frame.node && p.remote == header.src_shard && reply_fits(p.kind, k)
+                });
                 if fits {
                     pending.complete(header.req_id)
                 } else {

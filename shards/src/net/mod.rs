@@ -199,7 +199,7 @@ pub use inbound::{Frame, Payload, RndvBuf};
 
 use inbound::{FrameHandler, Inbound, RndvHandler};
 use request::Pending;
-use session::Peer;
+use session::PeerRails;
 
 /// UCX active-message id of the bootstrap directory (listener → client).
 pub const DIRECTORY_AM: AmIdRaw = 0x5C00;
@@ -222,8 +222,6 @@ pub const MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 const DRAIN_POLL: Duration = Duration::from_millis(2);
 /// Largest worker address accepted in a directory or a hello.
 const MAX_ADDR_LEN: usize = 64 << 10;
-/// Entries of a shard's owner cache (see [`ShardCtx::owner_of`]).
-const OWNER_CACHE: usize = 16;
 
 /// Settings of the connections between nodes.
 #[derive(Debug, Clone)]
@@ -269,11 +267,48 @@ pub struct RemoteNode {
     pub remote_shard: ShardId,
 }
 
+/// Where a frame or request goes: a node, on the calling shard's default rail to it, or one
+/// shard of it (see "Rails" in the module docs). A [`NodeId`] converts into the former.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Dest {
+    /// The remote node.
+    pub node: NodeId,
+    /// The remote shard, or `None` for the calling shard's default rail.
+    pub shard: Option<ShardId>,
+}
+
+impl Dest {
+    /// Shard `shard` of `node`.
+    pub fn shard(node: NodeId, shard: ShardId) -> Dest {
+        Dest {
+            node,
+            shard: Some(shard),
+        }
+    }
+}
+
+/// Where a call runs (see [`ShardCtx::route`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// On this shard, on its rail to this remote shard.
+    Here(ShardId),
+    /// Forwarded to this local shard, which holds the rail.
+    There(ShardId),
+}
+
+impl From<NodeId> for Dest {
+    fn from(node: NodeId) -> Dest {
+        Dest { node, shard: None }
+    }
+}
+
 /// Counters of one shard's connections.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NetStats {
-    /// Handshakes completed on this shard.
+    /// Pre-shared-key handshakes completed on this shard (one per node pair and session).
     pub handshakes: u64,
+    /// Rails that joined a session on this shard (`Join`/`Joined` completed).
+    pub joins: u64,
     /// Application frames delivered to handlers.
     pub delivered: u64,
     /// Frames dropped because their sender had no ready (authenticated) connection.
@@ -321,6 +356,8 @@ pub(crate) struct NodeSettings {
     pub(crate) listen_addr: std::sync::Arc<std::sync::OnceLock<SocketAddr>>,
     pub(crate) error_mode: ErrorMode,
     pub(crate) cfg: NetConfig,
+    /// The node's sessions, shared by its shards (see `session`).
+    pub(crate) sessions: session::SessionTable,
 }
 
 type LostHook = Rc<dyn Fn(Option<NodeId>, &NetError)>;
@@ -349,9 +386,11 @@ pub(crate) struct NetState {
     inbox: Rc<RefCell<VecDeque<Inbound>>>,
     directories: Rc<Queue<Vec<u8>>>,
     bootstrap_lock: Semaphore,
-    // Looked up several times per frame: hashed with proto's keyed multiply-fold hash rather
-    // than SipHash (keys from the network; one random key per shard, see `DedupHasher`).
-    peers: RefCell<HashMap<NodeId, Peer, DedupHasher>>,
+    // Looked up once per frame: hashed with proto's keyed multiply-fold hash rather than
+    // SipHash (keys from the network; one random key per shard, see `DedupHasher`).
+    peers: RefCell<HashMap<NodeId, PeerRails, DedupHasher>>,
+    /// On shard 0: node pairs being established, with who waits for each (see `session`).
+    establishing: RefCell<HashMap<NodeId, Vec<Rc<Slot<Result<(), NetError>>>>>>,
     handlers: RefCell<HashMap<AmId, FrameHandler, DedupHasher>>,
     rndv_handlers: RefCell<HashMap<AmId, RndvHandler, DedupHasher>>,
     frame_handlers: RefCell<HashMap<FrameKind, FrameHandler, DedupHasher>>,
@@ -375,8 +414,6 @@ pub(crate) struct NetState {
     rearm_asked: Cell<bool>,
     /// Set by [`shutdown`]: the net task has ended or is ending.
     closed: Cell<bool>,
-    /// Recently looked-up owners ([`ShardCtx::owner_of`]), direct-mapped by node id.
-    owners: [Cell<Option<(NodeId, ShardId)>>; OWNER_CACHE],
     /// The worker's largest AM header ([`crate::ucx::Worker::max_am_header`]).
     max_am_header: usize,
 }
@@ -566,6 +603,7 @@ impl NetState {
             bootstrap_lock: Semaphore::new(1),
             limits,
             peers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            establishing: RefCell::new(HashMap::new()),
             handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
             rndv_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
             frame_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
@@ -581,7 +619,6 @@ impl NetState {
             timer_waker: RefCell::new(None),
             rearm_asked: Cell::new(false),
             closed: Cell::new(false),
-            owners: Default::default(),
             max_am_header: worker.max_am_header(),
         })
     }
@@ -676,25 +713,46 @@ impl ShardCtx {
         self.net().settings.listen_addr.get().copied()
     }
 
-    /// The shard of this node that owns (holds the connection to) `node`. Remembered for
-    /// recently asked nodes (the shard count never changes), so that asking again per call
-    /// costs no hashing.
-    pub fn owner_of(&self, node: NodeId) -> ShardId {
-        if self.shard_count() == 1 {
-            return ShardId::new(0);
+    /// The shard of this node whose calls to `node` need no hop: with rails, every shard holds
+    /// its own default rail to every connected node, so this is the calling shard. Kept for
+    /// callers that route by it; see [`ShardCtx::owner_of_shard`] for a remote shard.
+    pub fn owner_of(&self, _node: NodeId) -> ShardId {
+        self.id()
+    }
+
+    /// The local shard that holds the rail to shard `shard` of `node` (this shard when it has
+    /// one), or `None` when `node` is not connected on this shard or has no such shard.
+    pub fn owner_of_shard(&self, node: NodeId, shard: ShardId) -> Option<ShardId> {
+        match self.route(Dest::shard(node, shard)).ok()? {
+            Route::Here(_) => Some(self.id()),
+            Route::There(owner) => Some(owner),
         }
-        let net = self.net();
-        let v = node.get();
-        // `usize::try_from` of a value below OWNER_CACHE cannot fail.
-        let slot = &net.owners[usize::try_from((v ^ (v >> 32)) % OWNER_CACHE as u64).unwrap_or(0)];
-        if let Some((n, s)) = slot.get() {
-            if n == node {
-                return s;
+    }
+
+    /// Where a call for `dest` runs: here, on the rail to which remote shard; or forwarded to
+    /// the local shard that holds the rail (see "Rails" in the module docs).
+    pub(crate) fn route(&self, dest: Dest) -> Result<Route, NetError> {
+        let node = dest.node;
+        let peers = self.net().peers.borrow();
+        let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
+        let bad = NetError::BadShardCount {
+            node,
+            count: p.remote_count,
+        };
+        let rails = session::rails_with(self, p.remote_count).ok_or(bad)?;
+        match dest.shard {
+            None => Ok(Route::Here(rails.default_remote(self.id()))),
+            Some(j) if j.get() >= p.remote_count => Err(NetError::NoSuchShard { node, shard: j }),
+            Some(j) if p.get(j).is_some() => Ok(Route::Here(j)),
+            Some(j) => {
+                let owner = rails.owner_of_remote(j);
+                if owner == self.id() {
+                    Err(NetError::NotConnected { node })
+                } else {
+                    Ok(Route::There(owner))
+                }
             }
         }
-        let s = session::local_map(self).owner_of(node);
-        slot.set(Some((node, s)));
-        s
     }
 
     /// This shard's connection counters.
@@ -702,28 +760,29 @@ impl ShardCtx {
         *self.net().stats.borrow()
     }
 
-    /// The ready connection to `node` on this shard, if there is one.
+    /// The ready default rail from this shard to `node`, if there is one.
     pub fn session(&self, node: NodeId) -> Option<RemoteNode> {
-        self.net()
-            .peers
-            .borrow()
-            .get(&node)
-            .and_then(|p| session::ready_remote(&p.conn))
+        let peers = self.net().peers.borrow();
+        let p = peers.get(&node)?;
+        let remote = session::default_remote(self, p)?;
+        session::ready_remote(&p.get(remote)?.conn)
     }
 
-    /// Whether this shard holds a ready connection to `node`.
+    /// The ready rail from this shard to shard `shard` of `node`, if this shard has one.
+    pub fn rail(&self, node: NodeId, shard: ShardId) -> Option<RemoteNode> {
+        let peers = self.net().peers.borrow();
+        session::ready_remote(&peers.get(&node)?.get(shard)?.conn)
+    }
+
+    /// Whether this shard holds a ready default rail to `node`.
     pub fn is_connected(&self, node: NodeId) -> bool {
         self.session(node).is_some()
     }
 
-    /// Remote nodes with a ready connection on this shard.
+    /// Remote nodes with a ready default rail from this shard.
     pub fn connected_nodes(&self) -> Vec<RemoteNode> {
-        self.net()
-            .peers
-            .borrow()
-            .values()
-            .filter_map(|p| session::ready_remote(&p.conn))
-            .collect()
+        let nodes: Vec<NodeId> = self.net().peers.borrow().keys().copied().collect();
+        nodes.into_iter().filter_map(|n| self.session(n)).collect()
     }
 
     /// Requests of this shard waiting for a reply.

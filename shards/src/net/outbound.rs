@@ -14,12 +14,12 @@ use glommio::timer::sleep;
 
 use super::inbound::Inbound;
 use super::{
-    frame_am_header, NetError, NetState, Queue, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, FRAME_AM,
-    MAX_USER_HEADER,
+    frame_am_header, Dest, NetError, NetState, Queue, Route, AM_HEADER_LEN, DATA_AM,
+    DATA_HEADER_LEN, FRAME_AM, MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
 use crate::proto::wire::NO_DEADLINE_TTL;
-use crate::proto::{AmId, FrameFlags, FrameHeader, FrameKind, NodeId, ReqId};
+use crate::proto::{AmId, FrameFlags, FrameHeader, FrameKind, NodeId, ReqId, ShardId};
 use crate::ucx::{AmProto, AmSend, Endpoint};
 
 /// Sends a sender task keeps in flight at most; it takes no more frames from its queue until
@@ -117,6 +117,18 @@ impl AmHeader {
     }
 }
 
+/// Control kinds (handshake, heartbeats, close) are the connection's own: refused for
+/// applications ([`NetError::BadKind`]).
+pub(super) fn check_kind(kind: FrameKind) -> Result<(), NetError> {
+    if kind.is_control() {
+        return Err(NetError::BadKind {
+            kind,
+            op: "send an application frame",
+        });
+    }
+    Ok(())
+}
+
 /// The size checks every send makes first: the payload against
 /// [`super::NetConfig::max_message_size`], the user header against [`MAX_USER_HEADER`] and what
 /// the worker's UCX carries in one AM header.
@@ -141,7 +153,7 @@ pub(super) fn check_sizes(net: &NetState, user: usize, payload: usize) -> Result
     Ok(())
 }
 
-/// Sends an application frame to `node` on this shard, its owner: in place when nothing queued
+/// Sends an application frame on this shard's rail to `(node, remote)`: in place when nothing queued
 /// must go first, the payload is at most the rendezvous threshold and UCX completes the send at
 /// once (its short path); otherwise queued for the connection's sender task (a borrowed
 /// payload is copied then). Sizes are checked first, and control kinds refused.
@@ -151,21 +163,19 @@ pub(super) fn check_sizes(net: &NetState, user: usize, payload: usize) -> Result
 /// order of sends posted on one endpoint.
 pub(super) fn send(
     ctx: &ShardCtx,
-    node: NodeId,
+    (node, remote): (NodeId, ShardId),
     spec: FrameSpec,
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
     let net = ctx.net();
     check_sizes(net, user.len(), body.as_slice().len())?;
-    if spec.kind.is_control() {
-        return Err(NetError::BadKind {
-            kind: spec.kind,
-            op: "send an application frame",
-        });
-    }
+    check_kind(spec.kind)?;
     let peers = net.peers.borrow();
-    let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
+    let p = peers
+        .get(&node)
+        .and_then(|p| p.get(remote))
+        .ok_or(NetError::NotConnected { node })?;
     let len = body.as_slice().len();
     let rndv = len > net.settings.cfg.rndv_threshold;
     let header = FrameHeader {
@@ -224,7 +234,7 @@ pub(super) async fn sender(
     ctx: Weak<ShardCtx>,
     ep: Rc<Endpoint>,
     out: Rc<Queue<Outbound>>,
-    (node, generation): (NodeId, u64),
+    (node, remote, generation): (NodeId, ShardId, u64),
     live: Rc<std::cell::Cell<usize>>,
     (linger, rndv_timeout): (Duration, Duration),
 ) {
@@ -237,7 +247,11 @@ pub(super) async fn sender(
             c.net()
                 .inbox
                 .borrow_mut()
-                .push_back(Inbound::TransportError { node, generation });
+                .push_back(Inbound::TransportError {
+                    node,
+                    remote,
+                    generation,
+                });
             c.wake_driver();
         }
     };
@@ -317,7 +331,11 @@ pub(super) async fn sender(
                             c.net()
                                 .inbox
                                 .borrow_mut()
-                                .push_back(Inbound::TransportError { node, generation });
+                                .push_back(Inbound::TransportError {
+                                    node,
+                                    remote,
+                                    generation,
+                                });
                             c.wake_driver();
                         }
                     }
@@ -359,40 +377,57 @@ impl<T> Queue<T> {
 
 impl ShardCtx {
     /// Sends application frame `kind` (with `id`, `req_id`, no deadline, the application's
-    /// `user_header` and `payload`) to `node` at once, from this shard, which must own `node`
-    /// ([`ShardCtx::owner_of`]; [`NetError::NotConnected`] otherwise, or when there is no ready
-    /// session). This is the inline answer of a handler: UCX takes the frame in place when it
-    /// can (no copy, no allocation, no task); otherwise it is copied and queued for the
-    /// connection's sender, behind anything queued before it. Returns once the frame is with
-    /// UCX or queued; [`NetError::TooLarge`], [`NetError::HeaderTooLarge`] and
-    /// [`NetError::BadKind`] (control kinds) before anything is sent.
+    /// `user_header` and `payload`) to `dest` at once, from this shard: on its default rail to
+    /// the node, or its rail to the named shard. This is the inline answer of a handler: UCX
+    /// takes the frame in place when it can (no copy, no allocation, no task); otherwise it is
+    /// copied and queued for the rail's sender, behind anything queued before it. Returns once
+    /// the frame is with UCX or queued. Errors before anything is sent:
+    /// [`NetError::NotConnected`] (no ready rail), [`NetError::OtherShard`] (another local
+    /// shard holds the rail to that remote shard: send from there, or with the async
+    /// [`ShardCtx::send_frame`]), [`NetError::TooLarge`], [`NetError::HeaderTooLarge`],
+    /// [`NetError::BadKind`] (control kinds).
     pub fn send_frame_now(
         &self,
-        node: NodeId,
+        dest: impl Into<Dest>,
         kind: FrameKind,
         (id, req_id): (u32, ReqId),
         user_header: &[u8],
         payload: &[u8],
     ) -> Result<(), NetError> {
+        let dest = dest.into();
         let spec = FrameSpec {
             kind,
             id,
             req_id,
             ttl_ns: NO_DEADLINE_TTL,
         };
-        send(self, node, spec, user_header, Body::Borrowed(payload))
+        check_kind(kind)?;
+        check_sizes(self.net(), user_header.len(), payload.len())?;
+        match self.route(dest)? {
+            Route::Here(remote) => send(
+                self,
+                (dest.node, remote),
+                spec,
+                user_header,
+                Body::Borrowed(payload),
+            ),
+            Route::There(owner) => Err(NetError::OtherShard {
+                node: dest.node,
+                owner,
+            }),
+        }
     }
 
     /// [`ShardCtx::send_frame_now`] of an active message `id`.
     pub fn send_am_now(
         &self,
-        node: NodeId,
+        dest: impl Into<Dest>,
         id: AmId,
         user_header: &[u8],
         payload: &[u8],
     ) -> Result<(), NetError> {
         self.send_frame_now(
-            node,
+            dest,
             FrameKind::Am,
             (id.get(), ReqId::NONE),
             user_header,
@@ -400,14 +435,14 @@ impl ShardCtx {
         )
     }
 
-    /// Sends application frame `id` with `payload` to the connected `node`, from any shard
-    /// (forwarded to the owner). Resolves once the frame is with UCX or queued on the owner's
-    /// endpoint. Payloads over [`super::NetConfig::rndv_threshold`] go by rendezvous (see
-    /// [`ShardCtx::set_net_handler_rndv`]); over [`super::NetConfig::max_message_size`] they
-    /// are refused with [`NetError::TooLarge`].
+    /// Sends application frame `id` with `payload` to `dest` from any shard (forwarded to the
+    /// local shard that holds the rail when that is another). Resolves once the frame is with
+    /// UCX or queued on the rail. Payloads over [`super::NetConfig::rndv_threshold`] go by
+    /// rendezvous (see [`ShardCtx::set_net_handler_rndv`]); over
+    /// [`super::NetConfig::max_message_size`] they are refused with [`NetError::TooLarge`].
     pub async fn send_am(
         self: &Rc<Self>,
-        node: NodeId,
+        dest: impl Into<Dest>,
         id: AmId,
         payload: Vec<u8>,
     ) -> Result<(), NetError> {
@@ -417,46 +452,51 @@ impl ShardCtx {
             req_id: ReqId::NONE,
             ttl_ns: NO_DEADLINE_TTL,
         };
-        self.send_spec(node, spec, Vec::new(), payload).await
+        self.send_spec(dest.into(), spec, Vec::new(), payload).await
     }
 
-    /// Sends active message `id` with the application's `user_header` and `payload` to the
-    /// connected `node`, from any shard: at once from the owner (see
-    /// [`ShardCtx::send_frame_now`]), forwarded with a copy of both from another shard.
+    /// Sends active message `id` with the application's `user_header` and `payload` to `dest`,
+    /// from any shard: at once when this shard holds the rail (see
+    /// [`ShardCtx::send_frame_now`]), forwarded with a copy of both otherwise.
     pub async fn send_am_parts(
         self: &Rc<Self>,
-        node: NodeId,
+        dest: impl Into<Dest>,
         id: AmId,
         user_header: &[u8],
         payload: &[u8],
     ) -> Result<(), NetError> {
+        let dest = dest.into();
         check_sizes(self.net(), user_header.len(), payload.len())?;
-        let owner = self.owner_of(node);
-        if owner == self.id() {
-            return self.send_am_now(node, id, user_header, payload);
-        }
         let spec = FrameSpec {
             kind: FrameKind::Am,
             id: id.get(),
             req_id: ReqId::NONE,
             ttl_ns: NO_DEADLINE_TTL,
         };
-        let (user, body) = (user_header.to_vec(), payload.to_vec());
-        self.forward(owner, move |c| async move {
-            send(&c, node, spec, &user, Body::Owned(body))
-        })
-        .await?
+        match self.route(dest)? {
+            Route::Here(remote) => send(
+                self,
+                (dest.node, remote),
+                spec,
+                user_header,
+                Body::Borrowed(payload),
+            ),
+            Route::There(_) => {
+                self.send_spec(dest, spec, user_header.to_vec(), payload.to_vec())
+                    .await
+            }
+        }
     }
 
-    /// Sends one application frame of `kind` with `id` and `req_id` (no deadline) to the
-    /// connected `node`, from any shard (forwarded to the owner). Resolves once the frame is
-    /// with UCX or queued on the owner's endpoint. Payloads over
+    /// Sends one application frame of `kind` with `id` and `req_id` (no deadline) to `dest`,
+    /// from any shard (forwarded to the local shard that holds the rail when that is another).
+    /// Resolves once the frame is with UCX or queued on the rail. Payloads over
     /// [`super::NetConfig::rndv_threshold`] go by rendezvous; over
     /// [`super::NetConfig::max_message_size`] they are refused ([`NetError::TooLarge`]).
     /// Control kinds are refused ([`NetError::BadKind`]).
     pub async fn send_frame(
         self: &Rc<Self>,
-        node: NodeId,
+        dest: impl Into<Dest>,
         kind: FrameKind,
         id: u32,
         req_id: ReqId,
@@ -468,7 +508,7 @@ impl ShardCtx {
             req_id,
             ttl_ns: NO_DEADLINE_TTL,
         };
-        self.send_spec(node, spec, Vec::new(), payload).await
+        self.send_spec(dest.into(), spec, Vec::new(), payload).await
     }
 
     /// [`NetError::TooLarge`] for a payload over [`super::NetConfig::max_message_size`].
@@ -476,33 +516,40 @@ impl ShardCtx {
         check_sizes(self.net(), 0, payload.len())
     }
 
-    /// Sends `spec` with `user` and `payload` from this shard, through the owner shard of
-    /// `node`.
+    /// Sends `spec` with `user` and `payload` to `dest`, from this shard or the one that holds
+    /// the rail.
     pub(super) async fn send_spec(
         self: &Rc<Self>,
-        node: NodeId,
+        dest: Dest,
         spec: FrameSpec,
         user: Vec<u8>,
         payload: Vec<u8>,
     ) -> Result<(), NetError> {
-        // Refused here, before the payload crosses to the owner.
+        // Refused here, before the payload crosses to another shard.
         check_sizes(self.net(), user.len(), payload.len())?;
-        let owner = self.owner_of(node);
-        if owner == self.id() {
-            send(self, node, spec, &user, Body::Owned(payload))
-        } else {
-            self.forward(owner, move |c| async move {
-                send(&c, node, spec, &user, Body::Owned(payload))
-            })
-            .await?
+        check_kind(spec.kind)?;
+        let node = dest.node;
+        match self.route(dest)? {
+            Route::Here(remote) => send(self, (node, remote), spec, &user, Body::Owned(payload)),
+            Route::There(owner) => {
+                self.forward(owner, move |c| async move {
+                    match c.route(dest)? {
+                        Route::Here(remote) => {
+                            send(&c, (node, remote), spec, &user, Body::Owned(payload))
+                        }
+                        Route::There(_) => Err(NetError::NotConnected { node }),
+                    }
+                })
+                .await?
+            }
         }
     }
 
-    /// Answers `request` like [`ShardCtx::reply`], at once and without a task, on the shard
-    /// that owns `node` (where frame handlers run): UCX takes the reply in place when it can,
-    /// else the payload is copied and queued (see [`ShardCtx::send_frame_now`]). Errors:
-    /// [`NetError::BadKind`], [`NetError::TooLarge`], and [`NetError::NotConnected`] when
-    /// `node` has no ready connection on this shard.
+    /// Answers `request` like [`ShardCtx::reply`], at once and without a task, on the rail it
+    /// came in on (frame handlers run on that rail's shard): UCX takes the reply in place when
+    /// it can, else the payload is copied and queued (see [`ShardCtx::send_frame_now`]).
+    /// Errors: [`NetError::BadKind`], [`NetError::TooLarge`], and [`NetError::NotConnected`]
+    /// when that rail is not ready on this shard.
     pub fn reply_now(
         &self,
         node: NodeId,
@@ -511,14 +558,20 @@ impl ShardCtx {
         payload: &[u8],
     ) -> Result<(), NetError> {
         let spec = super::request::reply_spec(request, kind)?;
-        send(self, node, spec, &[], Body::Borrowed(payload))
+        send(
+            self,
+            (node, request.src_shard),
+            spec,
+            &[],
+            Body::Borrowed(payload),
+        )
     }
 
     /// Answers `request` (a frame header given to a [`ShardCtx::set_frame_handler`] handler)
-    /// from `node` with a reply of `kind`, from any shard: [`FrameKind::RpcResponse`] or
-    /// [`FrameKind::RpcError`] for an [`FrameKind::RpcRequest`], [`FrameKind::RmaReply`] for
-    /// [`FrameKind::RmaPut`] and [`FrameKind::RmaGet`] (else [`NetError::BadKind`]). The reply
-    /// carries the request's `id` and `req_id`.
+    /// from `node` with a reply of `kind`, from any shard, on the rail the request came in on:
+    /// [`FrameKind::RpcResponse`] or [`FrameKind::RpcError`] for an [`FrameKind::RpcRequest`],
+    /// [`FrameKind::RmaReply`] for [`FrameKind::RmaPut`] and [`FrameKind::RmaGet`] (else
+    /// [`NetError::BadKind`]). The reply carries the request's `id` and `req_id`.
     pub async fn reply(
         self: &Rc<Self>,
         node: NodeId,
@@ -527,6 +580,12 @@ impl ShardCtx {
         payload: Vec<u8>,
     ) -> Result<(), NetError> {
         let spec = super::request::reply_spec(request, kind)?;
-        self.send_spec(node, spec, Vec::new(), payload).await
+        self.send_spec(
+            Dest::shard(node, request.src_shard),
+            spec,
+            Vec::new(),
+            payload,
+        )
+        .await
     }
 }

@@ -40,10 +40,10 @@ use glommio::timer::sleep;
 
 use super::inbound::Payload;
 use super::outbound::{send, Body, FrameSpec};
-use super::{NetError, Slot, MAX_REQUEST_TIMEOUT};
+use super::{Dest, NetError, Route, Slot, MAX_REQUEST_TIMEOUT};
 use crate::boot::ShardCtx;
 use crate::proto::wire::{ttl_from_deadline, NO_DEADLINE_TTL};
-use crate::proto::{FrameHeader, FrameKind, NodeId, ReqId};
+use crate::proto::{FrameHeader, FrameKind, NodeId, ReqId, ShardId};
 
 /// What a request resolves with on its owner shard.
 pub(super) type Reply = Result<(FrameHeader, Payload), NetError>;
@@ -51,6 +51,8 @@ pub(super) type Reply = Result<(FrameHeader, Payload), NetError>;
 /// A request in flight on the shard that owns its node.
 pub(crate) struct Pending {
     pub(super) node: NodeId,
+    /// The remote shard of the rail it went out on (its reply must come back on it).
+    pub(super) remote: ShardId,
     pub(super) kind: FrameKind,
     /// The frame's `id` (for the [`FrameKind::RpcCancel`] sent when it times out).
     pub(super) id: u32,
@@ -90,7 +92,7 @@ pub(super) fn reply_fits(request: FrameKind, reply: FrameKind) -> bool {
 /// working on it.
 struct PendingGuard<'a> {
     ctx: &'a ShardCtx,
-    node: NodeId,
+    rail: (NodeId, ShardId),
     spec: FrameSpec,
     /// Cleared once the request has its answer: whoever gave it removed the entry.
     armed: bool,
@@ -104,13 +106,13 @@ impl Drop for PendingGuard<'_> {
         let net = self.ctx.net();
         let was_pending = net.pending.borrow_mut().cancel(self.spec.req_id).is_some();
         if was_pending && self.spec.kind == FrameKind::RpcRequest {
-            send_cancel(self.ctx, self.node, self.spec.id, self.spec.req_id);
+            send_cancel(self.ctx, self.rail, self.spec.id, self.spec.req_id);
         }
     }
 }
 
 /// Sends the [`FrameKind::RpcCancel`] of an RPC request given up (dropped or timed out).
-pub(super) fn send_cancel(ctx: &ShardCtx, node: NodeId, id: u32, req_id: ReqId) {
+pub(super) fn send_cancel(ctx: &ShardCtx, rail: (NodeId, ShardId), id: u32, req_id: ReqId) {
     let cancel = FrameSpec {
         kind: FrameKind::RpcCancel,
         id,
@@ -118,7 +120,7 @@ pub(super) fn send_cancel(ctx: &ShardCtx, node: NodeId, id: u32, req_id: ReqId) 
         ttl_ns: NO_DEADLINE_TTL,
     };
     // Best effort: a connection that has gone has taken the request with it.
-    if send(ctx, node, cancel, &[], Body::Borrowed(&[])).is_ok() {
+    if send(ctx, rail, cancel, &[], Body::Borrowed(&[])).is_ok() {
         ctx.net().count(|s| s.cancels_sent += 1);
     }
 }
@@ -177,16 +179,16 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// Sends a request to `node` on this shard, its owner, and waits for the reply, at most
+/// Sends a request on this shard's rail to `(node, remote)` and waits for the reply, at most
 /// `timeout`; the frame's `ttl_ns` is `ttl` (at most `timeout`).
 ///
 /// The deadline has no timer of its own: the net task's timer, armed for the shard's earliest
-/// deadline ([`net_loop`]), fails the request at its deadline, as precisely as a timer of its
+/// deadline, fails the request at its deadline, as precisely as a timer of its
 /// own would (glommio's timers, and the executor's wake-up). Only when the net task has ended
-/// (after [`shutdown`]) does a request wait with a timer of its own.
+/// (after shut-down) does a request wait with a timer of its own.
 async fn request_local(
     ctx: &Rc<ShardCtx>,
-    node: NodeId,
+    (node, remote): (NodeId, ShardId),
     (kind, id): (FrameKind, u32),
     payload: Vec<u8>,
     (timeout, ttl): (Duration, Duration),
@@ -206,6 +208,7 @@ async fn request_local(
         deadline,
         Pending {
             node,
+            remote,
             kind,
             id,
             waiter: waiter.clone(),
@@ -219,14 +222,14 @@ async fn request_local(
     };
     let mut guard = PendingGuard {
         ctx,
-        node,
+        rail: (node, remote),
         spec: FrameSpec {
             ttl_ns: NO_DEADLINE_TTL,
             ..spec
         },
         armed: true,
     };
-    send(ctx, node, spec, &[], Body::Owned(payload))?;
+    send(ctx, (node, remote), spec, &[], Body::Owned(payload))?;
     if net.closed.get() {
         let got = future::or(async { Some(waiter.wait().await) }, async {
             sleep(deadline.saturating_duration_since(net.now())).await;
@@ -264,7 +267,7 @@ impl ShardCtx {
     /// [`ShardCtx::request_with_ttl`]).
     pub async fn request(
         self: &Rc<Self>,
-        node: NodeId,
+        node: impl Into<Dest>,
         kind: FrameKind,
         id: u32,
         payload: Vec<u8>,
@@ -284,7 +287,7 @@ impl ShardCtx {
     /// same `id` and `req_id` ([`NetStats::cancels_sent`]).
     pub async fn request_with_ttl(
         self: &Rc<Self>,
-        node: NodeId,
+        dest: impl Into<Dest>,
         kind: FrameKind,
         id: u32,
         payload: Vec<u8>,
@@ -292,33 +295,77 @@ impl ShardCtx {
         ttl: Duration,
     ) -> Result<(FrameHeader, Vec<u8>), NetError> {
         self.check_len(&payload)?;
-        let owner = self.owner_of(node);
-        if owner == self.id() {
-            request_local(self, node, (kind, id), payload, (timeout, ttl))
-                .await
-                .map(|(h, p)| (h, p.into_vec()))
-        } else {
-            let cancel = Arc::new(ForwardCancel::default());
-            let mut on_drop = CancelOnDrop(Some(cancel.clone()));
-            let got = self
-                .forward(owner, move |c| async move {
-                    future::or(
-                        async {
-                            request_local(&c, node, (kind, id), payload, (timeout, ttl))
+        let dest = dest.into();
+        let node = dest.node;
+        match self.route(dest)? {
+            Route::Here(remote) => {
+                request_local(self, (node, remote), (kind, id), payload, (timeout, ttl))
+                    .await
+                    .map(|(h, p)| (h, p.into_vec()))
+            }
+            Route::There(owner) => {
+                let cancel = Arc::new(ForwardCancel::default());
+                let mut on_drop = CancelOnDrop(Some(cancel.clone()));
+                let got = self
+                    .forward(owner, move |c| async move {
+                        let Route::Here(remote) = c.route(dest)? else {
+                            return Err(NetError::NotConnected { node });
+                        };
+                        future::or(
+                            async {
+                                request_local(
+                                    &c,
+                                    (node, remote),
+                                    (kind, id),
+                                    payload,
+                                    (timeout, ttl),
+                                )
                                 .await
                                 .map(|(h, p)| (h, p.into_vec()))
-                        },
-                        async {
-                            cancel.wait().await;
-                            Err(NetError::TimedOut { what: "request" })
-                        },
-                    )
-                    .await
-                })
-                .await;
-            // Answered (or failed): nothing to cancel on the owner.
-            on_drop.0 = None;
-            got?
+                            },
+                            async {
+                                cancel.wait().await;
+                                Err(NetError::TimedOut { what: "request" })
+                            },
+                        )
+                        .await
+                    })
+                    .await;
+                // Answered (or failed): nothing to cancel on the owner.
+                on_drop.0 = None;
+                got?
+            }
+        }
+    }
+
+    /// [`ShardCtx::request`] from this shard only, resolving with the reply's [`Payload`] as it
+    /// arrived (UCX's descriptor for eager replies: no copy). `dest` must be reachable on a
+    /// rail of this shard ([`NetError::OtherShard`] otherwise).
+    pub async fn request_here(
+        self: &Rc<Self>,
+        dest: impl Into<Dest>,
+        kind: FrameKind,
+        id: u32,
+        payload: Vec<u8>,
+        (timeout, ttl): (Duration, Duration),
+    ) -> Result<(FrameHeader, Payload), NetError> {
+        self.check_len(&payload)?;
+        let dest = dest.into();
+        match self.route(dest)? {
+            Route::Here(remote) => {
+                request_local(
+                    self,
+                    (dest.node, remote),
+                    (kind, id),
+                    payload,
+                    (timeout, ttl),
+                )
+                .await
+            }
+            Route::There(owner) => Err(NetError::OtherShard {
+                node: dest.node,
+                owner,
+            }),
         }
     }
 }
