@@ -1,8 +1,9 @@
 //! Checked remote memory through the facade: two nodes of two shards each in one process, over
 //! tcp on loopback. The server node holds regions on both of its shards; the client puts and
-//! gets from both of its shards (the one that owns the server, and the one that forwards), so
-//! every route is taken: owner or forwarded on the client, region on the server's owner shard
-//! or on the other one. Every refusal is checked to leave the server's memory unchanged.
+//! gets from both of its shards to both, so every route is taken: on the client shard's own
+//! rail to the region's shard, or forwarded on the client to the shard that holds that rail;
+//! never forwarded on the server. Every refusal is checked to leave the server's memory
+//! unchanged.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
 
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
 use shardcx::proto::region::{GetRequest, PutRequest, RmaReply};
-use shardcx::proto::{FrameKind, Limits, ShardMap};
+use shardcx::proto::{FrameKind, Limits};
 use shardcx::rma::{
     DescriptorError, Permissions, Region, RemoteRegion, RmaErrorCode, RmaOpError, RmaStats,
     TrustedDescriptor, TrustedRegion, TrustedStats,
@@ -308,22 +309,16 @@ fn put_get_round_trips_on_every_route() {
         }
     }
     let stats = server.finish();
-    let server_owner = ShardMap::new(2).unwrap().owner_of(CLIENT);
-    for (client_shard, owner, _, times) in &got {
-        let route = if client_shard == owner {
-            "owner"
-        } else {
-            "forwarded"
-        };
+    for (client_shard, _, _, times) in &got {
         for (holder, puts, gets) in times {
-            let region = if *holder == server_owner.index() {
-                "on the server's owner shard"
+            let route = if client_shard.index() == *holder {
+                "its own rail"
             } else {
-                "forwarded on the server"
+                "forwarded on the client"
             };
             eprintln!(
-                "client shard {client_shard} ({route}), region {region}: 8-byte put p50 {:?} \
-                 p99 {:?}, get p50 {:?} p99 {:?}",
+                "client shard {client_shard}, region on server shard {holder} ({route}): \
+                 8-byte put p50 {:?} p99 {:?}, get p50 {:?} p99 {:?}",
                 percentile(puts, 0.5),
                 percentile(puts, 0.99),
                 percentile(gets, 0.5),
@@ -331,7 +326,8 @@ fn put_get_round_trips_on_every_route() {
             );
         }
     }
-    // Every access was served where the memory is, half of them after a forward.
+    // Every access was served where the memory is, sent there on the rail to it: none was
+    // forwarded on the server.
     let per_holder = 2 * (2 * ROUNDS + 1 + 2 * TIMED) as u64;
     for (i, s) in stats.iter().enumerate() {
         assert_eq!(s.puts + s.gets, per_holder, "server shard {i}: {s:?}");
@@ -341,11 +337,9 @@ fn put_get_round_trips_on_every_route() {
             "{s:?}"
         );
     }
-    assert_eq!(
-        stats[server_owner.index()].forwarded,
-        per_holder,
-        "{stats:?}"
-    );
+    for s in &stats {
+        assert_eq!(s.forwarded, 0, "{stats:?}");
+    }
 }
 
 const SMALL: usize = 256;
@@ -764,7 +758,7 @@ struct TrustedReport {
     p50: (Duration, Duration),
 }
 
-/// Both client shards (the owner of the server's connection, and the one that forwards to it)
+/// Both client shards (each running its own operations, on endpoints of its own)
 /// put and get on every server shard's region, check every byte read back, and check the local
 /// refusals; the server's memory is then compared with what the client wrote.
 fn trusted_round_trips(tls: &'static str) {
@@ -901,8 +895,7 @@ fn trusted_round_trips(tls: &'static str) {
                     mirrors[0][..8].copy_from_slice(&((TIMED - 1) as u64).to_le_bytes());
                     puts.sort();
                     gets.sort();
-                    // Both shards' operations are counted on the owner: read the counters once
-                    // both are done.
+                    // Read the counters once every shard is done.
                     finished.fetch_add(1, Ordering::AcqRel);
                     let deadline = Instant::now() + LIMIT;
                     while finished.load(Ordering::Acquire) < 4 && Instant::now() < deadline {
@@ -939,40 +932,27 @@ fn trusted_round_trips(tls: &'static str) {
         assert_eq!(stats.regions, 2, "{stats:?}");
     }
     for r in &reports {
-        let route = if r.shard == r.owner {
-            "owner"
-        } else {
-            "forwarded"
-        };
+        assert_eq!(r.shard, r.owner, "every shard runs its own operations");
         eprintln!(
-            "{tls}: trusted 8-byte put p50 {:?}, get p50 {:?} from client shard {} ({route})",
+            "{tls}: trusted 8-byte put p50 {:?}, get p50 {:?} from client shard {}",
             r.p50.0, r.p50.1, r.shard
         );
         let s = r.stats;
-        if r.shard == r.owner {
-            // Every operation of both client shards ran here: one endpoint per server shard,
-            // one key per region, found in the cache afterwards.
-            // Per client shard and server shard: the rounds, the whole half, the read-only get;
-            // then the timed loop against server shard 0.
-            let per_shard = (2 * (2 * ROUNDS + 1 + 1) + 2 * TIMED) as u64;
-            assert_eq!(s.puts + s.gets, 2 * per_shard, "{tls}: {s:?}");
-            // The late puts, whether the owner or the facade's deadline saw them first.
-            assert!(s.timed_out <= 4, "{tls}: {s:?}");
-            assert_eq!(s.endpoints, 2, "{tls}: {s:?}");
-            assert_eq!(s.keys_unpacked, 4, "{tls}: {s:?}");
-            assert_eq!(
-                s.key_hits + s.keys_unpacked,
-                s.puts + s.gets,
-                "{tls}: {s:?}"
-            );
-            assert_eq!(s.failed, 0, "{tls}: {s:?}");
-        } else {
-            assert_eq!(
-                s.puts + s.gets + s.endpoints,
-                0,
-                "{tls}: ran on the owner: {s:?}"
-            );
-        }
+        // Every operation of this client shard ran here: one endpoint per server shard, one
+        // key per region, found in the cache afterwards. Per server shard: the rounds, the
+        // whole half, the read-only get; then the timed loop against server shard 0.
+        let per_shard = (2 * (2 * ROUNDS + 1 + 1) + 2 * TIMED) as u64;
+        assert_eq!(s.puts + s.gets, per_shard, "{tls}: {s:?}");
+        // The late puts, whether the shard or the facade's deadline saw them first.
+        assert!(s.timed_out <= 2, "{tls}: {s:?}");
+        assert_eq!(s.endpoints, 2, "{tls}: {s:?}");
+        assert_eq!(s.keys_unpacked, 4, "{tls}: {s:?}");
+        assert_eq!(
+            s.key_hits + s.keys_unpacked,
+            s.puts + s.gets,
+            "{tls}: {s:?}"
+        );
+        assert_eq!(s.failed, 0, "{tls}: {s:?}");
     }
 }
 

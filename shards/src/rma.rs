@@ -36,9 +36,9 @@
 //!
 //! ## Region ids on the wire
 //!
-//! A request frame names its region in the header's 32-bit `id` only, and it arrives on this
-//! node's *owner shard of the initiator* (the one holding the connection), which need not be
-//! the shard holding the memory. So the id says which shard holds it: its top 12 bits are the
+//! A request frame names its region in the header's 32-bit `id` only. It is sent on the rail
+//! to the shard that holds the memory (see "A request's path"), but a frame that arrives on
+//! another shard must still find it, so the id says which shard holds it: its top 12 bits are the
 //! shard index ([`crate::proto::shard_map::MAX_SHARDS`] is 4096) and its low [`SLOT_BITS`] bits
 //! a slot of that shard (never zero). Slots are reused after deregistration; the table's
 //! generations are not (they grow from the node's incarnation, see proto), so a descriptor of a
@@ -49,20 +49,22 @@
 //!
 //! 1. The initiator (any shard) checks the access against the descriptor
 //!    ([`RegionDescriptor::check`]: permissions, overflow-safe bounds); a refusal is
-//!    [`RmaOpError::Invalid`] and nothing is sent. Then it sends the request through its owner
-//!    shard of the target ([`ShardCtx::request`]), whose deadline travels as the frame's
-//!    `ttl_ns`.
-//! 2. On the target, the handler [`install`]ed for the request kinds runs on the owner shard of
-//!    the initiator. If the region's shard is another one, the request is forwarded there over
-//!    the mesh ([`ShardCtx::forward`]) together with the initiator's node id as authenticated by
-//!    the connection (never a value from the payload).
+//!    [`RmaOpError::Invalid`] and nothing is sent. Then it sends the request on the rail to the
+//!    region's shard ([`ShardCtx::request`] to [`crate::net::Dest::shard`]: from the calling
+//!    shard when it holds that rail, else forwarded to the local shard that does), whose
+//!    deadline travels as the frame's `ttl_ns`.
+//! 2. On the target, the handler [`install`]ed for the request kinds runs on the shard the
+//!    request arrived on: the region's. Should a request arrive on another shard (a peer that
+//!    addressed it to the node), it is forwarded there over the mesh ([`ShardCtx::forward`])
+//!    together with the initiator's node id as authenticated by the rail (never a value from
+//!    the payload).
 //! 3. The region's shard drops the request if its deadline has passed (nobody waits for the
 //!    answer any more; counted in [`RmaStats::expired`]), else decodes it and runs
 //!    [`RegionTable::check`] (unknown region, grantee, generation, permission, bounds), copies
 //!    the bytes, and answers. The check and the copy happen in one synchronous step on the
 //!    shard that owns the memory, so no other access, deregistration or local write can come
 //!    between them, and the memory is never touched from another thread.
-//! 4. The reply goes back through the owner shard; the initiator maps a refusal to
+//! 4. The reply goes back on the rail the request came in on; the initiator maps a refusal to
 //!    [`RmaOpError::Refused`] with its [`RmaErrorCode`].
 //!
 //! ## Installing
@@ -108,6 +110,7 @@ use thiserror::Error;
 
 use crate::boot::ShardCtx;
 use crate::error::NetError;
+use crate::net::Dest;
 use crate::proto::region::{
     Access, GetRequest, Permissions, PutRequest, RegionDescriptor, RegionError, RegionSpec,
     RegionTable, RmaError, RmaErrorCode, RmaReply,
@@ -911,7 +914,7 @@ impl ShardCtx {
         let _ = put.encode_to_vec(&mut payload, &UNBOUNDED);
         let (_, reply) = self
             .request(
-                region.node,
+                self.rma_dest(region),
                 FrameKind::RmaPut,
                 region.id().get(),
                 payload,
@@ -952,7 +955,7 @@ impl ShardCtx {
         })?;
         let (_, mut reply) = self
             .request(
-                region.node,
+                self.rma_dest(region),
                 FrameKind::RmaGet,
                 region.id().get(),
                 payload.to_vec(),
@@ -967,6 +970,16 @@ impl ShardCtx {
         }
         reply.drain(..RmaReply::HEADER_LEN);
         Ok(reply)
+    }
+
+    /// Where a request for `region` goes: on the rail to the shard that holds it; to the node
+    /// (this shard's default rail) when the node has no such shard, so that the holder side
+    /// refuses a forged descriptor with its code, or when the node is not connected yet.
+    fn rma_dest(&self, region: &RemoteRegion) -> Dest {
+        match self.owner_of_shard(region.node, region.shard) {
+            Some(_) => Dest::shard(region.node, region.shard),
+            None => Dest::from(region.node),
+        }
     }
 
     /// Runs `f` on this shard's regions if `region` is held here.

@@ -309,6 +309,9 @@ pub struct NetStats {
     pub handshakes: u64,
     /// Rails that joined a session on this shard (`Join`/`Joined` completed).
     pub joins: u64,
+    /// Joins tried again because the peer did not know the session yet (its primary rail's
+    /// shard had not finished the handshake when the join reached another of its shards).
+    pub join_retries: u64,
     /// Application frames delivered to handlers.
     pub delivered: u64,
     /// Frames dropped because their sender had no ready (authenticated) connection.

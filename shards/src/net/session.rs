@@ -480,8 +480,9 @@ fn seeds() -> Result<Seeds, NetError> {
 /// How a rail is opened by this side.
 #[derive(Clone)]
 enum Opening {
-    /// The pre-shared-key handshake: a new session.
-    Primary,
+    /// The pre-shared-key handshake: a new session (replacing a rail that is up, when the peer
+    /// refused joins to the session it belongs to).
+    Primary { fresh: bool },
     /// A join of the session `.0`.
     Join(SessionRecord),
 }
@@ -504,7 +505,12 @@ async fn open_rail(
         .and_then(|p| p.get_mut(remote))
     {
         Some(r) => match ready_remote(&r.conn) {
-            Some(up) if up.incarnation == incarnation => return Ok(up),
+            Some(up)
+                if up.incarnation == incarnation
+                    && !matches!(how, Opening::Primary { fresh: true }) =>
+            {
+                return Ok(up)
+            }
             // An older session's rail: replaced below.
             Some(_) => false,
             None if r.conn.state() == State::Connecting && r.conn.role() == Role::Client => {
@@ -524,7 +530,7 @@ async fn open_rail(
             .cfg
             .conn_config(&net.settings, psk, shard_count_u16(ctx), ctx.id());
         let mut conn = match how {
-            Opening::Primary => Connection::client(cfg, node, remote, seeds()?),
+            Opening::Primary { .. } => Connection::client(cfg, node, remote, seeds()?),
             Opening::Join(s) => Connection::join_client(cfg, s.peer, s.secret, remote, seeds()?),
         };
         conn.connect(net.now())
@@ -572,17 +578,44 @@ async fn ensure_rails(
                 node: dir.node_id,
                 count: dir.shard_count(),
             })?;
-        open_rail(
-            ctx,
-            (dir.node_id, dir.incarnation, dir.shard_count()),
-            remote,
-            address,
-            Opening::Join(session.clone()),
-        )
-        .await?;
+        // The peer records the session when it has checked the primary's `Confirm`, on its
+        // shard of the primary rail, while this `Join` may reach another of its shards first:
+        // a join refused for an unknown session is tried again a few times before the node
+        // pair falls back to a new primary.
+        let mut pause = JOIN_RETRY_FIRST;
+        loop {
+            let r = open_rail(
+                ctx,
+                (dir.node_id, dir.incarnation, dir.shard_count()),
+                remote,
+                address.clone(),
+                Opening::Join(session.clone()),
+            )
+            .await;
+            match r {
+                Err(NetError::Refused {
+                    reason: RejectReason::UnknownSession,
+                    ..
+                }) if pause <= JOIN_RETRY_LAST => {
+                    ctx.net().count(|s| s.join_retries += 1);
+                    sleep(pause).await;
+                    pause *= 2;
+                }
+                other => {
+                    other?;
+                    break;
+                }
+            }
+        }
     }
     Ok(())
 }
+
+/// First pause before a join refused for an unknown session is tried again (see
+/// [`ensure_rails`]); it doubles up to [`JOIN_RETRY_LAST`] (seven tries in about 130 ms).
+const JOIN_RETRY_FIRST: Duration = Duration::from_millis(1);
+/// Last pause before a join is tried again.
+const JOIN_RETRY_LAST: Duration = Duration::from_millis(64);
 
 /// On local shard 0: sets up the node pair with the node of `dir` — the session (a primary
 /// handshake on this shard's default rail unless the session table holds one with the node's
@@ -647,7 +680,7 @@ async fn establish_now(ctx: &Rc<ShardCtx>, dir: &Directory) -> Result<(), NetErr
                         (node, dir.incarnation, dir.shard_count()),
                         remote,
                         address,
-                        Opening::Primary,
+                        Opening::Primary { fresh: attempt > 0 },
                     )
                     .await?;
                     session_of(net, node)
