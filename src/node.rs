@@ -313,9 +313,18 @@ impl Node {
         self.shared.shutdown.wait()
     }
 
-    /// The shard of this node that owns `peer` (holds its connection).
+    /// The shard of this node that holds the rail an operation through `peer` goes on: this
+    /// shard for a peer that names no shard (every shard has its own rail to every connected
+    /// node), else the local shard with a rail to the named shard (this shard when it has one,
+    /// or when the peer is not connected yet).
     pub fn owner_of(&self, peer: Peer) -> ShardId {
-        self.ctx.owner_of(peer.node)
+        match peer.shard {
+            None => self.ctx.id(),
+            Some(j) => self
+                .ctx
+                .owner_of_shard(peer.node, j)
+                .unwrap_or_else(|| self.ctx.id()),
+        }
     }
 
     /// Records where peer `node` listens, for every shard of this node (see

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::Archived;
+use shardcx_shards::net::{Dest, Payload};
 use shardcx_shards::proto::rpc::{decode_error, request_prefix, CallFlags};
 use shardcx_shards::proto::{FrameHeader, FrameKind, FunctionId, ReqId};
 use shardcx_shards::NetError;
@@ -27,15 +28,17 @@ pub struct Rpc {
     node: Node,
 }
 
-/// A call's reply as its validated archive, in the buffer it was received in (copied only if
-/// that buffer was not 16-byte aligned): zero-copy access with [`ArchivedReply::get`].
+/// A call's reply as its validated archive, in the buffer it was received in (UCX's, for a reply
+/// that came eager to the calling shard; copied only if that buffer was not 16-byte aligned):
+/// zero-copy access with [`ArchivedReply::get`]. `!Send`: UCX's buffer belongs to the shard's
+/// worker.
 pub struct ArchivedReply<R> {
     buf: ReplyBuf,
     _reply: PhantomData<fn() -> R>,
 }
 
 enum ReplyBuf {
-    Received(Vec<u8>),
+    Received(Payload),
     Aligned(AlignedVec<ARCHIVE_ALIGN>),
 }
 
@@ -102,8 +105,8 @@ impl Rpc {
         args: &F::Args,
         timeout: Duration,
     ) -> Result<F::Reply, RpcError> {
-        let bytes = self.exchange(peer, target::<F>(), args, timeout).await?;
-        deserialize_reply::<F::Reply>(&bytes)
+        let reply = self.exchange(peer, target::<F>(), args, timeout).await?;
+        deserialize_reply::<F::Reply>(reply.as_slice())
     }
 
     /// [`Rpc::call`], returning the reply's validated archive instead of deserializing it.
@@ -145,8 +148,8 @@ impl Rpc {
             idempotent: false,
         };
         let timeout = timeout.unwrap_or_else(|| self.default_deadline());
-        let bytes = self.exchange(peer, t, args, timeout).await?;
-        deserialize_reply::<R>(&bytes)
+        let reply = self.exchange(peer, t, args, timeout).await?;
+        deserialize_reply::<R>(reply.as_slice())
     }
 
     /// Sends a one-way call of `F` to `peer`: resolves once it is queued on the connection
@@ -158,14 +161,14 @@ impl Rpc {
         let t = target::<F>();
         let encode = || encode_request(t.schema, CallFlags::ONE_WAY, args);
         let ctx = self.node.shard_ctx();
-        let node = peer.node_id();
+        let (node, dest) = (peer.node_id(), peer.dest());
         let mut connected = false;
         let op = async {
             loop {
                 let payload = encode()?;
                 let sent = ctx
                     .send_frame(
-                        node,
+                        dest,
                         FrameKind::RpcRequest,
                         t.id.get(),
                         ReqId::NONE,
@@ -213,7 +216,7 @@ impl Rpc {
         t: Target,
         args: &A,
         timeout: Duration,
-    ) -> Result<Vec<u8>, RpcError> {
+    ) -> Result<Payload, RpcError> {
         let flags = if t.idempotent {
             CallFlags::IDEMPOTENT
         } else {
@@ -226,8 +229,7 @@ impl Rpc {
                 return Err(RpcError::TooLarge { len, max });
             }
         }
-        let node = peer.node_id();
-        let exchange = self.send_until_answered(node, t, payload, flags, args, timeout);
+        let exchange = self.send_until_answered(peer, t, payload, flags, args, timeout);
         // On the owner shard the request's own deadline bounds everything; a forward may wait
         // for a lane permit first, so bound it as a whole.
         let (header, bytes) = if self.node.owner_of(peer) == self.node.shard() {
@@ -240,7 +242,7 @@ impl Rpc {
         match header.kind {
             FrameKind::RpcResponse => Ok(bytes),
             FrameKind::RpcError => {
-                let body = decode_error(&bytes)
+                let body = decode_error(bytes.as_slice())
                     .map_err(|e| RpcError::BadReply(format!("malformed error reply: {e}")))?;
                 Err(RpcError::from_body(&body, t.id, t.schema, len))
             }
@@ -252,15 +254,16 @@ impl Rpc {
     /// connection failed, while time is left.
     async fn send_until_answered<A: RpcType>(
         &self,
-        node: shardcx_shards::proto::NodeId,
+        peer: Peer,
         t: Target,
         payload: Vec<u8>,
         flags: CallFlags,
         args: &A,
         timeout: Duration,
-    ) -> Result<(FrameHeader, Vec<u8>), RpcError> {
+    ) -> Result<(FrameHeader, Payload), RpcError> {
         let start = Instant::now();
         let ctx = self.node.shard_ctx();
+        let (node, dest): (_, Dest) = (peer.node_id(), peer.dest());
         if timeout.is_zero() {
             return Err(RpcError::TimedOut { after: timeout });
         }
@@ -278,16 +281,29 @@ impl Rpc {
                     (left, encode_request(t.schema, flags, args)?)
                 }
             };
-            let got = ctx
-                .request_with_ttl(
-                    node,
+            // On a rail of this shard the reply is read where UCX put it; from another shard it
+            // crosses as a vector.
+            let got = if self.node.owner_of(peer) == self.node.shard() {
+                ctx.request_here(
+                    dest,
+                    FrameKind::RpcRequest,
+                    t.id.get(),
+                    p,
+                    (left, server_ttl(left)),
+                )
+                .await
+            } else {
+                ctx.request_with_ttl(
+                    dest,
                     FrameKind::RpcRequest,
                     t.id.get(),
                     p,
                     left,
                     server_ttl(left),
                 )
-                .await;
+                .await
+                .map(|(h, v)| (h, Payload::from(v)))
+            };
             let e = match got {
                 Ok(answer) => return Ok(answer),
                 Err(e) => RpcError::from_net(Error::Net(e), timeout),
@@ -349,11 +365,11 @@ fn deserialize_reply<R: RpcType>(bytes: &[u8]) -> Result<R, RpcError> {
 }
 
 impl<R: RpcType> ArchivedReply<R> {
-    fn new(bytes: Vec<u8>) -> Result<Self, RpcError> {
-        let buf = if (bytes.as_ptr() as usize) % ARCHIVE_ALIGN == 0 {
+    fn new(bytes: Payload) -> Result<Self, RpcError> {
+        let buf = if (bytes.as_slice().as_ptr() as usize) % ARCHIVE_ALIGN == 0 {
             ReplyBuf::Received(bytes)
         } else {
-            ReplyBuf::Aligned(aligned_copy(&bytes))
+            ReplyBuf::Aligned(aligned_copy(bytes.as_slice()))
         };
         let reply = Self {
             buf,
@@ -377,7 +393,7 @@ impl<R: RpcType> ArchivedReply<R> {
     /// The archive's bytes.
     pub fn bytes(&self) -> &[u8] {
         match &self.buf {
-            ReplyBuf::Received(v) => v,
+            ReplyBuf::Received(v) => v.as_slice(),
             ReplyBuf::Aligned(v) => v,
         }
     }

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
+use std::time::Instant;
 
 use futures_lite::future;
 use glommio::timer::sleep;
@@ -59,6 +60,7 @@ pub struct Frame {
     header: FrameHeader,
     user: UserHeader,
     payload: Payload,
+    arrived: Instant,
 }
 
 /// An input recorded for the driver's dispatch, in arrival order.
@@ -170,7 +172,14 @@ impl Frame {
             header,
             user: UserHeader::copy(user),
             payload,
+            arrived: Instant::now(),
         }
+    }
+
+    /// When the driver took the frame's batch (the one clock reading of that batch): the time
+    /// a deadline carried in `ttl_ns` counts from.
+    pub fn arrived(&self) -> Instant {
+        self.arrived
     }
 
     /// The sending node.
@@ -330,7 +339,10 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> usize {
         let item = net.inbox.borrow_mut().pop_front();
         let Some(item) = item else { return n };
         n += 1;
-        let now = *now.get_or_insert_with(|| net.now());
+        let now = *now.get_or_insert_with(|| {
+            let at = Instant::now();
+            (net.timestamp(at), at)
+        });
         handle(ctx, net, item, now);
     }
     if !net.inbox.borrow().is_empty() {
@@ -340,7 +352,7 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> usize {
 }
 
 /// Handles one recorded input.
-fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
+fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timestamp, Instant)) {
     match item {
         Inbound::Data {
             node,
@@ -370,6 +382,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
                             header,
                             user,
                             payload: Payload::desc(d),
+                            arrived: at,
                         },
                     ),
                     AmPayload::Rendezvous(r) => deliver_rndv(ctx, node, header, user, r),
@@ -621,6 +634,7 @@ fn deliver_rndv(
                     header,
                     user,
                     payload: Payload::from(buf),
+                    arrived: Instant::now(),
                 },
             ),
             Err(_) => c.net().count(|s| s.declined += 1),

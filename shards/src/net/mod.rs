@@ -379,6 +379,9 @@ pub(crate) struct Slot<T> {
     waker: RefCell<Option<Waker>>,
 }
 
+/// One task waiting for shard 0 to establish a node pair (see `session`).
+type EstablishWaiter = Rc<Slot<Result<(), NetError>>>;
+
 /// One shard's network state (in its [`ShardCtx`]).
 pub(crate) struct NetState {
     settings: NodeSettings,
@@ -393,7 +396,7 @@ pub(crate) struct NetState {
     // SipHash (keys from the network; one random key per shard, see `DedupHasher`).
     peers: RefCell<HashMap<NodeId, PeerRails, DedupHasher>>,
     /// On shard 0: node pairs being established, with who waits for each (see `session`).
-    establishing: RefCell<HashMap<NodeId, Vec<Rc<Slot<Result<(), NetError>>>>>>,
+    establishing: RefCell<HashMap<NodeId, Vec<EstablishWaiter>>>,
     handlers: RefCell<HashMap<AmId, FrameHandler, DedupHasher>>,
     rndv_handlers: RefCell<HashMap<AmId, RndvHandler, DedupHasher>>,
     frame_handlers: RefCell<HashMap<FrameKind, FrameHandler, DedupHasher>>,
@@ -627,7 +630,13 @@ impl NetState {
     }
 
     fn now(&self) -> Timestamp {
-        Timestamp::from_nanos(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+        self.timestamp(Instant::now())
+    }
+
+    /// `at` on this shard's net clock.
+    fn timestamp(&self, at: Instant) -> Timestamp {
+        let since = at.saturating_duration_since(self.epoch);
+        Timestamp::from_nanos(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
     }
 
     fn count(&self, f: impl FnOnce(&mut NetStats)) {
