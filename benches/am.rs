@@ -1,5 +1,5 @@
 //! `cargo bench --bench am`: the messaging tests of `shardcx bench` (am-lat, am-rate, am-bw,
-//! tag-lat, rpc-lat, rpc-rate, rpc-notify, put-bw, get-bw) with the server in this process, over
+//! tag-lat, rpc-lat, rpc-rate, rpc-notify, put-bw, get-bw, put-trusted-bw) with the server in this process, over
 //! shared memory, one client shard. The same code as the command (`shardcx::bench`); `shardcx bench` runs the server in
 //! a process of its own and has every option.
 //!
@@ -26,11 +26,12 @@ fn main() {
     let serve = ServeConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         shards: 1,
-        peers: 1,
         transport: Transport::Shm,
         psk: DEFAULT_PSK.to_vec(),
         // The server on the last CPU, the client on the first.
         cores: (cpus >= 2).then(|| vec![cpus - 1]),
+        // Native RMA only when put-trusted-bw runs (the client turns it on then too).
+        trusted_rma: tests.contains(&Test::PutTrustedBw),
     };
     let r = run_in_process(serve, |addr| ClientConfig {
         addr,

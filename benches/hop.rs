@@ -12,10 +12,10 @@ fn main() {
     let serve = ServeConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         shards: 1,
-        peers: 2,
         transport: Transport::Shm,
         psk: DEFAULT_PSK.to_vec(),
         cores: None,
+        trusted_rma: false,
     };
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let r = run_in_process(serve, |addr| ClientConfig {

@@ -1,18 +1,25 @@
-//! The measuring side of a benchmark: one client node, every shard against its own bench peer
-//! (see [`crate::bench`]).
+//! The measuring side of a benchmark: one client node, every shard on its own rail to the
+//! server (see [`crate::bench`]).
 //!
 //! [`run`] starts a node with the configured shard count, pins shard `i` to the `i`-th client
-//! CPU, and on every shard: connects to the main node, asks it for the bench peers
-//! ([`super::PEERS`]), connects to peer `shard % K`, and runs the planned (test, size) pairs in
-//! order, all shards starting each one together (a barrier between tests). Answers to the
-//! shard's requests may arrive on another shard (the owner of the peer); they are forwarded to
-//! the shard named in their header.
+//! CPU, and on every shard: connects to the server (every shard gets its own rail), targets
+//! server shard `i mod M` ([`Peer::shard`]: the shard's default rail), asks that shard for the
+//! remote-memory regions the plan needs ([`super::REGION`]), and runs the planned (test, size)
+//! pairs in order, all shards starting each one together (a barrier between tests).
+//!
+//! Answers come back on the rail their request went out on, so the answer handlers run on the
+//! shard that waits for them; one that arrives anywhere else fails the run (it would mean a
+//! hop). The handlers share a [`Waits`] with the shard's test task: `am-lat` runs entirely in
+//! the echo-answer handler (record the round trip, send the next ping inline) and wakes the
+//! task at the end; `am-rate`/`am-bw` wake it once per window, at the acknowledgement. A
+//! watchdog task per shard fails a wait whose answer is [`DEADLINE`] overdue.
 //!
 //! Tag streams: client shard `s` sends pings tagged `1 << 12 | s` and receives pongs tagged
-//! `2 << 12 | s`; `3 << 12 | s` ends the stream on the peer.
+//! `2 << 12 | s`; `3 << 12 | s` ends the stream on the server.
 
 use std::cell::{Cell, RefCell};
-use std::future::Future;
+use std::collections::VecDeque;
+use std::future::{poll_fn, Future};
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -22,22 +29,22 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::timer::sleep;
 use shardcx_shards::proto::ShardId;
-use shardcx_shards::{Placement, RemoteRegion};
+use shardcx_shards::{Placement, RemoteRegion, ShardCtx};
 
 use super::server::{TAG_PING, TAG_PONG, TAG_STOP, TAG_STREAM};
 use super::{
-    header, net_config, parse_header, pin_current, reachable, BenchError, Budget, Figures,
-    Measurement, Route, RpcEcho, RpcSink, ShardFigures, Test, Transport, ACK, ECHO, ECHO_REPLY,
-    FLAG_ACK, PEERS, PEERS_REPLY, REGION, REGION_REPLY, SINK, TAG_START,
+    header, net_config, parse_header, pin_current, BenchError, Budget, Figures, Measurement, Route,
+    RpcEcho, RpcSink, ShardFigures, Test, Transport, ACK, CONTENT_CHECK_EVERY, ECHO, ECHO_REPLY,
+    FLAG_ACK, FLAG_TRUSTED, REGION, REGION_REPLY, SINK, TAG_START,
 };
+use crate::rma::TrustedDescriptor;
 use crate::{AmId, AmMsg, Node, OwnedAmMsg, Peer, TAG_MASK_EXACT};
 
 /// Deadline of every operation and answer of a benchmark.
 const DEADLINE: Duration = Duration::from_secs(30);
-/// Bytes in flight at most in `am-bw` (the window is capped to fit).
+/// Bytes in flight at most in `am-bw` and the RMA tests (the window is capped to fit).
 const BW_IN_FLIGHT: usize = 32 << 20;
 /// How often shards waiting at the barrier between tests look again.
 const GATE_POLL: Duration = Duration::from_micros(50);
@@ -47,7 +54,7 @@ const PROGRESS_AFTER: Duration = Duration::from_secs(1);
 /// Settings of [`run`].
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// The main node of the server.
+    /// The server node.
     pub addr: SocketAddr,
     /// Client shards.
     pub shards: usize,
@@ -75,8 +82,9 @@ pub struct ClientConfig {
 }
 
 thread_local! {
-    /// Where this shard's answers go.
-    static ANSWERS: RefCell<Option<LocalSender<OwnedAmMsg>>> = const { RefCell::new(None) };
+    /// What this shard's test task and answer handlers share (the handlers' factories and the
+    /// task run on the shard's thread, so they find the same one).
+    static WAITS: Rc<Waits> = Rc::new(Waits::default());
 }
 
 /// The barrier between tests: round `k` opens once every shard has arrived `k` times.
@@ -86,24 +94,69 @@ struct Gate {
     shards: usize,
 }
 
+/// What a shard's test task and its answer handlers share.
+#[derive(Default)]
+struct Waits {
+    /// Control answers ([`REGION_REPLY`]), copied out of UCX's buffer.
+    control: RefCell<VecDeque<OwnedAmMsg>>,
+    /// The `am-lat` ping-pong, while it runs (and until the task takes its figures).
+    pingpong: RefCell<Option<PingPong>>,
+    /// Sequence number of the last acknowledged window.
+    acked: Cell<u64>,
+    /// What a handler found wrong: the waiting test fails with it.
+    error: RefCell<Option<String>>,
+    /// The test task, while it waits.
+    task: RefCell<Option<Waker>>,
+    /// Whether the task waits for an answer (the watchdog looks only then).
+    waiting: Cell<bool>,
+    /// Answers seen so far (the watchdog's sign of life).
+    answered: Cell<u64>,
+    /// Set by the watchdog: an answer is [`DEADLINE`] overdue, and every wait fails.
+    overdue: Cell<bool>,
+}
+
+/// The `am-lat` ping-pong, driven by the echo-answer handler ([`on_echo_reply`]).
+struct PingPong {
+    target: Peer,
+    me: ShardId,
+    payload: Vec<u8>,
+    /// The ping in flight.
+    seq: u64,
+    /// When it was sent.
+    sent: Instant,
+    /// Round trips left before measuring.
+    warmup: u64,
+    budget: Budget,
+    /// When measuring started.
+    t0: Instant,
+    /// The shard's mesh count then (see [`mesh_taken`]).
+    mesh_at_t0: u64,
+    figures: Figures,
+    progress: Rc<Progress>,
+    /// Measured, or failed: the handler sends nothing more.
+    done: bool,
+}
+
 /// What a shard needs for its tests.
 struct Session {
     node: Node,
     me: ShardId,
-    peer: Peer,
-    route: Route,
-    answers: LocalReceiver<OwnedAmMsg>,
-    watch: Rc<Watch>,
+    /// Server shard `me mod M`: the other end of this shard's default rail.
+    target: Peer,
+    waits: Rc<Waits>,
     region: Option<RemoteRegion>,
+    trusted: Option<TrustedDescriptor>,
     seq: Cell<u64>,
+    /// The shard's mesh count when the current test's measured part started.
+    mesh_at_t0: Cell<u64>,
 }
 
-/// What the shard's watchdog ([`watchdog`]) looks at: whether the shard waits for an answer,
-/// and how many it has had.
-#[derive(Default)]
-struct Watch {
-    waiting: Cell<bool>,
-    answered: Cell<u64>,
+/// A remote-memory test's operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RmaOp {
+    Put,
+    Get,
+    PutTrusted,
 }
 
 /// Shows a test's progress on stderr after [`PROGRESS_AFTER`].
@@ -135,6 +188,14 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
         for size in sizes {
             if test == Test::Hop && cfg.shards < 2 {
                 out.push(skipped(cfg, test, size, "needs --shards 2 or more"));
+            } else if test == Test::PutTrustedBw && cfg.transport == Transport::Tcp {
+                out.push(skipped(
+                    cfg,
+                    test,
+                    size,
+                    "trusted RMA needs shared memory or RDMA (UCX 1.12 only emulates RMA \
+                     over tcp, and shardcx refuses it)",
+                ));
             } else if size as u64 > super::MAX_MESSAGE - 1024 {
                 out.push(skipped(cfg, test, size, "over the 16 MiB message limit"));
             } else {
@@ -162,9 +223,22 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
     if let Some(bytes) = cfg.io_memory {
         b = b.io_memory(bytes);
     }
-    for id in [PEERS_REPLY, ECHO_REPLY, ACK, REGION_REPLY] {
-        b = b.on_am(id, || on_answer);
+    if plan.iter().any(|(t, _)| *t == Test::PutTrustedBw) {
+        b = b.trusted_rma();
     }
+    b = b
+        .on_am(ECHO_REPLY, || {
+            let w = WAITS.with(Rc::clone);
+            move |node: &Node, msg: AmMsg| on_echo_reply(&w, node, msg)
+        })
+        .on_am(ACK, || {
+            let w = WAITS.with(Rc::clone);
+            move |node: &Node, msg: AmMsg| on_ack(&w, node, msg)
+        })
+        .on_am(REGION_REPLY, || {
+            let w = WAITS.with(Rc::clone);
+            move |node: &Node, msg: AmMsg| on_control(&w, node, msg)
+        });
     let shared = Arc::new((cfg.clone(), plan.clone()));
     let results = b.run(move |node: Node| {
         let (shared, gate) = (shared.clone(), gate.clone());
@@ -173,13 +247,10 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
             if let Some(cores) = cfg.cores.as_ref().filter(|c| !c.is_empty()) {
                 pin_current(cores[node.shard().index() % cores.len()]);
             }
-            let (tx, rx) = local_channel::new_unbounded();
-            ANSWERS.with(|a| *a.borrow_mut() = Some(tx));
-            let r = shard_main(node, cfg, plan, &gate, rx).await;
+            let r = shard_main(node, cfg, plan, &gate).await;
             if r.is_err() {
                 gate.failed.store(true, Ordering::Release);
             }
-            ANSWERS.with(|a| a.borrow_mut().take());
             r.map_err(|e| e.to_string())
         }
     })?;
@@ -222,31 +293,96 @@ fn skipped(cfg: &ClientConfig, test: Test, size: usize, why: &str) -> Measuremen
     }
 }
 
-/// The client's handler of answers: to the shard named in the header.
-fn on_answer(node: &Node, msg: AmMsg) {
-    let Some((origin, _, _)) = parse_header(msg.header()) else {
-        return;
-    };
-    let msg = msg.into_owned();
-    if origin == node.shard() {
-        deliver(msg);
-    } else if origin.index() < node.shard_count() {
-        let ctx = node.shard_ctx().clone();
-        glommio::spawn_local(async move {
-            let _ = ctx
-                .forward(origin, move |_| async move { deliver(msg) })
-                .await;
-        })
-        .detach();
+/// Messages the shard's cross-shard mesh lanes have delivered to it so far (requests from
+/// other shards and completions of its own forwards): unchanged over a test means no hop.
+fn mesh_taken(ctx: &ShardCtx) -> u64 {
+    let s = ctx.mesh_stats();
+    s.taken_by_driver + s.taken_by_task
+}
+
+/// The answer's origin shard, or why it is not this one's.
+fn for_this_shard(node: &Node, msg: &AmMsg) -> Result<u64, String> {
+    match parse_header(msg.header()) {
+        Some((origin, seq, _)) if origin == node.shard() => Ok(seq),
+        Some((origin, _, _)) => Err(format!(
+            "an answer {} for client shard {origin} arrived on shard {} (a hop: answers \
+             should come back on their request's rail)",
+            msg.id(),
+            node.shard()
+        )),
+        None => Err(format!("answer {} with a malformed header", msg.id())),
     }
 }
 
-fn deliver(msg: OwnedAmMsg) {
-    ANSWERS.with(|a| {
-        if let Some(tx) = a.borrow().as_ref() {
-            let _ = tx.try_send(msg);
+/// The client's handler of [`ECHO_REPLY`]: the `am-lat` ping-pong, one round trip per call.
+fn on_echo_reply(w: &Waits, node: &Node, msg: AmMsg) {
+    let now = Instant::now();
+    w.answered.set(w.answered.get() + 1);
+    let mut slot = w.pingpong.borrow_mut();
+    let Some(p) = slot.as_mut().filter(|p| !p.done) else {
+        drop(slot);
+        w.fail("an echo that no ping-pong waits for".into());
+        return;
+    };
+    if let Err(e) = p.check(node, &msg) {
+        p.done = true;
+        drop(slot);
+        w.fail(e);
+        return;
+    }
+    if p.warmup > 0 {
+        p.warmup -= 1;
+        if p.warmup == 0 {
+            p.t0 = now;
+            p.mesh_at_t0 = mesh_taken(node.shard_ctx());
         }
-    });
+    } else {
+        record(&mut p.figures, now - p.sent);
+        p.figures.msgs += 1;
+        p.progress.tick(p.budget, p.figures.msgs, p.t0);
+        if !more_at(p.budget, p.figures.msgs, p.t0, now) {
+            p.figures.elapsed = now - p.t0;
+            p.done = true;
+            drop(slot);
+            w.wake();
+            return;
+        }
+    }
+    p.seq += 1;
+    p.sent = now;
+    if let Err(e) = p
+        .target
+        .am_send_now(ECHO, &header(p.me, p.seq, 0), &p.payload)
+    {
+        p.done = true;
+        let e = format!("echo ping #{}: {e}", p.seq);
+        drop(slot);
+        w.fail(e);
+    }
+}
+
+/// The client's handler of [`ACK`]: the acknowledgement of an `am-rate`/`am-bw` window.
+fn on_ack(w: &Waits, node: &Node, msg: AmMsg) {
+    w.answered.set(w.answered.get() + 1);
+    match for_this_shard(node, &msg) {
+        Ok(seq) => {
+            w.acked.set(seq);
+            w.wake();
+        }
+        Err(e) => w.fail(e),
+    }
+}
+
+/// The client's handler of control answers ([`REGION_REPLY`]): queued for the task.
+fn on_control(w: &Waits, node: &Node, msg: AmMsg) {
+    w.answered.set(w.answered.get() + 1);
+    match for_this_shard(node, &msg) {
+        Ok(_) => {
+            w.control.borrow_mut().push_back(msg.into_owned());
+            w.wake();
+        }
+        Err(e) => w.fail(e),
+    }
 }
 
 /// One shard's whole run: set-up, then every planned test.
@@ -255,62 +391,52 @@ async fn shard_main(
     cfg: &ClientConfig,
     plan: &[(Test, usize)],
     gate: &Gate,
-    answers: LocalReceiver<OwnedAmMsg>,
 ) -> Result<Vec<ShardFigures>, BenchError> {
     let me = node.shard();
-    let main = node.connect_within(cfg.addr, DEADLINE).await?;
-    let watch = Rc::new(Watch::default());
+    let waits = WAITS.with(Rc::clone);
+    waits.reset();
+    let peer = node.connect_within(cfg.addr, DEADLINE).await?;
+    let remote = node
+        .shard_ctx()
+        .session(peer.node_id())
+        .ok_or_else(|| BenchError::Protocol(format!("shard {me} has no rail to the server")))?;
+    let server_shards = usize::from(remote.shard_count.max(1));
+    // `server_shards` is a u16 count, so the index fits.
+    let target = peer.shard(ShardId::new((me.index() % server_shards) as u16));
     // Cancelled when dropped, at the end of the shard's run.
-    let _watchdog = glommio::spawn_local(watchdog(watch.clone()));
+    let _watchdog = glommio::spawn_local(watchdog(waits.clone()));
     let mut s = Session {
         node: node.clone(),
         me,
-        peer: main,
-        route: Route::Forwarded,
-        answers,
-        watch,
+        target,
+        waits,
         region: None,
+        trusted: None,
         seq: Cell::new(0),
+        mesh_at_t0: Cell::new(0),
     };
-    main.am_send(PEERS, &header(me, 0, 0), &[]).await?;
-    let list = s.answer(PEERS_REPLY, 0).await?;
-    let peers = super::server::decode_peers(list.payload())
-        .filter(|p| !p.is_empty())
-        .ok_or_else(|| BenchError::Protocol("the server sent a malformed peer list".into()))?;
-    let (id, addr) = peers[me.index() % peers.len()];
-    let peer = node
-        .connect_within(reachable(addr, cfg.addr), DEADLINE)
-        .await?;
-    if peer.node_id() != id {
-        return Err(BenchError::Protocol(format!(
-            "bench peer at {addr} is node {}, not {id}",
-            peer.node_id()
-        )));
+    let largest = |tests: &[Test]| {
+        plan.iter()
+            .filter(|(t, _)| tests.contains(t))
+            .map(|(_, size)| *size)
+            .max()
+    };
+    if let Some(size) = largest(&[Test::PutBw, Test::GetBw]) {
+        let d = s.region(size, 0).await?;
+        s.region = Some(RemoteRegion::from_bytes(&d).map_err(|e| {
+            BenchError::Protocol(format!("the server sent a bad region descriptor: {e}"))
+        })?);
     }
-    s.peer = peer;
-    s.route = if node.owner_of(peer) == me {
-        Route::Owner
-    } else {
-        Route::Forwarded
-    };
-    let rma = plan
-        .iter()
-        .filter(|(t, _)| matches!(t, Test::PutBw | Test::GetBw))
-        .map(|(_, size)| *size)
-        .max();
-    if let Some(size) = rma {
-        peer.am_send(REGION, &header(me, size as u64, 0), &[])
-            .await?;
-        let d = s.answer(REGION_REPLY, size as u64).await?;
-        let desc = RemoteRegion::from_bytes(d.payload()).map_err(|e| {
-            BenchError::Protocol(format!("the bench peer has no region of {size} bytes: {e}"))
-        })?;
-        s.region = Some(desc);
+    if let Some(size) = largest(&[Test::PutTrustedBw]) {
+        let d = s.region(size, FLAG_TRUSTED).await?;
+        s.trusted = Some(TrustedDescriptor::from_bytes(&d).map_err(|e| {
+            BenchError::Protocol(format!("the server sent a bad trusted descriptor: {e}"))
+        })?);
     }
     let mut out = Vec::with_capacity(plan.len());
     for (k, &(test, size)) in plan.iter().enumerate() {
         gate.wait(k + 1).await?;
-        let progress = Progress::new(
+        let progress = Rc::new(Progress::new(
             cfg.progress && me.index() == 0,
             format!(
                 "{test} {} B, {} shard(s), {}",
@@ -318,16 +444,13 @@ async fn shard_main(
                 cfg.shards,
                 cfg.transport
             ),
-        );
+        ));
         let figures = s.run_test(cfg, test, size, &progress).await?;
+        let hopped = mesh_taken(node.shard_ctx()) != s.mesh_at_t0.get();
         progress.done();
         out.push(ShardFigures {
             shard: me,
-            route: if test == Test::Hop {
-                Route::Local
-            } else {
-                s.route
-            },
+            route: if hopped { Route::Hop } else { Route::Rail },
             figures,
         });
     }
@@ -348,6 +471,80 @@ impl Gate {
     }
 }
 
+impl Waits {
+    /// Back to the start (a shard thread may have served an earlier run).
+    fn reset(&self) {
+        self.control.borrow_mut().clear();
+        self.pingpong.borrow_mut().take();
+        self.acked.set(0);
+        self.error.borrow_mut().take();
+        self.task.borrow_mut().take();
+        self.waiting.set(false);
+        self.answered.set(0);
+        self.overdue.set(false);
+    }
+
+    /// Wakes the test task, if it waits.
+    fn wake(&self) {
+        let task = self.task.borrow_mut().take();
+        if let Some(t) = task {
+            t.wake();
+        }
+    }
+
+    /// Records what a handler found wrong (the first of it) and wakes the task.
+    fn fail(&self, e: String) {
+        self.error.borrow_mut().get_or_insert(e);
+        self.wake();
+    }
+
+    /// Waits until `ready` holds, or a handler failed, or the watchdog found the answer
+    /// (`what`) overdue.
+    async fn until(&self, what: &str, ready: impl Fn(&Waits) -> bool) -> Result<(), BenchError> {
+        self.waiting.set(true);
+        let r = poll_fn(|cx| {
+            if let Some(e) = self.error.borrow_mut().take() {
+                return Poll::Ready(Err(BenchError::Protocol(e)));
+            }
+            if ready(self) {
+                return Poll::Ready(Ok(()));
+            }
+            if self.overdue.get() {
+                return Poll::Ready(Err(BenchError::Protocol(format!(
+                    "no {what} from the server within {DEADLINE:?}"
+                ))));
+            }
+            *self.task.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+        self.waiting.set(false);
+        r
+    }
+}
+
+impl PingPong {
+    /// The length of every answer, and the content of every [`CONTENT_CHECK_EVERY`]-th.
+    fn check(&self, node: &Node, msg: &AmMsg) -> Result<(), String> {
+        let seq = for_this_shard(node, msg)?;
+        if seq != self.seq {
+            return Err(format!("echo #{seq} when #{} was expected", self.seq));
+        }
+        let got = msg.payload();
+        if got.len() != self.payload.len() {
+            return Err(format!(
+                "echo of {} bytes came back with {}",
+                self.payload.len(),
+                got.len()
+            ));
+        }
+        if seq % CONTENT_CHECK_EVERY == 0 && got != self.payload.as_slice() {
+            return Err(format!("echo #{seq} came back with other bytes"));
+        }
+        Ok(())
+    }
+}
+
 impl Session {
     fn next_seq(&self) -> u64 {
         let s = self.seq.get() + 1;
@@ -355,16 +552,44 @@ impl Session {
         s
     }
 
-    /// The next answer, which must be `id` with sequence number `seq`.
+    /// The measured part starts now: remembers the shard's mesh count.
+    fn mark(&self) {
+        self.mesh_at_t0.set(mesh_taken(self.node.shard_ctx()));
+    }
+
+    /// Asks the target server shard for a region of at least `size` bytes (`flags`:
+    /// [`FLAG_TRUSTED`] for a trusted-mode one) and returns its descriptor's bytes.
+    async fn region(&self, size: usize, flags: u8) -> Result<Vec<u8>, BenchError> {
+        self.target
+            .am_send(REGION, &header(self.me, size as u64, flags), &[])
+            .await?;
+        let a = self.answer(REGION_REPLY, size as u64).await?;
+        match a.payload().split_first() {
+            Some((0, desc)) => Ok(desc.to_vec()),
+            Some((_, why)) => Err(BenchError::Protocol(format!(
+                "server shard {} has no {}region of {size} bytes: {}",
+                self.target.target_shard().map_or(0, |s| s.index()),
+                if flags & FLAG_TRUSTED != 0 {
+                    "trusted "
+                } else {
+                    ""
+                },
+                String::from_utf8_lossy(why)
+            ))),
+            None => Err(BenchError::Protocol("an empty region answer".into())),
+        }
+    }
+
+    /// The next control answer, which must be `id` with sequence number `seq`.
     async fn answer(&self, id: AmId, seq: u64) -> Result<OwnedAmMsg, BenchError> {
-        // No timer per answer: the watchdog closes the channel when an answer is overdue.
-        self.watch.waiting.set(true);
-        let msg = self.answers.recv().await;
-        self.watch.waiting.set(false);
-        let msg = msg.ok_or_else(|| {
-            BenchError::Protocol(format!("no answer {id} from the peer within {DEADLINE:?}"))
-        })?;
-        self.watch.answered.set(self.watch.answered.get() + 1);
+        let w = &self.waits;
+        w.until(&format!("answer {id}"), |w| !w.control.borrow().is_empty())
+            .await?;
+        let msg = w
+            .control
+            .borrow_mut()
+            .pop_front()
+            .ok_or_else(|| BenchError::Protocol("a control answer went missing".into()))?;
         match parse_header(msg.header()) {
             Some((_, s, _)) if msg.id() == id && s == seq => Ok(msg),
             _ => Err(BenchError::Protocol(format!(
@@ -380,7 +605,7 @@ impl Session {
         cfg: &ClientConfig,
         test: Test,
         size: usize,
-        progress: &Progress,
+        progress: &Rc<Progress>,
     ) -> Result<Figures, BenchError> {
         let budget = cfg
             .budget
@@ -389,16 +614,14 @@ impl Session {
             Budget::Iters(n) => (n / 10).min(1000),
             Budget::Duration(_) => 1000,
         });
+        let capped = cfg.window.min((BW_IN_FLIGHT / size.max(1)).max(1));
         match test {
             Test::AmLat => self.am_lat(size, budget, warmup, progress).await,
-            Test::AmRate | Test::AmBw => {
-                let window = if test == Test::AmBw {
-                    cfg.window.min((BW_IN_FLIGHT / size.max(1)).max(1))
-                } else {
-                    cfg.window
-                };
-                self.am_stream(size, window, budget, warmup, progress).await
+            Test::AmRate => {
+                self.am_stream(size, cfg.window, budget, warmup, progress)
+                    .await
             }
+            Test::AmBw => self.am_stream(size, capped, budget, warmup, progress).await,
             Test::TagLat => self.tag_lat(size, budget, warmup, progress).await,
             Test::RpcLat => self.rpc_lat(size, budget, warmup, progress).await,
             Test::RpcRate | Test::RpcNotify => {
@@ -406,35 +629,75 @@ impl Session {
                 self.rpc_rate(one_way, size, cfg.window, budget, warmup, progress)
                     .await
             }
-            Test::PutBw | Test::GetBw => {
-                let window = cfg.window.min((BW_IN_FLIGHT / size.max(1)).max(1));
-                self.rma(test == Test::PutBw, size, window, budget, warmup, progress)
+            Test::PutBw => {
+                self.rma(RmaOp::Put, size, capped, budget, warmup, progress)
+                    .await
+            }
+            Test::GetBw => {
+                self.rma(RmaOp::Get, size, capped, budget, warmup, progress)
+                    .await
+            }
+            Test::PutTrustedBw => {
+                self.rma(RmaOp::PutTrusted, size, capped, budget, warmup, progress)
                     .await
             }
             Test::Hop => self.hop(budget, warmup, progress).await,
         }
     }
 
+    /// `am-lat`: starts the ping-pong that [`on_echo_reply`] drives, and waits for its end.
     async fn am_lat(
         &self,
         size: usize,
         budget: Budget,
         warmup: u64,
-        progress: &Progress,
+        progress: &Rc<Progress>,
     ) -> Result<Figures, BenchError> {
-        let payload = vec![0xA5u8; size];
-        let round_trip = || async {
-            let seq = self.next_seq();
-            self.peer
-                .am_send_within(ECHO, &header(self.me, seq, 0), &payload, DEADLINE)
-                .await?;
-            let r = self.answer(ECHO_REPLY, seq).await?;
-            echoed("echo", size, r.payload().len())
+        let payload = pattern(size, 0xA5);
+        let seq = self.next_seq();
+        self.mark();
+        let now = Instant::now();
+        *self.waits.pingpong.borrow_mut() = Some(PingPong {
+            target: self.target,
+            me: self.me,
+            payload,
+            seq,
+            sent: now,
+            warmup,
+            budget,
+            t0: now,
+            mesh_at_t0: self.mesh_at_t0.get(),
+            figures: Figures::new(size),
+            progress: progress.clone(),
+            done: false,
+        });
+        let first = self.waits.pingpong.borrow().as_ref().map(|p| {
+            self.target
+                .am_send_now(ECHO, &header(self.me, seq, 0), &p.payload)
+        });
+        let r = match first {
+            Some(Err(e)) => Err(BenchError::from(e)),
+            _ => {
+                self.waits
+                    .until("echo", |w| {
+                        w.pingpong.borrow().as_ref().is_some_and(|p| p.done)
+                    })
+                    .await
+            }
         };
-        measure(size, budget, warmup, 1, progress, round_trip).await
+        let p = self
+            .waits
+            .pingpong
+            .borrow_mut()
+            .take()
+            .ok_or_else(|| BenchError::Protocol("the ping-pong went missing".into()))?;
+        self.seq.set(p.seq);
+        self.mesh_at_t0.set(p.mesh_at_t0);
+        r.map(|()| p.figures)
     }
 
-    /// `am-rate` and `am-bw`: windows of one-way messages, the last one acknowledged.
+    /// `am-rate` and `am-bw`: windows of one-way messages sent in a tight loop, the last one
+    /// acknowledged (inline, by the server's handler).
     async fn am_stream(
         &self,
         size: usize,
@@ -443,21 +706,38 @@ impl Session {
         warmup: u64,
         progress: &Progress,
     ) -> Result<Figures, BenchError> {
-        let payload = vec![0x5Au8; size];
+        let payload = pattern(size, 0x5A);
         let window_trip = || async {
             let mut last = 0;
             for k in 0..window {
                 last = self.next_seq();
                 let flags = if k + 1 == window { FLAG_ACK } else { 0 };
-                self.peer
-                    .am_send_within(SINK, &header(self.me, last, flags), &payload, DEADLINE)
-                    .await?;
+                self.target
+                    .am_send_now(SINK, &header(self.me, last, flags), &payload)?;
             }
-            self.answer(ACK, last).await.map(drop)
+            self.waits
+                .until("acknowledgement", |w| w.acked.get() >= last)
+                .await?;
+            match self.waits.acked.get() {
+                a if a == last => Ok(()),
+                a => Err(BenchError::Protocol(format!(
+                    "acknowledgement #{a} for a window ending at #{last}"
+                ))),
+            }
         };
         let w = window as u64;
         // `Iters` counts messages: each measured window is `w` of them.
-        measure(size, budget, warmup.div_ceil(w), w, progress, window_trip).await
+        let st0 = self.node.shard_ctx().net_stats();
+        let r = self
+            .measure(size, budget, warmup.div_ceil(w), w, progress, window_trip)
+            .await;
+        let st1 = self.node.shard_ctx().net_stats();
+        eprintln!(
+            "DEBUG in_place {} queued {}",
+            st1.sent_in_place - st0.sent_in_place,
+            st1.sent_queued - st0.sent_queued
+        );
+        r
     }
 
     async fn tag_lat(
@@ -468,18 +748,21 @@ impl Session {
         progress: &Progress,
     ) -> Result<Figures, BenchError> {
         let stream = u64::from(self.me.get()) & TAG_STREAM;
-        self.peer
+        self.target
             .am_send(TAG_START, &header(self.me, 0, 0), &[])
             .await?;
-        let payload = vec![0x3Cu8; size];
+        let payload = pattern(size, 0x3C);
         let round_trip = || async {
-            self.peer
-                .tag_send_within(TAG_PING | stream, &payload, DEADLINE)
-                .await?;
-            let (_, data) = self
-                .peer
-                .tag_recv_within(TAG_PONG | stream, TAG_MASK_EXACT, DEADLINE)
-                .await?;
+            // The pong's receive is posted first (polled first), then the ping goes out.
+            let (got, sent) = futures_lite::future::zip(
+                self.target
+                    .tag_recv_within(TAG_PONG | stream, TAG_MASK_EXACT, DEADLINE),
+                self.target
+                    .tag_send_within(TAG_PING | stream, &payload, DEADLINE),
+            )
+            .await;
+            sent?;
+            let (_, data) = got?;
             if data.len() != size {
                 return Err(BenchError::Protocol(format!(
                     "tag pong of {} bytes for a {size}-byte ping",
@@ -488,9 +771,11 @@ impl Session {
             }
             Ok::<(), BenchError>(())
         };
-        let r = measure(size, budget, warmup, 1, progress, round_trip).await;
-        // Ends the peer's stream whatever happened (it also ends by itself when idle).
-        let _ = self.peer.tag_send(TAG_STOP | stream, &[]).await;
+        let r = self
+            .measure(size, budget, warmup, 1, progress, round_trip)
+            .await;
+        // Ends the server's stream whatever happened (it also ends by itself when idle).
+        let _ = self.target.tag_send(TAG_STOP | stream, &[]).await;
         r
     }
 
@@ -503,14 +788,15 @@ impl Session {
         progress: &Progress,
     ) -> Result<Figures, BenchError> {
         let rpc = self.node.rpc();
-        let payload = vec![0xC3u8; size];
+        let payload = pattern(size, 0xC3);
         let round_trip = || async {
             let r = rpc
-                .call_archived_within::<RpcEcho>(self.peer, &payload, DEADLINE)
+                .call_archived_within::<RpcEcho>(self.target, &payload, DEADLINE)
                 .await?;
             echoed("rpc echo", size, r.get().len())
         };
-        measure(size, budget, warmup, 1, progress, round_trip).await
+        self.measure(size, budget, warmup, 1, progress, round_trip)
+            .await
     }
 
     /// `rpc-rate`: windows of `window` [`RpcSink`] calls in flight together, polled by this
@@ -526,10 +812,10 @@ impl Session {
         progress: &Progress,
     ) -> Result<Figures, BenchError> {
         let rpc = self.node.rpc();
-        let payload = vec![0x96u8; size];
+        let payload = pattern(size, 0x96);
         let call = || async {
             let r = rpc
-                .call_archived_within::<RpcSink>(self.peer, &payload, DEADLINE)
+                .call_archived_within::<RpcSink>(self.target, &payload, DEADLINE)
                 .await?;
             let got = r.get().to_native();
             if got != size as u64 {
@@ -542,9 +828,9 @@ impl Session {
         let window_trip = || async {
             if one_way {
                 // As `am-rate`: one-way, and the last one answered (after the others, on the
-                // same connection and handled in order).
+                // same rail and handled in order).
                 for _ in 1..window {
-                    rpc.notify::<RpcSink>(self.peer, &payload).await?;
+                    rpc.notify::<RpcSink>(self.target, &payload).await?;
                 }
                 return call().await;
             }
@@ -555,55 +841,75 @@ impl Session {
         };
         let w = window as u64;
         // `Iters` counts calls: each measured window is `w` of them.
-        measure(size, budget, warmup.div_ceil(w), w, progress, window_trip).await
+        self.measure(size, budget, warmup.div_ceil(w), w, progress, window_trip)
+            .await
     }
 
-    /// `put-bw` and `get-bw`: `window` tasks, each doing one operation at a time.
+    /// `put-bw`, `get-bw` and `put-trusted-bw`: `window` tasks, each doing one operation at a
+    /// time.
     async fn rma(
         &self,
-        put: bool,
+        kind: RmaOp,
         size: usize,
         window: usize,
         budget: Budget,
         warmup: u64,
         progress: &Progress,
     ) -> Result<Figures, BenchError> {
-        let desc = self
-            .region
-            .ok_or_else(|| BenchError::Protocol("no region for put/get".into()))?;
-        let peer = self.peer;
-        let op = move |data: Rc<Vec<u8>>| async move {
-            if put {
-                peer.put_within(&desc, 0, &data, DEADLINE).await?;
-            } else {
-                let got = peer.get_within(&desc, 0, size as u64, DEADLINE).await?;
-                if got.len() != size {
-                    return Err(BenchError::Protocol(format!(
-                        "get of {size} bytes returned {}",
-                        got.len()
-                    )));
-                }
-            }
-            Ok::<(), BenchError>(())
+        let missing = || BenchError::Protocol("no region for the remote-memory test".into());
+        let checked = match kind {
+            RmaOp::Put | RmaOp::Get => Some(self.region.ok_or_else(missing)?),
+            RmaOp::PutTrusted => None,
         };
-        let data = Rc::new(vec![0x77u8; size]);
+        let trusted = match kind {
+            RmaOp::PutTrusted => Some(Rc::new(self.trusted.clone().ok_or_else(missing)?)),
+            RmaOp::Put | RmaOp::Get => None,
+        };
+        let peer = self.target;
+        let op = move |data: Rc<Vec<u8>>| {
+            let trusted = trusted.clone();
+            async move {
+                match (kind, checked, trusted) {
+                    (RmaOp::Put, Some(desc), _) => {
+                        peer.put_within(&desc, 0, &data, DEADLINE).await?;
+                    }
+                    (RmaOp::Get, Some(desc), _) => {
+                        let got = peer.get_within(&desc, 0, size as u64, DEADLINE).await?;
+                        if got.len() != size {
+                            return Err(BenchError::Protocol(format!(
+                                "get of {size} bytes returned {}",
+                                got.len()
+                            )));
+                        }
+                    }
+                    (RmaOp::PutTrusted, _, Some(desc)) => {
+                        peer.put_trusted_within(&desc, 0, &data, DEADLINE).await?;
+                    }
+                    _ => return Err(BenchError::Protocol("no region for the test".into())),
+                }
+                Ok::<(), BenchError>(())
+            }
+        };
+        let data = Rc::new(pattern(size, 0x77));
         for _ in 0..warmup {
             op(data.clone()).await?;
         }
         // One histogram for every task (one thread), made before the clock starts.
         let figures = Rc::new(RefCell::new(Figures::new(size)));
         let done = Rc::new(Cell::new(0u64));
+        self.mark();
         let t0 = Instant::now();
         let tasks: Vec<_> = (0..window)
             .map(|_| {
-                let (figures, done, data) = (figures.clone(), done.clone(), data.clone());
+                let (figures, done, data, op) =
+                    (figures.clone(), done.clone(), data.clone(), op.clone());
                 glommio::spawn_local(async move {
                     while more(budget, done.get(), t0) {
                         done.set(done.get() + 1);
                         let s = Instant::now();
                         op(data.clone()).await?;
                         let mut f = figures.borrow_mut();
-                        record(&mut f, s);
+                        record(&mut f, s.elapsed());
                         f.msgs += 1;
                     }
                     Ok::<(), BenchError>(())
@@ -642,8 +948,47 @@ impl Session {
                 .await
                 .map_err(|e| BenchError::from(crate::Error::from(e)))
         };
-        measure(0, budget, warmup, 1, progress, hop).await
+        self.measure(0, budget, warmup, 1, progress, hop).await
     }
+
+    /// Runs `step` `warmup` times, then measures it until `budget` is spent, at least once:
+    /// one latency sample per step, each step counting `msgs` messages.
+    async fn measure<F, Fut>(
+        &self,
+        size: usize,
+        budget: Budget,
+        warmup: u64,
+        msgs: u64,
+        progress: &Progress,
+        step: F,
+    ) -> Result<Figures, BenchError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<(), BenchError>>,
+    {
+        for _ in 0..warmup {
+            step().await?;
+        }
+        let mut f = Figures::new(size);
+        self.mark();
+        let t0 = Instant::now();
+        while f.msgs == 0 || more(budget, f.msgs, t0) {
+            let s = Instant::now();
+            step().await?;
+            record(&mut f, s.elapsed());
+            f.msgs += msgs;
+            progress.tick(budget, f.msgs, t0);
+        }
+        f.elapsed = t0.elapsed();
+        Ok(f)
+    }
+}
+
+/// `size` bytes of a pattern that starts at `seed` (so that a content check means something).
+fn pattern(size: usize, seed: u8) -> Vec<u8> {
+    (0..size)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
 }
 
 /// Checks that an echo of `size` bytes came back whole.
@@ -657,34 +1002,43 @@ fn echoed(what: &str, size: usize, got: usize) -> Result<(), BenchError> {
     }
 }
 
-/// Runs `step` `warmup` times, then measures it until `budget` is spent, at least once: one
-/// latency sample per step, each step counting `msgs` messages.
-async fn measure<F, Fut>(
-    size: usize,
-    budget: Budget,
-    warmup: u64,
-    msgs: u64,
-    progress: &Progress,
-    step: F,
-) -> Result<Figures, BenchError>
-where
-    F: Fn() -> Fut,
-    Fut: Future<Output = Result<(), BenchError>>,
-{
-    for _ in 0..warmup {
-        step().await?;
+/// Fails the shard's waits once an answer is [`DEADLINE`] overdue (give or take a tenth): the
+/// test then fails with a clear error instead of hanging.
+async fn watchdog(w: Rc<Waits>) {
+    let (mut last, mut stale) = (w.answered.get(), 0);
+    while stale < 10 {
+        sleep(DEADLINE / 10).await;
+        let answered = w.answered.get();
+        stale = if w.waiting.get() && answered == last {
+            stale + 1
+        } else {
+            0
+        };
+        last = answered;
     }
-    let mut f = Figures::new(size);
-    let t0 = Instant::now();
-    while f.msgs == 0 || more(budget, f.msgs, t0) {
-        let s = Instant::now();
-        step().await?;
-        record(&mut f, s);
-        f.msgs += msgs;
-        progress.tick(budget, f.msgs, t0);
+    w.overdue.set(true);
+    w.wake();
+}
+
+/// Whether a test with `done` measured iterations, started at `t0`, goes on.
+fn more(budget: Budget, done: u64, t0: Instant) -> bool {
+    match budget {
+        Budget::Iters(n) => done < n,
+        Budget::Duration(d) => t0.elapsed() < d,
     }
-    f.elapsed = t0.elapsed();
-    Ok(f)
+}
+
+/// [`more`], with the clock already read (`now`).
+fn more_at(budget: Budget, done: u64, t0: Instant, now: Instant) -> bool {
+    match budget {
+        Budget::Iters(n) => done < n,
+        Budget::Duration(d) => now - t0 < d,
+    }
+}
+
+fn record(f: &mut Figures, took: Duration) {
+    let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+    f.hist.saturating_record(ns.max(1));
 }
 
 /// Runs `futures` together on the calling task and returns their outputs in order. Each
@@ -764,36 +1118,6 @@ impl Wake for Slot {
 /// Locks `m`; a panic while it was held leaves plain data, still usable.
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Ends the shard's wait for an answer that is [`DEADLINE`] overdue (give or take a tenth), by
-/// closing the shard's answer channel: the wait then fails with a clear error.
-async fn watchdog(watch: Rc<Watch>) {
-    let (mut last, mut stale) = (watch.answered.get(), 0);
-    while stale < 10 {
-        sleep(DEADLINE / 10).await;
-        let answered = watch.answered.get();
-        stale = if watch.waiting.get() && answered == last {
-            stale + 1
-        } else {
-            0
-        };
-        last = answered;
-    }
-    ANSWERS.with(|a| a.borrow_mut().take());
-}
-
-/// Whether a test with `done` measured iterations, started at `t0`, goes on.
-fn more(budget: Budget, done: u64, t0: Instant) -> bool {
-    match budget {
-        Budget::Iters(n) => done < n,
-        Budget::Duration(d) => t0.elapsed() < d,
-    }
-}
-
-fn record(f: &mut Figures, since: Instant) {
-    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
-    f.hist.saturating_record(ns.max(1));
 }
 
 impl Progress {

@@ -1,24 +1,29 @@
 //! The per-core benchmark suite behind `shardcx bench`, `shardcx node` and `cargo bench`.
 //!
-//! A benchmark run has two sides. The **server** ([`server::serve`], `shardcx node`) hosts a
-//! main node at its listen address and, beside it, `K` *bench peers*: 1-shard nodes in the same
-//! process, on ports of their own, each pinned to a core. The **client**
-//! ([`client::run`], `shardcx bench`) is one node with `N` pinned shards; every client shard runs
-//! the same test at the same time against its own bench peer, and the figures are reported per
-//! shard and merged.
+//! A benchmark run has two sides. The **server** ([`server::serve`], `shardcx node`) is one node
+//! of `M` shards, shard `j` pinned to the `j`-th server CPU. The **client** ([`client::run`],
+//! `shardcx bench`) is one node of `N` pinned shards; every client shard runs the same test at
+//! the same time, each on its own rail to the server, and the figures are reported per shard
+//! and merged. `shardcx bench` starts the server itself (a local peer process with as many
+//! shards as the largest client) unless `--connect` names a running `shardcx node`.
 //!
-//! ## Why bench peers: one connection per client shard
+//! ## Rails: one connection per client shard
 //!
-//! Between two nodes there is one session, held on each side by the shard that owns the other
-//! node (`ShardMap`, rendezvous hashing of the peer's node id). A client with `N` shards talking
-//! to a single server node would run every message through one client shard, the others
-//! forwarding to it: that measures forwarding, not scaling. So the server hosts `K` nodes whose
-//! ids are chosen ([`peer_ids`]) so that, on a client with `K` shards, bench peer `j` is owned
-//! by shard `j`. Rendezvous hashing makes the choice hold for every client with `N <= K`
-//! shards too: the owner is the argmax of per-shard weights, and the argmax over shards `0..K`
-//! stays the argmax over `0..N` when it lies below `N`. The client learns the peers with one
-//! active message to the main node ([`PEERS`]); client shard `j` uses peer `j % K`, and the
-//! table says `owner` when the shard holds the connection itself and `forwarded` otherwise.
+//! Connections are shard-addressed rails (see `shardcx_shards::net`, "Rails"): between a node
+//! of `N` shards and one of `M`, client shard `i` has a rail of its own to server shard
+//! `i mod M`, one UCX endpoint in each direction between the two shards' own workers. Client
+//! shard `i` sends every test's messages to server shard `i mod M`
+//! ([`crate::Peer::shard`], which is its default rail), the server's handlers answer inline on
+//! the rail the message came in on ([`crate::AmMsg::reply`]), and the answer's handler runs on
+//! client shard `i` itself: no cross-shard hop on either side, so `--shards N` measures `N`
+//! independent shards. With `M < N` (a `--connect`ed node with fewer shards) several client
+//! shards share a server shard, each still on its own rail.
+//!
+//! The table's `route` column says what each shard measured, from its cross-shard mesh
+//! counters ([`shardcx_shards::ShardCtx::mesh_stats`]) read when the measured part starts and
+//! when it ends, not from where the rails should be: `rail` when nothing crossed the shard's
+//! mesh lanes in between, `hop` when something did (the shard forwarded work to another shard
+//! or served another shard's forward; the `hop` test always does).
 //!
 //! ## Tests
 //!
@@ -33,11 +38,26 @@
 //! | `rpc-notify` | as `am-rate`, with RPC: `window - 1` one-way calls ([`RpcSink`], [`crate::rpc::Rpc::notify`]), then one answered call | one window |
 //! | `put-bw` | a checked-mode put of `size` bytes, `window` in flight | one put (its completion) |
 //! | `get-bw` | a checked-mode get of `size` bytes, `window` in flight | one get |
+//! | `put-trusted-bw` | a trusted-mode put ([`crate::Peer::put_trusted`], native UCX RMA) of `size` bytes, `window` in flight | one put (remotely complete) |
 //! | `hop` | forward an empty job to the next client shard and await it (needs 2 shards or more) | one hop |
 //!
-//! `put-bw`/`get-bw` measure checked mode only (put/get carried as messages and checked by the
-//! target's shard); trusted mode (native UCX RMA, [`crate::Peer::put_trusted`]) is not in the
-//! suite.
+//! The messaging loops are as lean as `ucx_perftest`'s. `am-lat` is a ping-pong driven by the
+//! handlers: the server's echo handler answers inline on the progress driver
+//! ([`crate::AmMsg::reply`], no task), and the client's answer handler records the round trip
+//! in the shard's histogram and sends the next ping inline ([`crate::Peer::am_send_now`]) until
+//! the iterations are done; only then is the test task woken. Each answer's length is checked,
+//! and its content every [`CONTENT_CHECK_EVERY`] answers. `am-rate` and `am-bw` send each
+//! window from the test task with [`crate::Peer::am_send_now`] in a tight loop; the server's
+//! sink handler acknowledges the last message of each window inline. A lost answer fails the
+//! run within the operation deadline (a watchdog per shard), it never hangs.
+//!
+//! `put-bw`/`get-bw` measure checked mode (put/get carried as messages and checked by the
+//! target's shard). `put-trusted-bw` measures trusted mode: native UCX RMA into a region the
+//! server shard mapped ([`crate::Node::register_trusted_region`]), each put flushed (remotely
+//! complete) before it counts. Trusted mode needs [`crate::NodeBuilder::trusted_rma`] on both
+//! nodes (`shardcx bench` turns it on for both when the test is planned; a `shardcx node` needs
+//! `--trusted-rma`) and shared memory (or RDMA) between them: over `tcp` the test is skipped
+//! (UCX 1.12 only emulates RMA over tcp, and shardcx refuses it).
 //!
 //! `rpc-lat` and `rpc-rate` measure the RPC layer ([`crate::rpc`]) against the AM tests it is
 //! built on: the server's handlers are plain ones ([`crate::NodeBuilder::rpc`]), run inline on
@@ -66,11 +86,11 @@
 //!
 //! ## Placement
 //!
-//! Client shard `i` is pinned to the `i`-th CPU of the client core list, bench peer `j` to the
-//! `j`-th of the server list. With two CPUs or more the default puts the server on the last CPU
-//! and the client on the others first (`taskset` on each side of ucx_perftest); `--cores
-//! CLIENT/SERVER` overrides (`--cores 0/1`, `--cores 0,1/1`). When both sides end up on a single
-//! core the run says loudly that its latencies mean nothing.
+//! Client shard `i` is pinned to the `i`-th CPU of the client core list, server shard `j` to the
+//! `j`-th of the server list (both modulo the list's length). With two CPUs or more the default
+//! puts the server on the last CPU and the client on the others first (`taskset` on each side
+//! of ucx_perftest); `--cores CLIENT/SERVER` overrides (`--cores 0/1`, `--cores 0,1/1`). When
+//! both sides end up on a single core the run says loudly that its latencies mean nothing.
 //!
 //! ## JSON
 //!
@@ -79,7 +99,8 @@
 //! ```text
 //! {
 //!   "test": "am-lat",        // test name, as above (am-lat, am-rate, am-bw, tag-lat,
-//!                            // rpc-lat, rpc-rate, rpc-notify, put-bw, get-bw, hop)
+//!                            // rpc-lat, rpc-rate, rpc-notify, put-bw, get-bw,
+//!                            // put-trusted-bw, hop)
 //!   "size": 8,               // bytes per message (0 for hop)
 //!   "shards": 2,             // client shards
 //!   "transport": "shm",      // shm | tcp | auto
@@ -93,12 +114,14 @@
 //!   "msgs_per_s": 480000.0,  // all shards (calls per second for the rpc tests)
 //!   "mb_per_s": 3.84,        // all shards, 10^6 bytes per second
 //!   "per_shard": [           // one object per client shard, same fields, plus:
-//!     {"shard": 0, "route": "owner", "iters": 20000, "p50_us": 4.0, ...}
-//!   ]
+//!     {"shard": 0, "route": "rail", "iters": 20000, "p50_us": 4.0, ...}
+//!   ]                        // "route": "rail" (nothing crossed the shard's mesh lanes while
+//!                            // it measured) or "hop" (something did); see "Rails" above
 //! }
 //! ```
 //!
-//! A skipped combination (e.g. `hop` with one shard) is not in the file; the table says why.
+//! A skipped combination (e.g. `hop` with one shard, `put-trusted-bw` over tcp) is not in the
+//! file; the table says why.
 
 pub mod client;
 pub mod plot;
@@ -110,15 +133,11 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
-use shardcx_shards::proto::{AmId, NodeId, ShardId, ShardMap};
+use shardcx_shards::proto::{AmId, ShardId};
 
 /// The pre-shared key of benchmark nodes started without `--psk-file`.
 pub const DEFAULT_PSK: &[u8] = b"shardcx bench default pre-shared key";
 
-/// Active message: the main node's list of bench peers, asked for by a client.
-pub const PEERS: AmId = AmId::new(0x5343_0001);
-/// Active message: the answer to [`PEERS`].
-pub const PEERS_REPLY: AmId = AmId::new(0x5343_0002);
 /// Active message: echo the header and payload back ([`ECHO_REPLY`]).
 pub const ECHO: AmId = AmId::new(0x5343_0003);
 /// Active message: the echo of an [`ECHO`].
@@ -129,10 +148,15 @@ pub const SINK: AmId = AmId::new(0x5343_0005);
 pub const ACK: AmId = AmId::new(0x5343_0006);
 /// Active message: start answering tag pings of one stream (see [`client`]).
 pub const TAG_START: AmId = AmId::new(0x5343_0007);
-/// Active message: make sure a region of at least the header's size exists on this shard.
+/// Active message: make sure a region of at least the header's size exists on this shard (a
+/// trusted-mode one when the header's flags have [`FLAG_TRUSTED`]).
 pub const REGION: AmId = AmId::new(0x5343_0008);
-/// Active message: the answer to [`REGION`], the region's descriptor.
+/// Active message: the answer to [`REGION`]: one status byte (0: the region's descriptor
+/// follows; 1: why there is none follows, as UTF-8).
 pub const REGION_REPLY: AmId = AmId::new(0x5343_0009);
+
+/// `am-lat` checks the content of every this-many answers (their length, every time).
+pub const CONTENT_CHECK_EVERY: u64 = 64;
 
 crate::rpc_function!(
     /// RPC of `rpc-lat`: the argument's bytes, echoed back.
@@ -193,6 +217,8 @@ pub enum Test {
     PutBw,
     /// Checked-mode gets with a window.
     GetBw,
+    /// Trusted-mode (native RMA) puts with a window.
+    PutTrustedBw,
     /// Cross-shard forwarding within the client node.
     Hop,
 }
@@ -230,15 +256,13 @@ pub struct Figures {
     pub size: usize,
 }
 
-/// Which client shard holds the connection a shard's test used.
+/// Whether a client shard's test crossed shards, as measured (see the module docs, "Rails").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
-    /// The shard itself.
-    Owner,
-    /// Another shard: every operation was forwarded.
-    Forwarded,
-    /// No connection (the `hop` test).
-    Local,
+    /// Nothing crossed the shard's mesh lanes while it measured: it used its own rail only.
+    Rail,
+    /// Something did: the shard forwarded work to another shard, or served another's forward.
+    Hop,
 }
 
 /// One client shard's figures.
@@ -246,7 +270,7 @@ pub enum Route {
 pub struct ShardFigures {
     /// The client shard.
     pub shard: ShardId,
-    /// How it reached its peer.
+    /// Whether it crossed shards while it measured.
     pub route: Route,
     /// Its figures.
     pub figures: Figures,
@@ -271,7 +295,7 @@ pub struct Measurement {
 
 impl Test {
     /// Every test, in the order the suite runs them.
-    pub const ALL: [Test; 10] = [
+    pub const ALL: [Test; 11] = [
         Test::AmLat,
         Test::AmRate,
         Test::AmBw,
@@ -281,6 +305,7 @@ impl Test {
         Test::RpcNotify,
         Test::PutBw,
         Test::GetBw,
+        Test::PutTrustedBw,
         Test::Hop,
     ];
 
@@ -296,6 +321,7 @@ impl Test {
             Test::RpcNotify => "rpc-notify",
             Test::PutBw => "put-bw",
             Test::GetBw => "get-bw",
+            Test::PutTrustedBw => "put-trusted-bw",
             Test::Hop => "hop",
         }
     }
@@ -312,7 +338,7 @@ impl Test {
             Test::AmRate | Test::RpcRate | Test::RpcNotify => &[64],
             Test::AmBw => &[64 << 10, 1 << 20, 16 << 20],
             Test::TagLat => &[8],
-            Test::PutBw | Test::GetBw => &[4096, 1 << 20],
+            Test::PutBw | Test::GetBw | Test::PutTrustedBw => &[4096, 1 << 20],
             Test::Hop => &[0],
         }
     }
@@ -326,7 +352,7 @@ impl Test {
             // Messages or calls (not windows).
             Test::AmRate | Test::RpcRate | Test::RpcNotify => 100_000,
             Test::AmBw => by_bytes(256 << 20, 16, 100_000),
-            Test::PutBw | Test::GetBw => by_bytes(64 << 20, 64, 10_000),
+            Test::PutBw | Test::GetBw | Test::PutTrustedBw => by_bytes(64 << 20, 64, 10_000),
             Test::Hop => 10_000,
         }
     }
@@ -336,7 +362,7 @@ impl Test {
         match self {
             Test::AmLat | Test::TagLat | Test::RpcLat => "round trip",
             Test::AmRate | Test::AmBw | Test::RpcRate | Test::RpcNotify => "per window",
-            Test::PutBw | Test::GetBw => "per operation, window in flight",
+            Test::PutBw | Test::GetBw | Test::PutTrustedBw => "per operation, window in flight",
             Test::Hop => "per hop",
         }
     }
@@ -427,9 +453,8 @@ impl Route {
     /// The route's name in tables and JSON.
     pub fn name(self) -> &'static str {
         match self {
-            Route::Owner => "owner",
-            Route::Forwarded => "forwarded",
-            Route::Local => "local",
+            Route::Rail => "rail",
+            Route::Hop => "hop",
         }
     }
 }
@@ -452,29 +477,6 @@ impl Measurement {
 pub fn new_histogram() -> Histogram<u64> {
     // Valid bounds (low >= 1, high >= 2 * low, sigfig <= 5): cannot fail.
     Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("valid histogram bounds")
-}
-
-/// Node ids for `k` bench peers such that a client with `k` shards owns peer `j` on shard `j`
-/// (and so does every client with `n <= k` shards, for `j < n`; see the module docs). The
-/// search is deterministic: both sides may compute it.
-pub fn peer_ids(k: usize) -> Result<Vec<NodeId>, BenchError> {
-    let count = u16::try_from(k)
-        .ok()
-        .filter(|&k| k > 0)
-        .ok_or_else(|| BenchError::Config(format!("bench peer count {k} out of range")))?;
-    let map = ShardMap::new(count).map_err(|e| BenchError::Config(e.to_string()))?;
-    let base = 0x5343_5842_0000_0000u64; // "SCXB"
-    let mut ids = Vec::with_capacity(k);
-    for j in 0..count {
-        // Each shard wins a fraction 1/k of the ids; 64 k tries fail with odds (1 - 1/k)^(64k).
-        let found = (0..64 * u64::from(count))
-            .map(|n| NodeId::new(base + (u64::from(j) << 24) + n))
-            .find(|&id| map.owner_of(id) == ShardId::new(j));
-        ids.push(found.ok_or_else(|| {
-            BenchError::Config(format!("no bench peer id found for shard {j} of {k}"))
-        })?);
-    }
-    Ok(ids)
 }
 
 /// Parses a size: `8`, `4k`, `64KiB`, `1m`, `16MiB` (powers of two).
@@ -546,18 +548,10 @@ pub fn run_in_process(
     r
 }
 
-/// Where a bench peer listens, as the client can reach it: an unspecified address (the node
-/// listens on every interface) is replaced by the IP the client reached the main node at.
-pub fn reachable(addr: SocketAddr, main: SocketAddr) -> SocketAddr {
-    if addr.ip().is_unspecified() {
-        SocketAddr::new(main.ip(), addr.port())
-    } else {
-        addr
-    }
-}
-
 /// Header flag of a [`SINK`]: acknowledge it.
 pub(crate) const FLAG_ACK: u8 = 1;
+/// Header flag of a [`REGION`]: a trusted-mode region.
+pub const FLAG_TRUSTED: u8 = 2;
 /// Length of the header of every benchmark message.
 pub(crate) const HEADER_LEN: usize = 11;
 
@@ -605,20 +599,6 @@ pub(crate) fn pin_current(cpu: usize) -> bool {
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
-
-    #[test]
-    fn peer_ids_are_owned_by_their_shard_for_every_smaller_client() {
-        for k in 1..=8usize {
-            let ids = peer_ids(k).unwrap();
-            for n in 1..=k {
-                let map = ShardMap::new(n as u16).unwrap();
-                for (j, id) in ids.iter().enumerate().take(n) {
-                    assert_eq!(map.owner_of(*id), ShardId::new(j as u16), "k {k} n {n}");
-                }
-            }
-        }
-        assert!(peer_ids(0).is_err());
-    }
 
     #[test]
     fn sizes_parse_and_print() {

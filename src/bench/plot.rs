@@ -219,7 +219,7 @@ mod tests {
                 transport: Transport::Shm,
                 per_shard: vec![ShardFigures {
                     shard: ShardId::new(0),
-                    route: Route::Owner,
+                    route: Route::Rail,
                     figures: f,
                 }],
                 skipped: None,

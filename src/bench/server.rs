@@ -1,31 +1,31 @@
-//! The serving side of a benchmark: a main node and its bench peers (see [`crate::bench`]).
+//! The serving side of a benchmark: one node of `M` shards (see [`crate::bench`]).
 //!
-//! [`serve`] starts the `K` bench peers first (1-shard nodes on ports of their own, ids from
-//! [`super::peer_ids`], peer `j` pinned to the `j`-th server CPU), then the main node at the
-//! listen address, which knows their addresses and answers [`super::PEERS`]. Every node has the
-//! same handlers: echo ([`super::ECHO`]), sink with acknowledgements ([`super::SINK`]), tag
-//! ping-pong streams ([`super::TAG_START`]), one remote-memory region per shard
+//! [`serve`] starts the node at the listen address, shard `j` pinned to the `j`-th server CPU.
+//! Every shard has the same handlers, and each answers on the rail the message came in on, so
+//! client shard `i` is served by server shard `i mod M` alone: echo ([`super::ECHO`], answered
+//! inline on the progress driver with [`AmMsg::reply`]), sink with acknowledgements
+//! ([`super::SINK`], the acknowledgement inline too), tag ping-pong streams
+//! ([`super::TAG_START`]), one remote-memory region per shard, checked or trusted
 //! ([`super::REGION`]), and the plain RPC handlers of [`super::RpcEcho`] (the argument's bytes
-//! back) and [`super::RpcSink`] (the argument's length). Everything runs until the [`Shutdown`] switch is triggered; then each
-//! node drains and closes as any node does (see [`crate::shutdown`]).
+//! back) and [`super::RpcSink`] (the argument's length). Everything runs until the
+//! [`Shutdown`] switch is triggered; then the node drains and closes as any node does (see
+//! [`crate::shutdown`]).
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::sync::mpsc;
-use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use shardcx_shards::proto::NodeId;
-use shardcx_shards::{Placement, ShardsBuilder};
+use shardcx_shards::{NetError, Placement, ShardsBuilder};
 
 use super::{
-    net_config, parse_header, peer_ids, pin_current, BenchError, RpcEcho, RpcSink, Transport, ACK,
-    ECHO, ECHO_REPLY, FLAG_ACK, PEERS, PEERS_REPLY, REGION, REGION_REPLY, SINK, TAG_START,
+    net_config, parse_header, pin_current, BenchError, RpcEcho, RpcSink, Transport, ACK, ECHO,
+    ECHO_REPLY, FLAG_ACK, FLAG_TRUSTED, REGION, REGION_REPLY, SINK, TAG_START,
 };
-use crate::rma::Permissions;
+use crate::rma::{Permissions, TrustedRegion};
 use crate::rpc::RpcContext;
-use crate::{AmMsg, Error, Node, NodeBuilder, Peer, Region, Shutdown};
+use crate::{AmId, AmMsg, Error, Node, NodeBuilder, Peer, Region, Shutdown};
 
 /// Tag bits of a ping (see [`crate::bench::client`]): `PING | stream`.
 pub(crate) const TAG_PING: u64 = 1 << 12;
@@ -38,7 +38,7 @@ pub(crate) const TAG_STREAM: u64 = 0xFFF;
 
 /// How long a tag stream waits for its next ping before it ends by itself.
 const TAG_IDLE: Duration = Duration::from_secs(30);
-/// How long [`serve`] waits for its nodes to start.
+/// How long [`serve`] waits for its node to start.
 const START_LIMIT: Duration = Duration::from_secs(30);
 /// io memory per node shard when the memlock limit allows it.
 const IO_MEMORY: u64 = 1 << 20;
@@ -46,87 +46,84 @@ const IO_MEMORY: u64 = 1 << 20;
 /// Settings of [`serve`].
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
-    /// The main node's listen address (port 0 picks one).
+    /// The node's listen address (port 0 picks one).
     pub listen: SocketAddr,
-    /// Shards of the main node.
+    /// Shards of the node.
     pub shards: usize,
-    /// Bench peers (1-shard nodes) beside it.
-    pub peers: usize,
-    /// UCX transports of every node.
+    /// UCX transports of the node.
     pub transport: Transport,
     /// The pre-shared key (16 bytes at least).
     pub psk: Vec<u8>,
-    /// CPUs for the bench peers (peer `j` on `cores[j % len]`); `None` leaves them unpinned.
+    /// CPUs for the shards (shard `j` on `cores[j % len]`); `None` leaves them unpinned.
     pub cores: Option<Vec<usize>>,
+    /// Trusted-mode remote memory ([`NodeBuilder::trusted_rma`]), for `put-trusted-bw`.
+    pub trusted_rma: bool,
 }
 
 /// Where a started server listens.
 #[derive(Debug, Clone)]
 pub struct Serving {
-    /// The main node.
+    /// The node's address.
     pub addr: SocketAddr,
-    /// The bench peers, in order.
-    pub peers: Vec<(NodeId, SocketAddr)>,
+    /// Its shard count.
+    pub shards: usize,
 }
 
 thread_local! {
     /// This shard's region for put/get tests (grown on request, never shrunk).
     static REGION_OF_SHARD: RefCell<Option<Region>> = const { RefCell::new(None) };
+    /// This shard's trusted-mode region for `put-trusted-bw` (grown on request).
+    static TRUSTED_OF_SHARD: RefCell<Option<TrustedRegion>> = const { RefCell::new(None) };
 }
 
-/// Runs the benchmark server until `stop` is triggered: calls `ready` once every node
-/// listens, then returns when every node has shut down.
+/// Runs the benchmark server until `stop` is triggered: calls `ready` once the node listens,
+/// then returns when it has shut down.
 pub fn serve(
     cfg: &ServeConfig,
     stop: &Shutdown,
     ready: impl FnOnce(&Serving),
 ) -> Result<(), BenchError> {
-    if cfg.shards == 0 || cfg.peers == 0 {
+    if cfg.shards == 0 {
         return Err(BenchError::Config(
-            "a server needs at least one shard and one bench peer".into(),
+            "a server needs at least one shard".into(),
         ));
     }
-    let io = io_memory(cfg.shards + cfg.peers)?;
-    let ids = peer_ids(cfg.peers)?;
-    let mut threads: Vec<JoinHandle<Result<(), Error>>> = Vec::new();
-    let (tx, rx) = mpsc::channel::<(usize, SocketAddr)>();
-    let peer_listen = SocketAddr::new(cfg.listen.ip(), 0);
-    for (j, id) in ids.iter().enumerate() {
-        let cpu = cfg
-            .cores
-            .as_ref()
-            .and_then(|c| c.get(j % c.len().max(1)).copied());
-        let builder = node(cfg, 1, io).node_id(*id).listen(peer_listen);
-        threads.push(start(builder, j, cpu, tx.clone(), stop.clone())?);
-    }
-    let peers = match collect(&rx, cfg.peers, &threads) {
-        Ok(addrs) => ids.into_iter().zip(addrs).collect::<Vec<_>>(),
-        Err(e) => return Err(abort(stop, threads, e)),
-    };
-    let list = Arc::new(encode_peers(&peers));
-    let builder = node(cfg, cfg.shards, io)
-        .listen(cfg.listen)
-        .on_am(PEERS, move || {
-            let list = list.clone();
-            move |_node: &Node, msg: AmMsg| reply(msg, PEERS_REPLY, list.to_vec())
-        });
-    threads.push(start(builder, 0, None, tx, stop.clone())?);
-    let addr = match collect(&rx, 1, &threads) {
-        Ok(a) => a[0],
-        Err(e) => return Err(abort(stop, threads, e)),
-    };
-    ready(&Serving { addr, peers });
-    let mut first = None;
-    for t in threads {
-        let r = t
-            .join()
-            .map_err(|_| BenchError::Protocol("a server node panicked".into()))
-            .and_then(|r| r.map_err(BenchError::from));
-        if let (Err(e), None) = (r, &first) {
-            first = Some(e);
+    let io = io_memory(cfg.shards)?;
+    let (tx, rx) = mpsc::channel::<SocketAddr>();
+    let thread = start(node(cfg, io), cfg.cores.clone(), tx, stop.clone())?;
+    let deadline = Instant::now() + START_LIMIT;
+    let addr = loop {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(a) => break Some(a),
+            // The node ended before it listened (it failed to start).
+            Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if thread.is_finished() || Instant::now() > deadline {
+                    break None;
+                }
+            }
         }
-    }
-    first.map_or(Ok(()), Err)
+    };
+    let Some(addr) = addr else {
+        let late = !thread.is_finished();
+        stop.trigger();
+        return Err(match thread.join() {
+            Ok(Err(e)) => BenchError::Node(e),
+            _ if late => BenchError::Protocol(format!(
+                "the server node did not start within {START_LIMIT:?}"
+            )),
+            Ok(Ok(())) => BenchError::Protocol("the server node stopped before it listened".into()),
+            Err(_) => BenchError::Protocol("the server node panicked".into()),
+        });
+    };
+    ready(&Serving {
+        addr,
+        shards: cfg.shards,
+    });
+    thread
+        .join()
+        .map_err(|_| BenchError::Protocol("the server node panicked".into()))?
+        .map_err(BenchError::from)
 }
 
 /// io memory per node shard, so that `shards` of them fit the memlock limit (at most
@@ -136,28 +133,28 @@ fn io_memory(shards: usize) -> Result<u64, BenchError> {
         .shard_count(shards)
         .io_memory_for(shardcx_shards::memlock_limit())
         .map(|per| per.min(IO_MEMORY))
-        .map_err(|e| {
-            BenchError::Config(format!(
-                "{e}; a server's shards are its main node's plus one per bench peer"
-            ))
-        })
+        .map_err(|e| BenchError::Config(e.to_string()))
 }
 
-/// A node with the benchmark handlers.
-fn node(cfg: &ServeConfig, shards: usize, io: u64) -> NodeBuilder {
+/// The server node, with the benchmark handlers.
+fn node(cfg: &ServeConfig, io: u64) -> NodeBuilder {
     let mut b = Node::builder()
-        .shards(shards)
+        .shards(cfg.shards)
         .placement(Placement::Unpinned)
         .psk(&cfg.psk)
         .io_memory(io)
-        .net(net_config(cfg.transport));
+        .net(net_config(cfg.transport))
+        .listen(cfg.listen);
     if let Some(tls) = cfg.transport.tls() {
         b = b.transports(tls);
+    }
+    if cfg.trusted_rma {
+        b = b.trusted_rma();
     }
     handlers(b)
 }
 
-/// The handlers every benchmark node serves.
+/// The handlers every benchmark server shard serves.
 pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
     // Plain RPC handlers: inline on the receiving shard, arguments read in place.
     b.rpc::<RpcEcho, _, _>(|| {
@@ -166,22 +163,15 @@ pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
     .rpc::<RpcSink, _, _>(|| {
         |_ctx: &RpcContext, args: &rkyv::Archived<Vec<u8>>| Ok(args.len() as u64)
     })
+    // The echo and the acknowledgement go out inline, on the driver's stack, as
+    // ucx_perftest's answers do.
     .on_am(ECHO, || {
-        |_node: &Node, msg: AmMsg| {
-            glommio::spawn_local(async move {
-                // A client that has gone away: nothing to answer.
-                let _ = msg
-                    .from()
-                    .am_send(ECHO_REPLY, msg.header(), msg.payload())
-                    .await;
-            })
-            .detach();
-        }
+        |_node: &Node, msg: AmMsg| answer_inline(msg, ECHO_REPLY, true)
     })
     .on_am(SINK, || {
         |_node: &Node, msg: AmMsg| {
             if parse_header(msg.header()).is_some_and(|(_, _, flags)| flags & FLAG_ACK != 0) {
-                reply(msg, ACK, Vec::new());
+                answer_inline(msg, ACK, false);
             }
         }
     })
@@ -195,45 +185,98 @@ pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
     })
     .on_am(REGION, || {
         |node: &Node, msg: AmMsg| {
-            let Some((_, size, _)) = parse_header(msg.header()) else {
+            let Some((_, size, flags)) = parse_header(msg.header()) else {
                 return;
             };
-            let desc = region_of_at_least(node, size);
-            reply(
-                msg,
-                REGION_REPLY,
-                desc.map(|d| d.to_bytes().to_vec()).unwrap_or_default(),
-            );
+            let answer = if flags & FLAG_TRUSTED != 0 {
+                trusted_region_of_at_least(node, size)
+            } else {
+                region_of_at_least(node, size)
+            };
+            let payload = match answer {
+                Ok(desc) => [&[0u8][..], &desc].concat(),
+                Err(why) => [&[1u8][..], why.as_bytes()].concat(),
+            };
+            reply_later(msg, REGION_REPLY, payload);
         }
     })
 }
 
-/// Answers `msg` with active message `id`: its own header, and `payload`.
-fn reply(msg: AmMsg, id: crate::AmId, payload: Vec<u8>) {
+/// Answers `msg` with active message `id` and its own header (and its payload when `echo`),
+/// at once from the handler ([`AmMsg::reply`]). Only when the reply fails in a way a later
+/// send can fix (the rail is not ready on this shard, or another shard holds it) is it sent
+/// from a task with [`Peer::am_send`]; otherwise the client has gone, and nothing is answered.
+fn answer_inline(msg: AmMsg, id: AmId, echo: bool) {
+    let payload: &[u8] = if echo { msg.payload() } else { &[] };
+    match msg.reply(id, msg.header(), payload) {
+        Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {
+            glommio::spawn_local(async move {
+                let payload: &[u8] = if echo { msg.payload() } else { &[] };
+                let _ = msg.from().am_send(id, msg.header(), payload).await;
+            })
+            .detach();
+        }
+        Ok(()) | Err(_) => {}
+    }
+}
+
+/// Answers `msg` with active message `id`: its own header, and `payload`, from a task.
+fn reply_later(msg: AmMsg, id: AmId, payload: Vec<u8>) {
     glommio::spawn_local(async move {
         let _ = msg.from().am_send(id, msg.header(), &payload).await;
     })
     .detach();
 }
 
-/// This shard's region, at least `size` bytes (an empty answer when it cannot be made).
-fn region_of_at_least(node: &Node, size: u64) -> Option<crate::RemoteRegion> {
-    let size = usize::try_from(size)
-        .ok()
-        .filter(|&s| s as u64 <= super::MAX_MESSAGE)?;
+/// The descriptor of this shard's checked-mode region of at least `size` bytes, or why it
+/// cannot be made.
+fn region_of_at_least(node: &Node, size: u64) -> Result<Vec<u8>, String> {
+    let size = fits(size)?;
     REGION_OF_SHARD.with(|r| {
         let mut r = r.borrow_mut();
         if let Some(region) = r.as_ref().filter(|region| region.len() >= size) {
-            return Some(region.descriptor());
+            return Ok(region.descriptor().to_bytes().to_vec());
         }
         r.take();
         let region = node
             .register_region(vec![0; size.max(1)], Permissions::READ_WRITE, None)
-            .ok()?;
-        let d = region.descriptor();
+            .map_err(|e| format!("cannot register a region of {size} bytes: {e}"))?;
+        let d = region.descriptor().to_bytes().to_vec();
         *r = Some(region);
-        Some(d)
+        Ok(d)
     })
+}
+
+/// The descriptor of this shard's trusted-mode region of at least `size` bytes, or why it
+/// cannot be made (trusted mode off: `shardcx node --trusted-rma`).
+fn trusted_region_of_at_least(node: &Node, size: u64) -> Result<Vec<u8>, String> {
+    let size = fits(size)?;
+    if !node.trusted_rma_enabled() {
+        return Err("trusted mode is off on the server (start it with --trusted-rma)".into());
+    }
+    TRUSTED_OF_SHARD.with(|r| {
+        let mut r = r.borrow_mut();
+        if let Some(region) = r.as_ref().filter(|region| region.len() >= size) {
+            return Ok(region.descriptor().to_bytes());
+        }
+        // Clients of the old region are the bench's own, which ask before each test: none
+        // writes it any more.
+        r.take();
+        let region = node
+            .register_trusted_region(size.max(1), Permissions::READ_WRITE)
+            .map_err(|e| format!("cannot map a trusted region of {size} bytes: {e}"))?;
+        let d = region.descriptor().to_bytes();
+        *r = Some(region);
+        Ok(d)
+    })
+}
+
+/// `size` as a region length, if it is within the message limit.
+fn fits(size: u64) -> Result<usize, String> {
+    usize::try_from(size)
+        .ok()
+        .filter(|&s| s as u64 <= super::MAX_MESSAGE)
+        .ok_or_else(|| format!("a region of {size} bytes is over the bench's limit"))
 }
 
 /// Answers the pings of tag stream `stream` from `client` until its stop (or [`TAG_IDLE`]).
@@ -251,139 +294,38 @@ async fn tag_stream(client: Peer, stream: u64) {
     }
 }
 
-/// Starts `builder` on a thread of its own; its shard 0 sends `(index, listen address)`.
+/// Starts `builder` on a thread of its own, shard `j` pinned to `cores[j % len]`; its shard
+/// 0 sends the listen address.
 fn start(
     builder: NodeBuilder,
-    index: usize,
-    cpu: Option<usize>,
-    tx: mpsc::Sender<(usize, SocketAddr)>,
+    cores: Option<Vec<usize>>,
+    tx: mpsc::Sender<SocketAddr>,
     stop: Shutdown,
 ) -> Result<JoinHandle<Result<(), Error>>, BenchError> {
     std::thread::Builder::new()
-        .name(format!("bench-node-{index}"))
+        .name("bench-node".into())
         .spawn(move || {
             builder
                 .run(move |node: Node| {
-                    let (tx, stop) = (tx.clone(), stop.clone());
+                    let (tx, stop, cores) = (tx.clone(), stop.clone(), cores.clone());
                     async move {
-                        if let Some(cpu) = cpu {
-                            pin_current(cpu);
+                        if let Some(c) = cores.as_ref().filter(|c| !c.is_empty()) {
+                            pin_current(c[node.shard().index() % c.len()]);
                         }
                         if node.shard().index() == 0 {
                             if let Some(a) = node.listen_addr() {
-                                let _ = tx.send((index, a));
+                                let _ = tx.send(a);
                             }
                         }
                         stop.wait().await;
                         REGION_OF_SHARD.with(|r| r.borrow_mut().take());
+                        TRUSTED_OF_SHARD.with(|r| r.borrow_mut().take());
                     }
                 })
                 .map(|_| ())
         })
         .map_err(|source| BenchError::Io {
-            what: "cannot start a node thread".into(),
+            what: "cannot start the server node's thread".into(),
             source,
         })
-}
-
-/// The listen addresses of `n` nodes, in index order, or why they did not all start.
-fn collect(
-    rx: &mpsc::Receiver<(usize, SocketAddr)>,
-    n: usize,
-    threads: &[JoinHandle<Result<(), Error>>],
-) -> Result<Vec<SocketAddr>, BenchError> {
-    let mut addrs = vec![None; n];
-    let deadline = std::time::Instant::now() + START_LIMIT;
-    while addrs.iter().any(Option::is_none) {
-        match rx.recv_timeout(Duration::from_millis(50)) {
-            Ok((i, a)) => {
-                if let Some(slot) = addrs.get_mut(i) {
-                    *slot = Some(a);
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if threads.iter().any(JoinHandle::is_finished) {
-                    return Err(BenchError::Protocol("a server node failed to start".into()));
-                }
-                if std::time::Instant::now() > deadline {
-                    return Err(BenchError::Protocol(format!(
-                        "server nodes did not start within {START_LIMIT:?}"
-                    )));
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(BenchError::Protocol("a server node failed to start".into()));
-            }
-        }
-    }
-    Ok(addrs.into_iter().flatten().collect())
-}
-
-/// Stops the nodes started so far and returns the most telling error: a node's own, if one
-/// failed, else `e`.
-fn abort(
-    stop: &Shutdown,
-    threads: Vec<JoinHandle<Result<(), Error>>>,
-    e: BenchError,
-) -> BenchError {
-    stop.trigger();
-    let mut found = None;
-    for t in threads {
-        if let Ok(Err(err)) = t.join() {
-            found.get_or_insert(BenchError::Node(err));
-        }
-    }
-    found.unwrap_or(e)
-}
-
-/// The payload of [`PEERS_REPLY`]: count (u16), then per peer its id (u64) and its address
-/// (u8 length, UTF-8), little-endian.
-fn encode_peers(peers: &[(NodeId, SocketAddr)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(&(peers.len().min(usize::from(u16::MAX)) as u16).to_le_bytes());
-    for (id, addr) in peers.iter().take(usize::from(u16::MAX)) {
-        let a = addr.to_string();
-        out.extend_from_slice(&id.get().to_le_bytes());
-        // A socket address is at most 47 characters.
-        out.push(a.len().min(255) as u8);
-        out.extend_from_slice(&a.as_bytes()[..a.len().min(255)]);
-    }
-    out
-}
-
-/// Reads a [`PEERS_REPLY`] payload.
-pub(crate) fn decode_peers(b: &[u8]) -> Option<Vec<(NodeId, SocketAddr)>> {
-    let n = u16::from_le_bytes(b.get(..2)?.try_into().ok()?);
-    let mut at = 2;
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let id = u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?);
-        let len = usize::from(*b.get(at + 8)?);
-        let s = std::str::from_utf8(b.get(at + 9..at + 9 + len)?).ok()?;
-        out.push((NodeId::new(id), s.parse().ok()?));
-        at += 9 + len;
-    }
-    (at == b.len()).then_some(out)
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
-mod tests {
-    use super::*;
-
-    #[test]
-    fn peer_lists_round_trip_and_refuse_junk() {
-        let peers = vec![
-            (NodeId::new(1), "127.0.0.1:4000".parse().unwrap()),
-            (NodeId::new(u64::MAX), "[::1]:65535".parse().unwrap()),
-        ];
-        let b = encode_peers(&peers);
-        assert_eq!(decode_peers(&b).unwrap(), peers);
-        for cut in 0..b.len() {
-            assert!(decode_peers(&b[..cut]).is_none(), "cut {cut}");
-        }
-        let mut long = b.clone();
-        long.push(0);
-        assert!(decode_peers(&long).is_none());
-    }
 }

@@ -23,29 +23,40 @@ usage: shardcx <command> [options]
 commands:
   info                       UCX version (loaded and built against), transports and devices,
                              io_uring, locked memory, cores, CUDA
-  node                       serve the benchmark and echo handlers until SIGINT/SIGTERM
-      --listen ADDR          main node address (default 127.0.0.1:0); prints `listening ADDR`
-      --shards N             shards of the main node (default 1)
-      --peers K              bench peers, 1-shard nodes beside it (default: the CPUs)
+  node                       serve the benchmark and echo handlers until SIGINT/SIGTERM: one
+                             node; client shard i is served by shard i mod N, on its own rail
+      --listen ADDR          listen address (default 127.0.0.1:0); prints `listening ADDR`,
+                             then `shards N`
+      --shards N             shards of the node (default 1)
       --transport T          shm | tcp | auto (default shm)
-      --cores LIST           CPUs for the bench peers (default: unpinned)
+      --cores LIST           CPUs for the shards, shard j on LIST[j % len] (default: unpinned)
+      --trusted-rma          trusted-mode remote memory, for put-trusted-bw (any client can
+                             then write anywhere in this process: trusted peers only)
       --psk-file F           pre-shared key file (default: the built-in bench key)
       --stop-on-stdin-eof    also stop when standard input closes
-  bench                      run the benchmark suite (starts a local peer process unless
-                             --connect is given) and print a table per test
-      --connect ADDR         use the node running at ADDR (`shardcx node`)
+      --peers K              deprecated, ignored (bench peers are gone: every client shard
+                             has its own rail to this node)
+  bench                      run the benchmark suite (starts a local peer process, one node
+                             with as many shards as the client, unless --connect is given)
+                             and print a table per test; client shard i talks to server
+                             shard i mod N on its own rail, and the `route` column says
+                             whether it did so alone (`rail`) or something crossed its
+                             shard-to-shard lanes while it measured (`hop`)
+      --connect ADDR         use the node running at ADDR (`shardcx node`; put-trusted-bw
+                             needs it started with --trusted-rma)
       --test LIST            am-lat,am-rate,am-bw,tag-lat,rpc-lat,rpc-rate,rpc-notify,
-                             put-bw,get-bw,hop (default: all)
+                             put-bw,get-bw,put-trusted-bw,hop (default: all);
+                             put-trusted-bw is skipped over tcp
       --size LIST            message sizes, e.g. 8,4k,1m (default: per test)
       --iters N              measured iterations per test and shard (default: per test)
       --duration S           or: seconds per test and shard
       --warmup N             iterations before measuring (default: iters/10, at most 1000)
       --window N             operations in flight for am-rate/am-bw/rpc-rate/rpc-notify/
-                             put-bw/get-bw (default 64)
+                             put-bw/get-bw/put-trusted-bw (default 64)
       --shards LIST          client shard counts, each run in turn (default 1; hop needs 2)
       --transport LIST       shm,tcp,auto (default shm)
-      --cores C[/S]          CPUs of the client shards [/ of the local peers]
-                             (default: peers on the last CPU, client on the others first)
+      --cores C[/S]          CPUs of the client shards [/ of the local peer's shards]
+                             (default: peer on the last CPU, client on the others first)
       --json FILE            write the results as JSON (schema: shardcx::bench docs)
       --plot FILE            write latency and bandwidth against size as SVG
       --psk-file F           pre-shared key file (default: the built-in bench key)
@@ -248,17 +259,25 @@ fn node(mut args: Args) -> Result<(), Failure> {
     let mut cfg = ServeConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         shards: 1,
-        peers: cpu_list().len().max(1),
         transport: Transport::Shm,
         psk: DEFAULT_PSK.to_vec(),
         cores: None,
+        trusted_rma: false,
     };
     let mut stdin_eof = false;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--listen" => cfg.listen = args.parsed("--listen")?,
             "--shards" => cfg.shards = positive(args.parsed("--shards")?, "--shards")?,
-            "--peers" => cfg.peers = positive(args.parsed("--peers")?, "--peers")?,
+            "--peers" => {
+                let _: usize = args.parsed("--peers")?;
+                eprintln!(
+                    "shardcx node: --peers is deprecated and ignored: there are no bench \
+                     peers any more (every client shard has its own rail to this node; use \
+                     --shards)"
+                );
+            }
+            "--trusted-rma" => cfg.trusted_rma = true,
             "--transport" => cfg.transport = transport(&args.value("--transport")?)?,
             "--cores" => cfg.cores = Some(cores(&args.value("--cores")?)?),
             "--psk-file" => cfg.psk = psk_file(&args.value("--psk-file")?)?,
@@ -279,17 +298,18 @@ fn node(mut args: Args) -> Result<(), Failure> {
     server::serve(&cfg, &stop, |serving| {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "listening {}", serving.addr);
-        for (id, addr) in &serving.peers {
-            let _ = writeln!(out, "peer {id} {addr}");
-        }
+        let _ = writeln!(out, "shards {}", serving.shards);
         let _ = out.flush();
         eprintln!(
-            "shardcx node: serving on {} with {} shard(s) and {} bench peer(s) ({}); \
-             Ctrl-C or SIGTERM stops it",
+            "shardcx node: serving on {} with {} shard(s) ({}{}); Ctrl-C or SIGTERM stops it",
             serving.addr,
-            cfg.shards,
-            serving.peers.len(),
-            cfg.transport
+            serving.shards,
+            cfg.transport,
+            if cfg.trusted_rma {
+                ", trusted-mode remote memory ON"
+            } else {
+                ""
+            }
         );
     })?;
     eprintln!("shardcx node: stopped");
@@ -394,7 +414,7 @@ fn bench(mut args: Args) -> Result<(), Failure> {
             return Err(Usage(format!("--cores: CPU {c} is not available (CPUs {cpus:?})")).into());
         }
     }
-    // Default placement: the local peers on the last CPU, the client on the others first.
+    // Default placement: the local peer on the last CPU, the client on the others first.
     let last = *cpus.last().unwrap_or(&0);
     let server_cores = o.server_cores.clone().unwrap_or_else(|| vec![last]);
     let client_cores = o.client_cores.clone().unwrap_or_else(|| {
@@ -414,7 +434,7 @@ fn bench(mut args: Args) -> Result<(), Failure> {
         client_cores,
         match o.connect {
             Some(a) => format!("remote node {a}"),
-            None => format!("local peers on CPU {server_cores:?}"),
+            None => format!("local peer shard j on CPU {server_cores:?}[j]"),
         }
     );
     if o.connect.is_none() {
@@ -431,11 +451,18 @@ fn bench(mut args: Args) -> Result<(), Failure> {
     let mut results: Vec<Measurement> = Vec::new();
     for &transport in &o.transports {
         let mut local = None;
+        // Trusted mode on the peer only when a test needs it (and can run: not over tcp).
+        let trusted = o.tests.contains(&Test::PutTrustedBw) && transport != Transport::Tcp;
         let addr = match o.connect {
             Some(a) => a,
             None => {
-                let p =
-                    LocalPeer::start(transport, max_shards, &server_cores, o.psk_file.as_deref())?;
+                let p = LocalPeer::start(
+                    transport,
+                    max_shards,
+                    &server_cores,
+                    trusted,
+                    o.psk_file.as_deref(),
+                )?;
                 let a = p.addr;
                 local = Some(p);
                 a
@@ -477,8 +504,8 @@ fn bench(mut args: Args) -> Result<(), Failure> {
     Ok(())
 }
 
-/// The local peer process: `shardcx node` started from this binary, stopped by closing its
-/// standard input.
+/// The local peer process: `shardcx node` started from this binary (one node, as many shards
+/// as the largest client), stopped by closing its standard input.
 struct LocalPeer {
     child: Child,
     stdin: Option<ChildStdin>,
@@ -488,16 +515,17 @@ struct LocalPeer {
 impl LocalPeer {
     fn start(
         transport: Transport,
-        peers: usize,
+        shards: usize,
         cores: &[usize],
+        trusted_rma: bool,
         psk_file: Option<&str>,
     ) -> Result<Self, Failure> {
         let exe = std::env::current_exe()
             .map_err(|e| Failure::Run(format!("cannot find this program to start a peer: {e}")))?;
         let core_list: Vec<String> = cores.iter().map(usize::to_string).collect();
         let mut cmd = Command::new(exe);
-        cmd.args(["node", "--listen", "127.0.0.1:0", "--shards", "1"])
-            .args(["--peers", &peers.to_string()])
+        cmd.args(["node", "--listen", "127.0.0.1:0"])
+            .args(["--shards", &shards.to_string()])
             .args(["--transport", transport.name()])
             .args(["--cores", &core_list.join(",")])
             .arg("--stop-on-stdin-eof")
@@ -506,6 +534,9 @@ impl LocalPeer {
             .stderr(Stdio::piped());
         if let Some(f) = psk_file {
             cmd.args(["--psk-file", f]);
+        }
+        if trusted_rma {
+            cmd.arg("--trusted-rma");
         }
         let mut child = cmd
             .spawn()
