@@ -98,12 +98,16 @@ fn a_tiny_bench_writes_the_documented_json() {
         "\"max_us\": ",
         "\"msgs_per_s\": ",
         "\"mb_per_s\": ",
-        "\"route\": \"owner\"",
+        "\"route\": \"rail\"",
     ] {
         assert!(j.contains(field), "{field} missing from {j}");
     }
-    // Each client shard owned its own bench peer's connection: none was forwarded.
-    assert!(!j.contains("forwarded"), "{j}");
+    // Each client shard used its own rail to the server node: only the hop test crossed
+    // shards.
+    for line in j.lines().filter(|l| l.contains("\"test\": ")) {
+        let hop = line.contains("\"test\": \"hop\"");
+        assert_eq!(line.contains("\"route\": \"hop\""), hop, "{line}");
+    }
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<polyline"));
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -115,8 +119,8 @@ fn a_node_prints_its_address_and_stops_when_asked() {
             "node",
             "--listen",
             "127.0.0.1:0",
-            "--peers",
-            "1",
+            "--shards",
+            "2",
             "--transport",
             "tcp",
         ])
@@ -146,7 +150,7 @@ fn a_node_prints_its_address_and_stops_when_asked() {
     let first = next_line();
     let addr = first.strip_prefix("listening ").expect("listening ADDR");
     assert!(addr.parse::<std::net::SocketAddr>().is_ok(), "{first}");
-    assert!(next_line().starts_with("peer "));
+    assert_eq!(next_line(), "shards 2");
     drop(child.stdin.take());
     let until = Instant::now() + Duration::from_secs(15);
     loop {
