@@ -208,15 +208,14 @@ pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
 /// from a task with [`Peer::am_send`]; otherwise the client has gone, and nothing is answered.
 fn answer_inline(msg: AmMsg, id: AmId, echo: bool) {
     let payload: &[u8] = if echo { msg.payload() } else { &[] };
-    match msg.reply(id, msg.header(), payload) {
-        Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {
-            glommio::spawn_local(async move {
-                let payload: &[u8] = if echo { msg.payload() } else { &[] };
-                let _ = msg.from().am_send(id, msg.header(), payload).await;
-            })
-            .detach();
-        }
-        Ok(()) | Err(_) => {}
+    if let Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) =
+        msg.reply(id, msg.header(), payload)
+    {
+        glommio::spawn_local(async move {
+            let payload: &[u8] = if echo { msg.payload() } else { &[] };
+            let _ = msg.from().am_send(id, msg.header(), payload).await;
+        })
+        .detach();
     }
 }
 
