@@ -198,7 +198,9 @@ pub enum ArgsLocation {
     /// In the frame itself (at most the sender's rendezvous threshold, 8 KiB by default).
     Inline,
     /// By rendezvous into a vector: the function has no chooser
-    /// ([`Node::rpc_args_buffer`]).
+    /// ([`Node::rpc_args_buffer`]), so a recycled vector of the shard's receive cache
+    /// (`ShardCtx::rndv_recycled`: allocated once per size class, reused without zeroing),
+    /// or the chooser returned a vector.
     Vec,
     /// By rendezvous into a block of the shard's registered pool, as its chooser asked.
     Pool,
@@ -644,7 +646,7 @@ fn refuse(ctx: &ShardCtx, rpc: &ShardRpc, node: NodeId, header: &FrameHeader, f:
 
 /// Before the rendezvous data of a request is pulled: refuses an unknown function and
 /// arguments over [`RpcConfig::max_args_size`] without receiving them, then asks the
-/// function's chooser for the buffer (a vector when it has none); a chooser that declines gets
+/// function's chooser for the buffer (a recycled vector when it has none); a chooser that declines gets
 /// the caller [`super::RpcError::Busy`].
 fn choose_args_buffer(
     ctx: &Rc<ShardCtx>,
@@ -676,7 +678,9 @@ fn choose_args_buffer(
     }
     let chooser = rpc.choosers.borrow().get(&header.id).cloned();
     let Some(chooser) = chooser else {
-        return Some(RndvBuf::Vec(vec![0; len]));
+        // A recycled vector of the shard's receive cache: no allocation, no zeroing, once
+        // warm.
+        return Some(ctx.rndv_recycled(len));
     };
     let node = Node::from_parts(ctx.clone(), shared.clone());
     let buf = std::panic::catch_unwind(AssertUnwindSafe(|| chooser(&node, Peer::new(from), len)))

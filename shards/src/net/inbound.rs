@@ -9,6 +9,7 @@ use std::time::Instant;
 use futures_lite::future;
 use glommio::timer::sleep;
 
+use super::buffers::{recv_vec, RecycledBuf};
 use super::request::{is_reply_kind, is_request_kind, reply_fits};
 use super::session::{self, accept_opening};
 use super::{
@@ -41,14 +42,18 @@ pub(crate) enum UserHeader {
 }
 
 /// The payload of a frame received by this shard: a UCX descriptor read in place (eager data),
-/// or a vector (rendezvous data pulled into one). `!Send`: a descriptor belongs to its worker;
-/// [`Payload::into_vec`] for another thread.
+/// or the buffer rendezvous data was pulled into (a block of the shard's pool or a recycled
+/// vector of its receive cache, see [`super::buffers`]; a vector for frames made locally).
+/// `!Send`: a descriptor belongs to its worker; [`Payload::into_vec`] for another thread.
 pub struct Payload(PayloadInner);
 
 enum PayloadInner {
     Empty,
     Desc(AmData),
     Vec(Vec<u8>),
+    /// The first `.1` bytes of a pool block (of a region no remote key was packed for).
+    Pool(PoolBuf, usize),
+    Recycled(RecycledBuf),
 }
 
 /// An application frame from a connected node, handed to its handler by the progress driver:
@@ -128,6 +133,10 @@ impl Payload {
             PayloadInner::Empty => &[],
             PayloadInner::Desc(d) => d.as_slice(),
             PayloadInner::Vec(v) => v,
+            // Pool blocks are handed over only while their region is not exported
+            // (`Payload::from_rndv`), and the shard's pool arena never is.
+            PayloadInner::Pool(b, len) => b.as_slice().map_or(&[], |b| &b[..*len]),
+            PayloadInner::Recycled(r) => r.as_slice(),
         }
     }
 
@@ -148,6 +157,45 @@ impl Payload {
             PayloadInner::Empty => Vec::new(),
             PayloadInner::Desc(d) => d.as_slice().to_vec(),
             PayloadInner::Vec(v) => v,
+            PayloadInner::Pool(b, len) => {
+                let mut v = vec![0u8; len];
+                match b.read_at(0, &mut v) {
+                    Ok(()) => v,
+                    Err(_) => Vec::new(),
+                }
+            }
+            PayloadInner::Recycled(r) => r.into_vec(),
+        }
+    }
+
+    /// The first `len` bytes of a rendezvous buffer, read in place (a copy only for a pool
+    /// block whose region was exported, and for aligned host memory).
+    pub(crate) fn from_rndv(buf: RndvBuf, len: usize) -> Payload {
+        match buf {
+            RndvBuf::Pool(b) if b.as_slice().is_some() => {
+                let len = len.min(b.len());
+                Payload(PayloadInner::Pool(b, len))
+            }
+            RndvBuf::Recycled(r) => Payload(PayloadInner::Recycled(r)),
+            RndvBuf::Vec(mut v) => {
+                v.truncate(len);
+                Payload(PayloadInner::Vec(v))
+            }
+            other => {
+                let mut v = vec![0u8; len];
+                match &other {
+                    RndvBuf::Pool(b) => {
+                        let _ = b.read_at(0, &mut v[..len.min(b.len())]);
+                    }
+                    _ => {
+                        if let Some(bytes) = other.bytes() {
+                            let n = len.min(bytes.len());
+                            v[..n].copy_from_slice(&bytes[..n]);
+                        }
+                    }
+                }
+                Payload(PayloadInner::Vec(v))
+            }
         }
     }
 }
@@ -625,15 +673,16 @@ fn deliver_rndv(
     }
     let len = rndv.len();
     let c = ctx.clone();
+    let buf = ctx.rndv_buffer(len);
     glommio::spawn_local(async move {
-        match pull(&c, node, rndv, vec![0u8; len]).await {
+        match buf.pull(&c, node, rndv).await {
             Ok(buf) => dispatch(
                 &c,
                 Frame {
                     node,
                     header,
                     user,
-                    payload: Payload::from(buf),
+                    payload: Payload::from_rndv(buf, len),
                     arrived: Instant::now(),
                 },
             ),
@@ -689,8 +738,10 @@ pub enum RndvBuf {
     Pool(PoolBuf),
     /// Plain host memory with a chosen alignment.
     Host(AlignedBuf),
-    /// A vector (what frames without a rendezvous handler are pulled into).
+    /// A vector.
     Vec(Vec<u8>),
+    /// A recycled vector of the shard's receive cache ([`ShardCtx::rndv_buffer`]).
+    Recycled(RecycledBuf),
 }
 
 impl RndvBuf {
@@ -702,6 +753,7 @@ impl RndvBuf {
             RndvBuf::Pool(b) => b.as_slice(),
             RndvBuf::Host(b) => Some(b.as_slice()),
             RndvBuf::Vec(v) => Some(v),
+            RndvBuf::Recycled(r) => Some(r.as_slice()),
         }
     }
 
@@ -711,6 +763,7 @@ impl RndvBuf {
             RndvBuf::Pool(b) => b.len(),
             RndvBuf::Host(b) => b.len(),
             RndvBuf::Vec(v) => v.len(),
+            RndvBuf::Recycled(r) => r.as_slice().len(),
         }
     }
 
@@ -730,7 +783,45 @@ impl RndvBuf {
             RndvBuf::Pool(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Pool),
             RndvBuf::Host(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Host),
             RndvBuf::Vec(b) => pull(ctx, node, rndv, b).await.map(RndvBuf::Vec),
+            RndvBuf::Recycled(mut r) => {
+                let len = rndv.len();
+                let v = pull(ctx, node, rndv, r.take_vec()).await?;
+                r.restore(v, len);
+                Ok(RndvBuf::Recycled(r))
+            }
         }
+    }
+}
+
+impl ShardCtx {
+    /// A buffer for `len` bytes of rendezvous data: a block of this shard's registered pool
+    /// when one of its size class is free, else a vector of the shard's receive cache (see
+    /// [`super::buffers`]), allocated only when none of its size class is idle. This is where
+    /// rendezvous data goes when no handler chose a buffer; a chooser may return it too.
+    pub fn rndv_buffer(&self, len: usize) -> RndvBuf {
+        let net = self.net();
+        if let Some(b) = self.pool().alloc(len).filter(|b| !b.region().is_exported()) {
+            net.count(|s| s.rndv_pooled += 1);
+            return RndvBuf::Pool(b);
+        }
+        self.rndv_recycled(len)
+    }
+
+    /// A vector of this shard's receive cache for `len` bytes of rendezvous data (see
+    /// [`ShardCtx::rndv_buffer`]), leaving the pool to handlers that ask for it.
+    pub fn rndv_recycled(&self, len: usize) -> RndvBuf {
+        let net = self.net();
+        let (v, recycled) = recv_vec(&net.recv_cache, len);
+        net.count(|s| {
+            if recycled {
+                s.rndv_recycled += 1
+            } else {
+                s.rndv_allocated += 1
+            }
+        });
+        // The pull says how much data there is; until then the buffer shows all of it.
+        let n = v.len();
+        RndvBuf::Recycled(RecycledBuf::new(v, n, &net.recv_cache))
     }
 }
 

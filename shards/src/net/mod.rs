@@ -168,6 +168,7 @@
 //!   registered buffers are found by UCX's registration cache.
 
 pub mod bootstrap;
+pub mod buffers;
 pub mod inbound;
 pub mod outbound;
 pub mod request;
@@ -195,6 +196,7 @@ use crate::ucx::{AmIdRaw, EpOptions, ErrorMode, Worker};
 
 pub use crate::error::NetError;
 pub use bootstrap::Directory;
+pub use buffers::RecycledBuf;
 pub use inbound::{Frame, Payload, RndvBuf};
 
 use inbound::{FrameHandler, Inbound, RndvHandler};
@@ -250,6 +252,9 @@ pub struct NetConfig {
     /// payload is not pulled in time fails the connection; a receiver that has not received
     /// the data in time gives up on it ([`NetError::TimedOut`]).
     pub rndv_timeout: Duration,
+    /// Idle receive vectors kept per shard for rendezvous data that no handler chose a buffer
+    /// for and that did not fit the shard's pool ([`buffers`]), default 32 MiB.
+    pub rndv_cache_bytes: usize,
 }
 
 /// A connected remote node, as seen from this node. `Send + Copy`: pass it between shards.
@@ -347,6 +352,12 @@ pub struct NetStats {
     pub handler_panics: u64,
     /// Dispatch rounds that stopped at the driver's budget with inputs left (a flood).
     pub dispatch_budget_hits: u64,
+    /// Rendezvous data without a chosen buffer received into a block of the shard's pool.
+    pub rndv_pooled: u64,
+    /// ... into a recycled vector of the shard's receive cache ([`buffers`]).
+    pub rndv_recycled: u64,
+    /// ... into a vector allocated for it (the cache had none of its size class idle).
+    pub rndv_allocated: u64,
 }
 
 /// Node identity and settings, resolved once in [`crate::ShardsBuilder::run`]; `Send`.
@@ -422,6 +433,8 @@ pub(crate) struct NetState {
     closed: Cell<bool>,
     /// The worker's largest AM header ([`crate::ucx::Worker::max_am_header`]).
     max_am_header: usize,
+    /// Idle vectors for rendezvous data ([`buffers`]).
+    recv_cache: Rc<RefCell<buffers::RecvCache>>,
 }
 
 impl NetConfig {
@@ -457,6 +470,7 @@ impl Default for NetConfig {
             rndv_threshold: 8 << 10,
             max_message_size: Limits::DEFAULT_MAX_MESSAGE_SIZE,
             rndv_timeout: Duration::from_secs(10),
+            rndv_cache_bytes: 32 << 20,
         }
     }
 }
@@ -599,6 +613,7 @@ impl NetState {
         let limits = Limits {
             max_message_size: settings.cfg.max_message_size,
         };
+        let recv_cache = buffers::RecvCache::new(settings.cfg.rndv_cache_bytes);
         let hasher = DedupHasher::random();
         Ok(Self {
             settings,
@@ -626,6 +641,7 @@ impl NetState {
             rearm_asked: Cell::new(false),
             closed: Cell::new(false),
             max_am_header: worker.max_am_header(),
+            recv_cache,
         })
     }
 
