@@ -717,6 +717,28 @@ impl Peer {
         send_now(&node, self.dest(), id, header, payload)
     }
 
+    /// Sends active message `id` at once from the calling shard, like [`Peer::am_send_now`],
+    /// with the bytes of `buf` sent from where they are: a `Vec<u8>` (moved), an `Rc<[u8]>`
+    /// (shared: send one buffer many times, no copy) or a block of the shard's registered pool
+    /// ([`shardcx_shards::PoolBuf`]). Large payloads go by rendezvous straight from the
+    /// buffer, which is held until UCX is done with it. Same errors as
+    /// [`Peer::am_send_now`].
+    pub fn am_send_buf(
+        &self,
+        id: AmId,
+        header: &[u8],
+        buf: impl Into<crate::SendBuf>,
+    ) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        if header.len() > MAX_AM_HEADER {
+            return Err(Error::HeaderTooLarge { len: header.len() });
+        }
+        match node.ctx.send_am_buf_now(self.dest(), id, header, buf) {
+            Err(NetError::HeaderTooLarge { len, .. }) => Err(Error::HeaderTooLarge { len }),
+            other => Ok(other?),
+        }
+    }
+
     async fn send_on(
         &self,
         node: &Node,

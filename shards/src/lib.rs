@@ -79,6 +79,7 @@ pub use mesh::{MeshConfig, MeshStats};
 pub use net::{Directory, NetConfig, NetStats, RemoteNode};
 pub use pool::{PoolBuf, ShardPool};
 pub use rma::{RemoteRegion, RmaOpError, RmaStats};
+pub use shardcx_ucx::SendBuf;
 pub use tag::{TagConfig, TagStats};
 
 pub use shardcx_proto as proto;

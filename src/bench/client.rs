@@ -706,14 +706,16 @@ impl Session {
         warmup: u64,
         progress: &Progress,
     ) -> Result<Figures, BenchError> {
-        let payload = pattern(size, 0x5A);
+        // One shared buffer for every message, as ucx_perftest sends one buffer: queued and
+        // rendezvous sends hold a reference to it, not a copy.
+        let payload: Rc<[u8]> = pattern(size, 0x5A).into();
         let window_trip = || async {
             let mut last = 0;
             for k in 0..window {
                 last = self.next_seq();
                 let flags = if k + 1 == window { FLAG_ACK } else { 0 };
                 self.target
-                    .am_send_now(SINK, &header(self.me, last, flags), &payload)?;
+                    .am_send_buf(SINK, &header(self.me, last, flags), payload.clone())?;
             }
             self.waits
                 .until("acknowledgement", |w| w.acked.get() >= last)
@@ -727,17 +729,8 @@ impl Session {
         };
         let w = window as u64;
         // `Iters` counts messages: each measured window is `w` of them.
-        let st0 = self.node.shard_ctx().net_stats();
-        let r = self
-            .measure(size, budget, warmup.div_ceil(w), w, progress, window_trip)
-            .await;
-        let st1 = self.node.shard_ctx().net_stats();
-        eprintln!(
-            "DEBUG in_place {} queued {}",
-            st1.sent_in_place - st0.sent_in_place,
-            st1.sent_queued - st0.sent_queued
-        );
-        r
+        self.measure(size, budget, warmup.div_ceil(w), w, progress, window_trip)
+            .await
     }
 
     async fn tag_lat(

@@ -152,7 +152,7 @@ mod tests {
         assert!(!again);
         assert_eq!(v.len(), 16 << 10);
         let ptr = v.as_ptr();
-        let mut b = RecycledBuf::new(v, 10_000, &cache);
+        let b = RecycledBuf::new(v, 10_000, &cache);
         assert_eq!(b.as_slice().len(), 10_000);
         drop(b);
         // The same vector again, for any length of its class, not cleared.

@@ -20,7 +20,7 @@ use super::{
 use crate::boot::ShardCtx;
 use crate::proto::wire::NO_DEADLINE_TTL;
 use crate::proto::{AmId, FrameFlags, FrameHeader, FrameKind, NodeId, ReqId, ShardId};
-use crate::ucx::{AmProto, AmSend, Endpoint};
+use crate::ucx::{AmProto, AmSend, Endpoint, SendBuf};
 
 /// Sends a sender task keeps in flight at most; it takes no more frames from its queue until
 /// the oldest completes.
@@ -37,7 +37,7 @@ pub(super) enum Outbound {
     /// header) and payload; by rendezvous when `rndv`.
     Data {
         header: Vec<u8>,
-        payload: Vec<u8>,
+        payload: SendBuf,
         rndv: bool,
     },
     /// A send in place failed at once: the sender reports the transport error and stops, as
@@ -54,10 +54,11 @@ pub(super) struct FrameSpec {
     pub(super) ttl_ns: u64,
 }
 
-/// A frame's payload: owned (moved into a queued send as it is) or borrowed (copied only if
-/// the frame must be queued).
+/// A frame's payload: owned (moved into a queued send as it is), shared or pooled (sent from
+/// where it is, never copied) or borrowed (copied only if the frame must be queued).
 pub(super) enum Body<'a> {
     Owned(Vec<u8>),
+    Buf(SendBuf),
     Borrowed(&'a [u8]),
 }
 
@@ -68,17 +69,28 @@ enum AmHeader {
 }
 
 impl Body<'_> {
-    fn as_slice(&self) -> &[u8] {
+    /// The bytes, when they can be read in place (see [`SendBuf::as_slice`]).
+    fn as_slice(&self) -> Option<&[u8]> {
         match self {
-            Body::Owned(v) => v,
-            Body::Borrowed(b) => b,
+            Body::Owned(v) => Some(v),
+            Body::Buf(b) => b.as_slice(),
+            Body::Borrowed(b) => Some(b),
         }
     }
 
-    fn into_vec(self) -> Vec<u8> {
+    fn len(&self) -> usize {
         match self {
-            Body::Owned(v) => v,
-            Body::Borrowed(b) => b.to_vec(),
+            Body::Owned(v) => v.len(),
+            Body::Buf(b) => b.len(),
+            Body::Borrowed(b) => b.len(),
+        }
+    }
+
+    fn into_send_buf(self) -> SendBuf {
+        match self {
+            Body::Owned(v) => SendBuf::Vec(v),
+            Body::Buf(b) => b,
+            Body::Borrowed(b) => SendBuf::Vec(b.to_vec()),
         }
     }
 }
@@ -169,14 +181,14 @@ pub(super) fn send(
     body: Body<'_>,
 ) -> Result<(), NetError> {
     let net = ctx.net();
-    check_sizes(net, user.len(), body.as_slice().len())?;
+    check_sizes(net, user.len(), body.len())?;
     check_kind(spec.kind)?;
     let peers = net.peers.borrow();
     let p = peers
         .get(&node)
         .and_then(|p| p.get(remote))
         .ok_or(NetError::NotConnected { node })?;
-    let len = body.as_slice().len();
+    let len = body.len();
     let rndv = len > net.settings.cfg.rndv_threshold;
     let header = FrameHeader {
         id: spec.id,
@@ -193,9 +205,9 @@ pub(super) fn send(
             .map_err(|_| NetError::NotConnected { node })?
     };
     let am = AmHeader::new(net.settings.node_id, &header, user);
-    if !rndv && p.out.is_idle() {
+    if let (false, true, Some(bytes)) = (rndv, p.out.is_idle(), body.as_slice()) {
         if let Some(ep) = p.ep.upgrade() {
-            match ep.am_send_now(DATA_AM, am.as_slice(), body.as_slice()) {
+            match ep.am_send_now(DATA_AM, am.as_slice(), bytes) {
                 Ok(()) => {
                     net.count(|s| s.sent_in_place += 1);
                     return Ok(());
@@ -210,7 +222,7 @@ pub(super) fn send(
     }
     let item = Outbound::Data {
         header: am.into_vec(),
-        payload: body.into_vec(),
+        payload: body.into_send_buf(),
         rndv,
     };
     if p.out.push(item) {
@@ -255,7 +267,7 @@ pub(super) async fn sender(
             c.wake_driver();
         }
     };
-    let mut in_flight: VecDeque<AmSend<Vec<u8>>> = VecDeque::new();
+    let mut in_flight: VecDeque<AmSend<SendBuf>> = VecDeque::new();
     let mut failed = ep.failed();
     loop {
         let next = poll_fn(|cx| {
@@ -281,7 +293,7 @@ pub(super) async fn sender(
         .await;
         let (mut send, rndv) = match next {
             Next::Frame(Some(Outbound::Control(header, payload))) => (
-                ep.am_send(FRAME_AM, &header, payload, AmProto::Eager),
+                ep.am_send(FRAME_AM, &header, SendBuf::Vec(payload), AmProto::Eager),
                 false,
             ),
             Next::Frame(Some(Outbound::Data {
@@ -433,6 +445,41 @@ impl ShardCtx {
             user_header,
             payload,
         )
+    }
+
+    /// Sends active message `id` with `user_header` and the bytes of `buf` to `dest` at once,
+    /// from this shard, without copying them: a vector is moved, shared bytes (an
+    /// `Rc<[u8]>`) and pool blocks ([`crate::PoolBuf`]) are sent from where they are, so a
+    /// loop can send one buffer many times, and rendezvous payloads (over
+    /// [`super::NetConfig::rndv_threshold`]) are read by UCX straight from it (a pool block's
+    /// registration is found in UCX's cache: UCX 1.12 takes no memory handle per operation).
+    /// The buffer is held until UCX is done with it. Otherwise as
+    /// [`ShardCtx::send_frame_now`], with the same errors.
+    pub fn send_am_buf_now(
+        &self,
+        dest: impl Into<Dest>,
+        id: AmId,
+        user_header: &[u8],
+        buf: impl Into<SendBuf>,
+    ) -> Result<(), NetError> {
+        let dest = dest.into();
+        let buf = buf.into();
+        check_sizes(self.net(), user_header.len(), buf.len())?;
+        let spec = FrameSpec {
+            kind: FrameKind::Am,
+            id: id.get(),
+            req_id: ReqId::NONE,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        match self.route(dest)? {
+            Route::Here(remote) => {
+                send(self, (dest.node, remote), spec, user_header, Body::Buf(buf))
+            }
+            Route::There(owner) => Err(NetError::OtherShard {
+                node: dest.node,
+                owner,
+            }),
+        }
     }
 
     /// Sends application frame `id` with `payload` to `dest` from any shard (forwarded to the

@@ -117,6 +117,110 @@ unsafe impl IoBuf for &'static [u8] {
     }
 }
 
+// SAFETY: an `Rc<[u8]>`'s bytes live in its heap allocation, which does not move when the Rc
+// (a pointer) moves and is freed only when the last clone goes; the operation holds a clone,
+// so the bytes stay valid until it is dropped. `[u8]` behind an Rc is immutable: no safe code
+// can write it while a second clone (the operation's) exists (`Rc::get_mut` then returns
+// `None`), so nothing writes the bytes UCX reads.
+unsafe impl IoBuf for std::rc::Rc<[u8]> {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A buffer to send, of any kind a send takes by value: a vector (moved), shared immutable
+/// bytes (an `Rc<[u8]>`: the same bytes sent many times without a copy, e.g. a bandwidth
+/// loop's payload), or a slice of a registered region (a memory pool's block, whose
+/// registration UCX finds in its cache instead of registering the buffer).
+#[derive(Debug)]
+pub enum SendBuf {
+    /// A vector.
+    Vec(Vec<u8>),
+    /// Shared immutable bytes.
+    Shared(std::rc::Rc<[u8]>),
+    /// A slice of a registered region.
+    Slice(crate::rma::MemSlice),
+}
+
+impl SendBuf {
+    /// The bytes, when they can be read in place (not for a slice of a region a remote key
+    /// was packed for: see [`crate::MemSlice::as_slice`]).
+    pub fn as_slice(&self) -> Option<&[u8]> {
+        match self {
+            SendBuf::Vec(v) => Some(v),
+            SendBuf::Shared(b) => Some(b),
+            SendBuf::Slice(s) => s.as_slice(),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            SendBuf::Vec(v) => v.len(),
+            SendBuf::Shared(b) => b.len(),
+            SendBuf::Slice(s) => s.len(),
+        }
+    }
+
+    /// Whether there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl From<Vec<u8>> for SendBuf {
+    fn from(v: Vec<u8>) -> SendBuf {
+        SendBuf::Vec(v)
+    }
+}
+
+impl From<std::rc::Rc<[u8]>> for SendBuf {
+    fn from(b: std::rc::Rc<[u8]>) -> SendBuf {
+        SendBuf::Shared(b)
+    }
+}
+
+impl From<crate::rma::MemSlice> for SendBuf {
+    fn from(s: crate::rma::MemSlice) -> SendBuf {
+        SendBuf::Slice(s)
+    }
+}
+
+// SAFETY: each variant is an `IoBuf` (above, and `MemSlice` in `rma`); the enum only forwards
+// to the one it holds, which it owns and never swaps while an operation owns the enum.
+unsafe impl IoBuf for SendBuf {
+    fn stable_ptr(&self) -> *const u8 {
+        match self {
+            SendBuf::Vec(v) => v.stable_ptr(),
+            SendBuf::Shared(b) => b.stable_ptr(),
+            SendBuf::Slice(s) => s.stable_ptr(),
+        }
+    }
+    fn bytes_init(&self) -> usize {
+        match self {
+            SendBuf::Vec(v) => v.bytes_init(),
+            SendBuf::Shared(b) => b.bytes_init(),
+            SendBuf::Slice(s) => s.bytes_init(),
+        }
+    }
+    fn memory_type(&self) -> MemoryType {
+        match self {
+            SendBuf::Vec(v) => v.memory_type(),
+            SendBuf::Shared(b) => b.memory_type(),
+            SendBuf::Slice(s) => s.memory_type(),
+        }
+    }
+    fn mem_handle(&self) -> Option<&MemHandle> {
+        match self {
+            SendBuf::Slice(s) => s.mem_handle(),
+            _ => None,
+        }
+    }
+}
+
 /// A zeroed heap buffer with a chosen alignment (cache line, page), for transfers that want
 /// aligned memory.
 pub struct AlignedBuf {
