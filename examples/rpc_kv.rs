@@ -9,7 +9,8 @@
 //!
 //! Options: `--shards N` server shards (default 2), `--keys N` keys of the workload (default
 //! 10000), `--tls LIST` UCX transports (default `tcp`: listening and connecting need tcp in
-//! UCX 1.12). The key is fixed: it is an example.
+//! UCX 1.12), `--spin-us N` the shards' spin window before they sleep (`DriverConfig::spin`;
+//! default the runtime's, 1 ms). The key is fixed: it is an example.
 //!
 //! ## Where a key lives
 //!
@@ -28,6 +29,17 @@
 //! A scan asks every shard directly (one call per shard, all in flight at once) for its first
 //! `limit` keys with the prefix; the client merges them in key order and keeps the first
 //! `limit`.
+//!
+//! ## Figures on a small machine
+//!
+//! Run here, the example has three shard threads (two server shards, one client shard). A
+//! shard keeps polling for its spin window after its last message, and with keys spread over
+//! both server shards both keep polling; on a machine with fewer cores than that (the 2-core
+//! VM this was written on), a call then often waits for another shard's window to end before
+//! its shard gets a core, and the gets' latency is about the spin window (1 ms) instead of
+//! tens of microseconds. It does not arise with `--spin-us 0` (shards sleep at once, and each
+//! call pays for waking its shard: about 0.1 ms there), with `--shards 1`, or where every
+//! shard has a core of its own.
 //!
 //! ## The client's workload
 //!
@@ -51,6 +63,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use shardcx::rpc::{Describe, RpcContext, RpcError, RpcFunction};
+use shardcx::shards::DriverConfig;
 use shardcx::{rpc_function, Node, NodeBuilder, Peer, Rpc, ShardId};
 
 const PSK: &[u8] = b"rpc_kv example pre-shared key";
@@ -157,23 +170,36 @@ fn scan_here(store: &Store, prefix: &str, limit: usize) -> Vec<(String, Vec<u8>)
         .collect()
 }
 
+/// What both nodes are built with (from the options).
+struct Setup {
+    /// UCX transports.
+    tls: String,
+    /// The drivers' spin window (`None`: the runtime's default).
+    spin: Option<Duration>,
+}
+
 /// A node builder with this example's settings: `shards` shards, 1 MiB of io memory each (two
 /// nodes may share this process and the 8 MiB memlock limit).
-fn builder(shards: usize, tls: &str) -> NodeBuilder {
+fn builder(shards: usize, setup: &Setup) -> NodeBuilder {
+    let spin = setup.spin;
     Node::builder()
         .shards(shards)
         .placement(shardcx::shards::Placement::Unpinned)
-        .transports(tls)
+        .transports(&setup.tls)
         .psk(PSK)
         .io_memory(1 << 20)
         .default_deadline(CALL_TIMEOUT)
+        .with_shards(|b| match spin {
+            Some(spin) => b.driver(DriverConfig { spin }),
+            None => b,
+        })
 }
 
 /// The server: the three functions, on every shard, each serving this shard's keys only.
 /// Plain handlers: with nothing to forward, a call runs inline on the shard it reached, its
 /// arguments read in place, and is answered there (no task, no copy of the arguments).
-fn server(shards: usize, tls: &str, listen: SocketAddr) -> NodeBuilder {
-    builder(shards, tls)
+fn server(shards: usize, setup: &Setup, listen: SocketAddr) -> NodeBuilder {
+    builder(shards, setup)
         .listen(listen)
         .rpc::<Put, _, _>(|| {
             let store = StoreHandle::default();
@@ -296,8 +322,8 @@ async fn scan_all(
 }
 
 /// The client workload against the server at `addr` (one client shard).
-fn client(addr: SocketAddr, keys: usize, tls: &str) -> Result<Figures, String> {
-    let out = builder(1, tls)
+fn client(addr: SocketAddr, keys: usize, setup: &Setup) -> Result<Figures, String> {
+    let out = builder(1, setup)
         .run(move |node: Node| async move {
             let work = workload(node, addr, keys);
             let limit = async {
@@ -525,12 +551,13 @@ struct Opts {
     connect: Option<SocketAddr>,
     shards: usize,
     keys: usize,
-    tls: String,
+    setup: Setup,
 }
 
 fn usage() -> ! {
     eprintln!(
-        "usage: rpc_kv [--listen ADDR | --connect ADDR] [--shards N] [--keys N] [--tls LIST]"
+        "usage: rpc_kv [--listen ADDR | --connect ADDR] [--shards N] [--keys N] [--tls LIST] \
+         [--spin-us N]"
     );
     std::process::exit(2)
 }
@@ -541,7 +568,10 @@ fn opts() -> Opts {
         connect: None,
         shards: 2,
         keys: 10_000,
-        tls: "tcp".into(),
+        setup: Setup {
+            tls: "tcp".into(),
+            spin: None,
+        },
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -551,7 +581,11 @@ fn opts() -> Opts {
             "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
             "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
             "--keys" => o.keys = v().parse().unwrap_or_else(|_| usage()),
-            "--tls" => o.tls = v(),
+            "--tls" => o.setup.tls = v(),
+            "--spin-us" => {
+                let us = v().parse().unwrap_or_else(|_| usage());
+                o.setup.spin = Some(Duration::from_micros(us));
+            }
             _ => usage(),
         }
     }
@@ -581,7 +615,7 @@ fn main() {
     let o = opts();
     let result = match (o.listen, o.connect) {
         (Some(addr), None) => {
-            let b = server(o.shards, &o.tls, addr);
+            let b = server(o.shards, &o.setup, addr);
             if let Err(e) = b.shutdown_handle().trigger_on_signals() {
                 eprintln!("rpc_kv: cannot install the signal handlers: {e}");
                 std::process::exit(1);
@@ -599,14 +633,14 @@ fn main() {
                 .unwrap_or_else(|_| Err("the server panicked".into()))
                 .map(drop)
         }
-        (None, Some(addr)) => client(addr, o.keys, &o.tls).map(|f| report(&f, o.keys)),
+        (None, Some(addr)) => client(addr, o.keys, &o.setup).map(|f| report(&f, o.keys)),
         (None, None) => {
-            let b = server(o.shards, &o.tls, "127.0.0.1:0".parse().unwrap());
+            let b = server(o.shards, &o.setup, "127.0.0.1:0".parse().unwrap());
             let stop = b.shutdown_handle();
             let (tx, rx) = mpsc::channel();
             let server = serve(b, tx);
             let r = match rx.recv_timeout(Duration::from_secs(30)) {
-                Ok(addr) => client(addr, o.keys, &o.tls),
+                Ok(addr) => client(addr, o.keys, &o.setup),
                 Err(_) => Err("the server did not start within 30 s".into()),
             };
             stop.trigger();
