@@ -9,38 +9,62 @@
 //!
 //! Options: `--shards N` server shards (default 2), `--keys N` keys of the workload (default
 //! 10000), `--tls LIST` UCX transports (default `tcp`: listening and connecting need tcp in
-//! UCX 1.12). The key is fixed: it is an example.
+//! UCX 1.12), `--spin-us N` the shards' spin window before they sleep (`DriverConfig::spin`;
+//! default the runtime's, 1 ms). The key is fixed: it is an example.
 //!
 //! ## Where a key lives
 //!
-//! Every call from one client node arrives at one server shard: the shard that owns that
-//! client's connection (peers are hashed to shards). So the server routes by key itself: each
-//! key has a *home shard*, `fnv1a(key) % shards`, and a handler whose key lives elsewhere runs
-//! the operation there with `ShardCtx::forward` (a cross-shard hop, no network). Each shard's
-//! keys sit in a `BTreeMap` of its own (a thread-local: nothing is shared, nothing locked).
-//! A scan asks every shard for its first `limit` keys with the prefix, merges them in key
-//! order and keeps the first `limit`. The client needs to know nothing about the layout.
+//! Each key has a *home shard* on the server, `fnv1a(key) % shards`, and the **client** routes
+//! every call to it: connections are shard-addressed rails, and `peer.shard(home)` reaches the
+//! server's shard `home` directly, with no cross-shard hop on the server (as a shard-aware
+//! driver does). The client learns the server's shard count once, from the built-in
+//! `shardcx.describe` function ([`shardcx::rpc::Describe`]). Each server shard serves only its
+//! own keys, from a `BTreeMap` of its own kept in the shard's extension slot
+//! (`ShardCtx::ext_or_insert_with`: nothing shared, nothing locked, nothing forwarded). A call
+//! for a key whose home is another shard is a routing bug: it is refused with an error naming
+//! the key's home (`misrouted: ...`) and counted, and the server prints its count when it
+//! stops. The client sends one such call on purpose and checks the refusal; run here, with
+//! the server in this process, the example fails if the server counted any other.
+//!
+//! A scan asks every shard directly (one call per shard, all in flight at once) for its first
+//! `limit` keys with the prefix; the client merges them in key order and keeps the first
+//! `limit`.
+//!
+//! ## Figures on a small machine
+//!
+//! Run here, the example has three shard threads (two server shards, one client shard). A
+//! shard keeps polling for its spin window after its last message, and with keys spread over
+//! both server shards both keep polling; on a machine with fewer cores than that (the 2-core
+//! VM this was written on), a call then often waits for another shard's window to end before
+//! its shard gets a core, and the gets' latency is about the spin window (1 ms) instead of
+//! tens of microseconds. It does not arise with `--spin-us 0` (shards sleep at once, and each
+//! call pays for waking its shard: about 0.1 ms there), with `--shards 1`, or where every
+//! shard has a core of its own.
 //!
 //! ## The client's workload
 //!
 //! It prints the server's functions (`Rpc::discover`) and checks that `kv.get` found by name
-//! (`Rpc::lookup`) has the schema this build has; puts `--keys` keys (32 calls in flight),
+//! (`Rpc::lookup`) has the schema this build has; asks the server's shard count
+//! (`shardcx.describe`); puts `--keys` keys (32 calls in flight),
 //! gets each back one call at a time (latency percentiles, calls/s) and checks its value; gets
-//! missing keys, overwrites one, runs scans checked against a local model, and checks that an
-//! over-large scan is refused with the server's error. It exits 0 only if every check passed,
+//! missing keys, overwrites one, runs scans checked against a local model, checks that an
+//! over-large scan is refused with the server's error and (with several server shards) that a
+//! misrouted get is refused. It exits 0 only if every check passed,
 //! and fails with a message on the first call that errors or on [`WORKLOAD_LIMIT`].
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // An example may panic on its own set-up.
 
-use std::cell::RefCell;
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::rc::Rc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use shardcx::rpc::{RpcContext, RpcError, RpcFunction};
-use shardcx::{rpc_function, Node, NodeBuilder, ShardId};
+use shardcx::rpc::{Describe, RpcContext, RpcError, RpcFunction};
+use shardcx::shards::DriverConfig;
+use shardcx::{rpc_function, Node, NodeBuilder, Peer, Rpc, ShardId};
 
 const PSK: &[u8] = b"rpc_kv example pre-shared key";
 /// Deadline of every call.
@@ -79,13 +103,18 @@ rpc_function!(
     pub Get: String => Option<Vec<u8>>, id = 2, name = "kv.get", idempotent = true
 );
 rpc_function!(
-    /// The first `limit` entries whose key starts with `prefix`, in key order.
+    /// The first `limit` entries of the called shard whose key starts with `prefix`, in key
+    /// order.
     pub Scan: ScanArgs => Vec<(String, Vec<u8>)>, id = 3, name = "kv.scan", idempotent = true
 );
 
-thread_local! {
-    /// This shard's keys (the keys whose home is this shard).
-    static STORE: RefCell<BTreeMap<String, Vec<u8>>> = const { RefCell::new(BTreeMap::new()) };
+/// One server shard's part of the store, in the shard's extension slot.
+#[derive(Default)]
+struct Store {
+    /// The keys whose home is this shard.
+    keys: RefCell<BTreeMap<String, Vec<u8>>>,
+    /// Calls refused because their key's home is another shard.
+    misrouted: Cell<u64>,
 }
 
 /// A key's home shard: 64-bit FNV-1a of its bytes, modulo the shard count (stable across
@@ -100,116 +129,140 @@ fn home(key: &str, shards: usize) -> ShardId {
     ShardId::new((h % shards.max(1) as u64) as u16)
 }
 
-/// Runs `job` on shard `shard` of this node: here, or forwarded there.
-async fn on_shard<R: Send + 'static>(
-    node: &Node,
-    shard: ShardId,
-    job: impl FnOnce() -> R + Send + 'static,
-) -> Result<R, String> {
-    if shard == node.shard() {
-        return Ok(job());
+/// A handler's handle on its shard's store: looked up in the shard's extension slot on the
+/// handler's first call, kept from then on (no look-up per call).
+#[derive(Default)]
+struct StoreHandle(OnceCell<Rc<Store>>);
+
+/// This shard's store (made on first use).
+fn store(node: &Node) -> Rc<Store> {
+    node.shard_ctx().ext_or_insert_with(Store::default)
+}
+
+impl StoreHandle {
+    fn get(&self, node: &Node) -> &Store {
+        self.0.get_or_init(|| store(node))
     }
-    node.shard_ctx()
-        .forward(shard, move |_| async move { job() })
-        .await
-        .map_err(|e| format!("forward to shard {shard}: {e}"))
+}
+
+/// `Ok` when `key`'s home is this shard; else the refusal, counted.
+fn check_home(node: &Node, store: &Store, key: &str) -> Result<(), String> {
+    let (here, shards) = (node.shard(), node.shard_count());
+    let at = home(key, shards);
+    if at == here {
+        return Ok(());
+    }
+    store.misrouted.set(store.misrouted.get() + 1);
+    Err(format!(
+        "misrouted: key {key:?} lives on shard {at} of {shards}, not on shard {here}"
+    ))
 }
 
 /// The first `limit` entries of this shard with `prefix`.
-fn scan_here(prefix: &str, limit: usize) -> Vec<(String, Vec<u8>)> {
-    STORE.with(|s| {
-        s.borrow()
-            .range(prefix.to_owned()..)
-            .take_while(|(k, _)| k.starts_with(prefix))
-            .take(limit)
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect()
-    })
+fn scan_here(store: &Store, prefix: &str, limit: usize) -> Vec<(String, Vec<u8>)> {
+    store
+        .keys
+        .borrow()
+        .range(prefix.to_owned()..)
+        .take_while(|(k, _)| k.starts_with(prefix))
+        .take(limit)
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// What both nodes are built with (from the options).
+struct Setup {
+    /// UCX transports.
+    tls: String,
+    /// The drivers' spin window (`None`: the runtime's default).
+    spin: Option<Duration>,
 }
 
 /// A node builder with this example's settings: `shards` shards, 1 MiB of io memory each (two
 /// nodes may share this process and the 8 MiB memlock limit).
-fn builder(shards: usize, tls: &str) -> NodeBuilder {
+fn builder(shards: usize, setup: &Setup) -> NodeBuilder {
+    let spin = setup.spin;
     Node::builder()
         .shards(shards)
         .placement(shardcx::shards::Placement::Unpinned)
-        .transports(tls)
+        .transports(&setup.tls)
         .psk(PSK)
         .io_memory(1 << 20)
         .default_deadline(CALL_TIMEOUT)
+        .with_shards(|b| match spin {
+            Some(spin) => b.driver(DriverConfig { spin }),
+            None => b,
+        })
 }
 
-/// The server: the three functions, on every shard.
-fn server(shards: usize, tls: &str, listen: SocketAddr) -> NodeBuilder {
-    builder(shards, tls)
+/// The server: the three functions, on every shard, each serving this shard's keys only.
+/// Plain handlers: with nothing to forward, a call runs inline on the shard it reached, its
+/// arguments read in place, and is answered there (no task, no copy of the arguments).
+fn server(shards: usize, setup: &Setup, listen: SocketAddr) -> NodeBuilder {
+    builder(shards, setup)
         .listen(listen)
-        .rpc_async::<Put, _, _, _>(|| {
-            |ctx: RpcContext, args: PutArgs| async move {
-                let node = ctx.node().clone();
-                let at = home(&args.key, node.shard_count());
-                on_shard(&node, at, move || {
-                    STORE.with(|s| s.borrow_mut().insert(args.key, args.value).is_some())
-                })
-                .await
+        .rpc::<Put, _, _>(|| {
+            let store = StoreHandle::default();
+            move |ctx: &RpcContext, args: &ArchivedPutArgs| {
+                let store = store.get(ctx.node());
+                let key = args.key.as_str();
+                check_home(ctx.node(), store, key)?;
+                let value = args.value.to_vec();
+                let existed = store.keys.borrow_mut().insert(key.to_owned(), value);
+                Ok(existed.is_some())
             }
         })
-        .rpc_async::<Get, _, _, _>(|| {
-            |ctx: RpcContext, key: String| async move {
-                let node = ctx.node().clone();
-                let at = home(&key, node.shard_count());
-                on_shard(&node, at, move || {
-                    STORE.with(|s| s.borrow().get(&key).cloned())
-                })
-                .await
+        .rpc::<Get, _, _>(|| {
+            let store = StoreHandle::default();
+            move |ctx: &RpcContext, key: &rkyv::Archived<String>| {
+                let store = store.get(ctx.node());
+                check_home(ctx.node(), store, key.as_str())?;
+                let value = store.keys.borrow().get(key.as_str()).cloned();
+                Ok(value)
             }
         })
-        .rpc_async::<Scan, _, _, _>(|| {
-            |ctx: RpcContext, args: ScanArgs| async move {
-                if args.limit > MAX_SCAN {
-                    return Err(format!("scan limit {} over {MAX_SCAN}", args.limit));
+        .rpc::<Scan, _, _>(|| {
+            let store = StoreHandle::default();
+            move |ctx: &RpcContext, args: &ArchivedScanArgs| {
+                let limit = args.limit.to_native();
+                if limit > MAX_SCAN {
+                    return Err(format!("scan limit {limit} over {MAX_SCAN}"));
                 }
-                let node = ctx.node().clone();
-                let limit = args.limit as usize;
-                let mut all = Vec::new();
-                for s in 0..node.shard_count() {
-                    let prefix = args.prefix.clone();
-                    // Shard counts fit u16.
-                    let part = on_shard(&node, ShardId::new(s as u16), move || {
-                        scan_here(&prefix, limit)
-                    })
-                    .await?;
-                    all.extend(part);
-                }
-                all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-                all.truncate(limit);
-                Ok(all)
+                let store = store.get(ctx.node());
+                Ok(scan_here(store, args.prefix.as_str(), limit as usize))
             }
         })
 }
 
 /// Runs the server `b` on a thread of its own until its shutdown switch is triggered; its
-/// listen address comes back on `bound` once it listens.
+/// listen address comes back on `bound` once it listens. Returns the misrouted calls its
+/// shards refused.
 fn serve(
     b: NodeBuilder,
     bound: mpsc::Sender<SocketAddr>,
-) -> std::thread::JoinHandle<Result<(), String>> {
+) -> std::thread::JoinHandle<Result<u64, String>> {
     std::thread::spawn(move || serve_here(b, bound))
 }
 
-fn serve_here(b: NodeBuilder, bound: mpsc::Sender<SocketAddr>) -> Result<(), String> {
-    b.run(move |node: Node| {
-        let bound = bound.clone();
-        async move {
-            if node.shard().index() == 0 {
-                if let Some(a) = node.listen_addr() {
-                    let _ = bound.send(a);
+fn serve_here(b: NodeBuilder, bound: mpsc::Sender<SocketAddr>) -> Result<u64, String> {
+    let misrouted = b
+        .run(move |node: Node| {
+            let bound = bound.clone();
+            async move {
+                if node.shard().index() == 0 {
+                    if let Some(a) = node.listen_addr() {
+                        let _ = bound.send(a);
+                    }
                 }
+                node.stopped().await;
+                store(&node).misrouted.get()
             }
-            node.stopped().await;
-        }
-    })
-    .map(drop)
-    .map_err(|e| format!("server node: {e}"))
+        })
+        .map_err(|e| format!("server node: {e}"))?
+        .into_iter()
+        .sum();
+    println!("rpc_kv: the server refused {misrouted} misrouted call(s)");
+    Ok(misrouted)
 }
 
 /// What the client measured.
@@ -218,6 +271,8 @@ struct Figures {
     gets_per_s: f64,
     get_hist: Histogram<u64>,
     checks: u64,
+    /// Calls sent to the wrong shard on purpose.
+    misrouted: u64,
 }
 
 /// The value of key number `i`: 1 to 64 bytes.
@@ -235,9 +290,40 @@ fn call_failed(what: &str) -> impl Fn(RpcError) -> String + '_ {
     move |e| format!("{what}: {e}")
 }
 
+/// The server's shard `index`.
+fn shard_of(peer: Peer, index: u16) -> Peer {
+    peer.shard(ShardId::new(index))
+}
+
+/// A scan of the whole store: every server shard asked at once, the parts merged in key
+/// order.
+async fn scan_all(
+    rpc: &Rpc,
+    peer: Peer,
+    shards: u16,
+    args: &ScanArgs,
+) -> Result<Vec<(String, Vec<u8>)>, RpcError> {
+    let calls: Vec<_> = (0..shards)
+        .map(|s| {
+            let (rpc, args) = (rpc.clone(), args.clone());
+            glommio::spawn_local(async move {
+                rpc.call_within::<Scan>(shard_of(peer, s), &args, CALL_TIMEOUT)
+                    .await
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for call in calls {
+        all.extend(call.await?);
+    }
+    all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    all.truncate(args.limit as usize);
+    Ok(all)
+}
+
 /// The client workload against the server at `addr` (one client shard).
-fn client(addr: SocketAddr, keys: usize, tls: &str) -> Result<Figures, String> {
-    let out = builder(1, tls)
+fn client(addr: SocketAddr, keys: usize, setup: &Setup) -> Result<Figures, String> {
+    let out = builder(1, setup)
         .run(move |node: Node| async move {
             let work = workload(node, addr, keys);
             let limit = async {
@@ -286,6 +372,18 @@ async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, 
     }
     checks += 1;
 
+    // The server's shard count, for routing each key to its home shard.
+    let info = rpc
+        .call_within::<Describe>(peer, &(), CALL_TIMEOUT)
+        .await
+        .map_err(call_failed("describe"))?;
+    let shards = info.shards;
+    if shards == 0 {
+        return Err("the server says it has no shard".into());
+    }
+    println!("server {addr} has {shards} shard(s): each key goes to its home shard");
+    let route = move |key: &str| shard_of(peer, home(key, usize::from(shards)).get());
+
     // Puts, `PUT_WINDOW` in flight: task `w` puts keys w, w + PUT_WINDOW, ...
     let t0 = Instant::now();
     let tasks: Vec<_> = (0..PUT_WINDOW)
@@ -298,7 +396,7 @@ async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, 
                         value: value_of(i),
                     };
                     let existed = rpc
-                        .call_within::<Put>(peer, &args, CALL_TIMEOUT)
+                        .call_within::<Put>(route(&args.key), &args, CALL_TIMEOUT)
                         .await
                         .map_err(|e| format!("put {}: {e}", args.key))?;
                     if existed {
@@ -321,7 +419,7 @@ async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, 
         let key = key_of(&run, i);
         let start = Instant::now();
         let got = rpc
-            .call_within::<Get>(peer, &key, CALL_TIMEOUT)
+            .call_within::<Get>(route(&key), &key, CALL_TIMEOUT)
             .await
             .map_err(|e| format!("get {key}: {e}"))?;
         get_hist.saturating_record(start.elapsed().as_nanos() as u64);
@@ -336,7 +434,7 @@ async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, 
     for suffix in ["", "key", "nokey", "key999999"] {
         let key = format!("{run}{suffix}");
         let got = rpc
-            .call_within::<Get>(peer, &key, CALL_TIMEOUT)
+            .call_within::<Get>(route(&key), &key, CALL_TIMEOUT)
             .await
             .map_err(|e| format!("get {key:?}: {e}"))?;
         if got.is_some() {
@@ -354,11 +452,11 @@ async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, 
             value: b"overwritten".to_vec(),
         };
         let existed = rpc
-            .call_within::<Put>(peer, &args, CALL_TIMEOUT)
+            .call_within::<Put>(route(&args.key), &args, CALL_TIMEOUT)
             .await
             .map_err(call_failed("overwrite"))?;
         let got = rpc
-            .call_within::<Get>(peer, &args.key, CALL_TIMEOUT)
+            .call_within::<Get>(route(&args.key), &args.key, CALL_TIMEOUT)
             .await
             .map_err(call_failed("get after overwrite"))?;
         if !existed || got.as_deref() != Some(&b"overwritten"[..]) {
@@ -387,8 +485,7 @@ async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, 
             prefix: prefix.to_owned(),
             limit,
         };
-        let got = rpc
-            .call_within::<Scan>(peer, &args, CALL_TIMEOUT)
+        let got = scan_all(&rpc, peer, shards, &args)
             .await
             .map_err(|e| format!("scan {prefix:?}: {e}"))?;
         let want: Vec<(String, Vec<u8>)> = model
@@ -414,7 +511,7 @@ async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, 
         prefix: String::new(),
         limit: MAX_SCAN + 1,
     };
-    match rpc.call_within::<Scan>(peer, &too_many, CALL_TIMEOUT).await {
+    match scan_all(&rpc, peer, shards, &too_many).await {
         Err(RpcError::Failed(msg)) if msg.contains("over") => checks += 1,
         other => {
             return Err(format!(
@@ -423,11 +520,29 @@ async fn workload(node: Node, addr: SocketAddr, keys: usize) -> Result<Figures, 
         }
     }
 
+    // A get sent to a shard that is not its key's home: refused, not served.
+    let mut misrouted = 0;
+    if shards > 1 && keys > 0 {
+        let key = key_of(&run, 0);
+        let at = home(&key, usize::from(shards)).get();
+        let wrong = shard_of(peer, (at + 1) % shards);
+        match rpc.call_within::<Get>(wrong, &key, CALL_TIMEOUT).await {
+            Err(RpcError::Failed(msg)) if msg.starts_with("misrouted") => checks += 1,
+            other => {
+                return Err(format!(
+                    "a get sent to the wrong shard answered {other:?}, expected a refusal"
+                ))
+            }
+        }
+        misrouted += 1;
+    }
+
     Ok(Figures {
         puts_per_s,
         gets_per_s,
         get_hist,
         checks,
+        misrouted,
     })
 }
 
@@ -436,12 +551,13 @@ struct Opts {
     connect: Option<SocketAddr>,
     shards: usize,
     keys: usize,
-    tls: String,
+    setup: Setup,
 }
 
 fn usage() -> ! {
     eprintln!(
-        "usage: rpc_kv [--listen ADDR | --connect ADDR] [--shards N] [--keys N] [--tls LIST]"
+        "usage: rpc_kv [--listen ADDR | --connect ADDR] [--shards N] [--keys N] [--tls LIST] \
+         [--spin-us N]"
     );
     std::process::exit(2)
 }
@@ -452,7 +568,10 @@ fn opts() -> Opts {
         connect: None,
         shards: 2,
         keys: 10_000,
-        tls: "tcp".into(),
+        setup: Setup {
+            tls: "tcp".into(),
+            spin: None,
+        },
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -462,7 +581,11 @@ fn opts() -> Opts {
             "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
             "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
             "--keys" => o.keys = v().parse().unwrap_or_else(|_| usage()),
-            "--tls" => o.tls = v(),
+            "--tls" => o.setup.tls = v(),
+            "--spin-us" => {
+                let us = v().parse().unwrap_or_else(|_| usage());
+                o.setup.spin = Some(Duration::from_micros(us));
+            }
             _ => usage(),
         }
     }
@@ -492,7 +615,7 @@ fn main() {
     let o = opts();
     let result = match (o.listen, o.connect) {
         (Some(addr), None) => {
-            let b = server(o.shards, &o.tls, addr);
+            let b = server(o.shards, &o.setup, addr);
             if let Err(e) = b.shutdown_handle().trigger_on_signals() {
                 eprintln!("rpc_kv: cannot install the signal handlers: {e}");
                 std::process::exit(1);
@@ -508,22 +631,34 @@ fn main() {
             server
                 .join()
                 .unwrap_or_else(|_| Err("the server panicked".into()))
+                .map(drop)
         }
-        (None, Some(addr)) => client(addr, o.keys, &o.tls).map(|f| report(&f, o.keys)),
+        (None, Some(addr)) => client(addr, o.keys, &o.setup).map(|f| report(&f, o.keys)),
         (None, None) => {
-            let b = server(o.shards, &o.tls, "127.0.0.1:0".parse().unwrap());
+            let b = server(o.shards, &o.setup, "127.0.0.1:0".parse().unwrap());
             let stop = b.shutdown_handle();
             let (tx, rx) = mpsc::channel();
             let server = serve(b, tx);
             let r = match rx.recv_timeout(Duration::from_secs(30)) {
-                Ok(addr) => client(addr, o.keys, &o.tls).map(|f| report(&f, o.keys)),
+                Ok(addr) => client(addr, o.keys, &o.setup),
                 Err(_) => Err("the server did not start within 30 s".into()),
             };
             stop.trigger();
             let s = server
                 .join()
                 .unwrap_or_else(|_| Err("the server panicked".into()));
-            r.and(s)
+            // Every call but the client's deliberate ones went to its key's home shard.
+            match (r, s) {
+                (Ok(f), Ok(refused)) if refused == f.misrouted => {
+                    report(&f, o.keys);
+                    Ok(())
+                }
+                (Ok(f), Ok(refused)) => Err(format!(
+                    "the server refused {refused} misrouted call(s), the client sent {} on purpose",
+                    f.misrouted
+                )),
+                (r, s) => r.and(s).map(drop),
+            }
         }
         _ => usage(),
     };

@@ -6,9 +6,18 @@
 //! each time with that shard's [`Node`] handle (`!Send`: it belongs to the shard's thread).
 //!
 //! A [`Peer`] is a remote node as seen from this node: `Send + Copy`, usable from any shard.
-//! Operations through it find the calling shard by itself (a thread-local set when the shard
-//! starts) and go to the shard that owns the peer (its connection lives there), over the
-//! cross-shard mesh when that is another shard.
+//! Operations through it find the calling shard by itself and go to the shard that owns the
+//! peer (its connection lives there), over the cross-shard mesh when that is another shard.
+//!
+//! ## Where a shard's node state lives
+//!
+//! The facade's per-shard state (deadline, shutdown switch, address book, RPC functions and
+//! dedup window) is in the shard's extension slot ([`ShardCtx::ext`]): it lives and dies with
+//! the shard, torn down with the rest of the shard's subsystems. A `Peer` holds no shard (it
+//! is `Send + Copy`), and [`Node::current`] is a free function, so they find the shard running
+//! on the calling thread through a thread-local set when the shard starts: the one way a
+//! function given no handle can know its shard. That thread-local holds the shard weakly and
+//! nothing else; the state is looked up in the shard's slot.
 //!
 //! ## Connecting
 //!
@@ -202,8 +211,10 @@ pub struct OwnedAmMsg {
 }
 
 thread_local! {
-    /// The node of the shard running on this thread (weak: it must not keep the shard alive).
-    static CURRENT: RefCell<Option<(Weak<ShardCtx>, Rc<ShardLocal>)>> = const { RefCell::new(None) };
+    /// The shard running on this thread (weak: it must not keep the shard alive), for the
+    /// functions given no handle on it (see the module docs). Its node state is in its
+    /// extension slot.
+    static CURRENT: RefCell<Option<Weak<ShardCtx>>> = const { RefCell::new(None) };
 }
 
 impl Node {
@@ -224,14 +235,9 @@ impl Node {
 
     /// The node of the shard running on this thread, if any.
     pub fn current() -> Option<Node> {
-        CURRENT.with(|c| {
-            let c = c.borrow();
-            let (ctx, shared) = c.as_ref()?;
-            Some(Node {
-                ctx: ctx.upgrade()?,
-                shared: shared.clone(),
-            })
-        })
+        let ctx = CURRENT.with(|c| c.borrow().as_ref()?.upgrade())?;
+        let shared = ctx.ext::<ShardLocal>()?;
+        Some(Node { ctx, shared })
     }
 
     /// A handle from its parts (the RPC server builds one per call).
@@ -575,17 +581,17 @@ impl NodeBuilder {
             let shutdown = shutdown.clone();
             let rpc = rpc.clone();
             async move {
-                let node = Node::current()
-                    .filter(|n| Rc::ptr_eq(&n.ctx, &ctx))
-                    .unwrap_or_else(|| Node {
-                        ctx: ctx.clone(),
-                        shared: Rc::new(ShardLocal {
-                            deadline,
-                            shutdown: shutdown.clone(),
-                            book: book.clone(),
-                            rpc: rpc.build(),
-                        }),
-                    });
+                // Made by `install` (from `on_start`) on a shard that started.
+                let shared = ctx.ext_or_insert_with(|| ShardLocal {
+                    deadline,
+                    shutdown: shutdown.clone(),
+                    book: book.clone(),
+                    rpc: rpc.build(),
+                });
+                let node = Node {
+                    ctx: ctx.clone(),
+                    shared,
+                };
                 // A closure that panics still counts as ended (then its panic goes on), so the
                 // other shards do not wait for it for ever.
                 let out = AssertUnwindSafe(f(node)).catch_unwind().await;
@@ -611,10 +617,12 @@ impl NodeBuilder {
     }
 }
 
-/// On every shard, before it serves: the thread-local node, and the AM and RPC handlers.
+/// On every shard, before it serves: the node state in the shard's extension slot, the
+/// thread's current shard, and the AM and RPC handlers.
 fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(AmId, Factory)]) {
-    let shared = Rc::new(local);
-    CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), shared.clone())));
+    // First in the slot: `Node::current` finds it with one comparison.
+    let shared = ctx.ext_or_insert_with(|| local);
+    CURRENT.with(|c| *c.borrow_mut() = Some(Rc::downgrade(ctx)));
     // Checked remote memory: this shard's region table and its put/get handlers.
     shardcx_shards::rma::install(ctx);
     // Tag send/recv: this shard's matching state and its handler.

@@ -1,5 +1,37 @@
 //! Booting shards: one glommio executor per shard, each building its own [`ShardCtx`].
+//!
+//! ## Extensions: per-shard state of subsystems
+//!
+//! A subsystem that keeps state per shard (tag matching, the checked region table, the
+//! trusted-mode endpoint cache, the facade's per-shard node state) keeps it in the shard's
+//! *extension slot*, a small map from a type to one `Rc` of it: [`ShardCtx::ext`] finds the
+//! value of a type, [`ShardCtx::ext_or_insert_with`] makes it on first use. The key is the
+//! value's [`TypeId`], so a module that keeps its state type private keeps the state private
+//! too: no other module can name it, let alone reach it.
+//!
+//! Invariants:
+//!
+//! - **State lives and dies with its shard.** The slot is a field of the [`ShardCtx`], not a
+//!   thread-local: nothing can outlive the shard in it, nothing can be found by another run
+//!   that happens to use the same thread, and no value needs to remember which shard it
+//!   belongs to.
+//! - **Torn down at shard shutdown, in a defined order.** When the shard stops, once its
+//!   connections are closed, its mesh lanes are closed and its progress driver has stopped
+//!   (so no handler or forwarded job can run any more), and before its UCX worker, pool and
+//!   context are destroyed, the slot drops its values **in the reverse order of their
+//!   insertion**: state made later, which may use state made earlier, goes first. From then
+//!   on the slot is closed: [`ShardCtx::ext`] finds nothing, and
+//!   [`ShardCtx::ext_or_insert_with`] makes a value it does not keep. A value that a handler
+//!   or a task still holds (an `Rc` clone) lives until that holder drops it, which is at the
+//!   latest when the shard's [`ShardCtx`] is dropped.
+//! - Lookups are cheap and never panic: a linear scan of a short vector (one entry per
+//!   subsystem in use, a handful) comparing `TypeId`s, and one `Rc` clone. The slot is never
+//!   borrowed while user code runs (the value's constructor or destructor), so either may
+//!   use the slot itself. Hot paths that already hold a handle (a handler closure) keep an
+//!   `Rc` of their state instead of looking it up per message.
 
+use std::any::{Any, TypeId};
+use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -81,6 +113,8 @@ impl std::fmt::Debug for StartHook {
 /// One shard's state, built inside its thread and never moved out of it (`!Send`, reached as
 /// `Rc<ShardCtx>`).
 pub struct ShardCtx {
+    // First: dropped before the UCX handles below (see the module docs, "Extensions").
+    ext: Extensions,
     id: ShardId,
     shard_count: usize,
     worker: Worker,
@@ -397,6 +431,7 @@ impl ShardsBuilder {
             .ok_or(BootError::Config("node settings not resolved"))?;
         let net = Rc::new(NetState::new(settings, &worker).map_err(ucx)?);
         let ctx = Rc::new(ShardCtx {
+            ext: Extensions::default(),
             id,
             shard_count: self.shard_count,
             worker,
@@ -436,6 +471,9 @@ impl ShardsBuilder {
             progress.await;
         })
         .await;
+        // Nothing runs on this shard any more: its subsystems' state goes now, newest first,
+        // while the UCX worker, pool and context it may use are still there.
+        ctx.ext.teardown();
         drop(mesh);
         match Rc::try_unwrap(ctx) {
             Ok(ctx) => ctx.driver.join(),
@@ -445,6 +483,15 @@ impl ShardsBuilder {
         }
         out
     }
+}
+
+/// A shard's extension slot (see the module docs, "Extensions"): one `Rc` per type, in
+/// insertion order.
+#[derive(Default)]
+struct Extensions {
+    entries: RefCell<Vec<(TypeId, Rc<dyn Any>)>>,
+    /// Set by [`Extensions::teardown`]: nothing is kept from then on.
+    closed: Cell<bool>,
 }
 
 /// Run `fut` with a glommio timer always registered, for the phases of a shard's life without
@@ -461,6 +508,53 @@ async fn backstopped<T>(fut: impl Future<Output = T>) -> T {
         }
     })
     .await
+}
+
+impl Extensions {
+    fn get<T: 'static>(&self) -> Option<Rc<T>> {
+        let id = TypeId::of::<T>();
+        // Never borrowed mutably while other code runs (see `insert_with` and `teardown`).
+        let entries = self.entries.borrow();
+        let (_, any) = entries.iter().find(|(t, _)| *t == id)?;
+        any.clone().downcast::<T>().ok()
+    }
+
+    fn get_or_insert_with<T: 'static>(&self, make: impl FnOnce() -> T) -> Rc<T> {
+        if let Some(v) = self.get::<T>() {
+            return v;
+        }
+        // Made with the slot unborrowed: `make` may use the slot itself.
+        let v = Rc::new(make());
+        if self.closed.get() {
+            return v;
+        }
+        // `make` may have inserted a `T` itself: the first one stays, so that there is only
+        // ever one per type.
+        if let Some(first) = self.get::<T>() {
+            return first;
+        }
+        let any: Rc<dyn Any> = v.clone();
+        self.entries.borrow_mut().push((TypeId::of::<T>(), any));
+        v
+    }
+
+    /// Drops every value, newest first, and closes the slot.
+    fn teardown(&self) {
+        self.closed.set(true);
+        let mut entries = std::mem::take(&mut *self.entries.borrow_mut());
+        // One at a time and with the slot unborrowed: a destructor may use the slot.
+        while let Some(entry) = entries.pop() {
+            drop(entry);
+        }
+    }
+}
+
+impl Drop for Extensions {
+    fn drop(&mut self) {
+        // The same order when the shard's context is dropped without a shutdown (a shard
+        // that failed to start).
+        self.teardown();
+    }
 }
 
 impl Default for ShardsBuilder {
@@ -511,6 +605,20 @@ impl ShardCtx {
         self.stats.sleeps.get()
     }
 
+    /// This shard's value of type `T` in its extension slot, if there is one (see the module
+    /// docs, "Extensions"). `None` after the shard's teardown.
+    pub fn ext<T: 'static>(&self) -> Option<Rc<T>> {
+        self.ext.get::<T>()
+    }
+
+    /// This shard's value of type `T` in its extension slot, made with `make` and kept there
+    /// if there is none yet. One value per type: a later call returns the same `Rc` (`make`
+    /// may itself use the slot; should it insert a `T`, that one is kept and returned). After
+    /// the shard's teardown the value made is returned but not kept.
+    pub fn ext_or_insert_with<T: 'static>(&self, make: impl FnOnce() -> T) -> Rc<T> {
+        self.ext.get_or_insert_with(make)
+    }
+
     pub(crate) fn mesh(&self) -> &Rc<MeshState> {
         &self.mesh
     }
@@ -544,8 +652,104 @@ fn parse_memlock(limits: &str) -> Option<u64> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
+
+    /// Records its name in a shared log when dropped.
+    struct Noted(&'static str, Rc<RefCell<Vec<&'static str>>>);
+
+    impl Drop for Noted {
+        fn drop(&mut self) {
+            self.1.borrow_mut().push(self.0);
+        }
+    }
+
+    // Two types with the same layout: the slot tells them apart by type, not by shape.
+    struct First(Noted);
+    struct Second(Noted);
+
+    #[test]
+    fn extensions_insert_get_and_distinct_types() {
+        let ext = Extensions::default();
+        assert!(ext.get::<u32>().is_none());
+        let a = ext.get_or_insert_with(|| 7u32);
+        let again = ext.get_or_insert_with(|| 8u32);
+        assert!(Rc::ptr_eq(&a, &again));
+        assert_eq!(*again, 7);
+        assert!(ext.get::<u64>().is_none());
+        let log = Rc::new(RefCell::new(Vec::new()));
+        ext.get_or_insert_with(|| First(Noted("first", log.clone())));
+        ext.get_or_insert_with(|| Second(Noted("second", log.clone())));
+        assert_eq!(ext.get::<First>().unwrap().0 .0, "first");
+        assert_eq!(ext.get::<Second>().unwrap().0 .0, "second");
+        assert!(Rc::ptr_eq(&ext.get::<u32>().unwrap(), &a));
+        assert!(log.borrow().is_empty());
+    }
+
+    #[test]
+    fn extensions_drop_newest_first_then_close() {
+        let log = Rc::new(RefCell::new(Vec::new()));
+        let ext = Extensions::default();
+        ext.get_or_insert_with(|| First(Noted("first", log.clone())));
+        let second = ext.get_or_insert_with(|| Second(Noted("second", log.clone())));
+        ext.get_or_insert_with(|| Noted("third", log.clone()));
+        ext.teardown();
+        // `second` is still held here: it goes when its last holder lets go.
+        assert_eq!(*log.borrow(), ["third", "first"]);
+        drop(second);
+        assert_eq!(*log.borrow(), ["third", "first", "second"]);
+        // Closed: nothing found, nothing kept.
+        assert!(ext.get::<First>().is_none());
+        let late = ext.get_or_insert_with(|| Noted("late", log.clone()));
+        assert!(ext.get::<Noted>().is_none());
+        drop(late);
+        assert_eq!(log.borrow().last(), Some(&"late"));
+        // Dropping a torn-down slot drops nothing twice.
+        drop(ext);
+        assert_eq!(log.borrow().len(), 4);
+    }
+
+    #[test]
+    fn extensions_dropped_with_the_slot_newest_first() {
+        let log = Rc::new(RefCell::new(Vec::new()));
+        let ext = Extensions::default();
+        ext.get_or_insert_with(|| First(Noted("first", log.clone())));
+        ext.get_or_insert_with(|| Second(Noted("second", log.clone())));
+        drop(ext);
+        assert_eq!(*log.borrow(), ["second", "first"]);
+    }
+
+    #[test]
+    fn extensions_constructors_and_destructors_may_use_the_slot() {
+        let ext = Rc::new(Extensions::default());
+        // A constructor that needs another subsystem's state.
+        let inner = ext.clone();
+        let v = ext.get_or_insert_with(move || {
+            let n = inner.get_or_insert_with(|| 5u8);
+            u16::from(*n) + 1
+        });
+        assert_eq!((*v, *ext.get::<u8>().unwrap()), (6, 5));
+        // A constructor that inserts its own type first: that one is kept.
+        let inner = ext.clone();
+        let s = ext.get_or_insert_with(move || {
+            inner.get_or_insert_with(|| String::from("inner"));
+            String::from("outer")
+        });
+        assert_eq!(*s, "inner");
+        assert_eq!(*ext.get::<String>().unwrap(), "inner");
+        // A destructor that looks in the slot (torn down: finds nothing, does not panic).
+        struct Looks(Rc<Extensions>, Rc<Cell<Option<bool>>>);
+        impl Drop for Looks {
+            fn drop(&mut self) {
+                self.1.set(Some(self.0.get::<u8>().is_some()));
+            }
+        }
+        let seen = Rc::new(Cell::new(None));
+        ext.get_or_insert_with(|| Looks(ext.clone(), seen.clone()));
+        ext.teardown();
+        assert_eq!(seen.get(), Some(false));
+    }
 
     #[test]
     fn memlock_parse() {

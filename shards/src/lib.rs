@@ -33,6 +33,16 @@
 //! ([`proto::ShardMap`]), behind proto's authenticated handshake, with heartbeats; other shards
 //! reach it through the mesh ([`ShardCtx::send_am`], [`ShardCtx::set_net_handler`]). See [`net`].
 //!
+//! ## Per-shard state of subsystems
+//!
+//! Subsystems built on a shard ([`tag`], [`rma`], [`rma_trusted`], and the facade's node and
+//! RPC state) keep their state in the shard's *extension slot*: a small map from a type to one
+//! `Rc` of it, owned by the [`ShardCtx`] ([`ShardCtx::ext`], [`ShardCtx::ext_or_insert_with`];
+//! see [`boot`], "Extensions"). Not in thread-locals: a shard's state cannot outlive it or be
+//! found by another run on the same thread, and it is torn down at a defined point of the
+//! shard's shutdown, newest first. The one thread-local of this crate is the mesh's nesting
+//! depth (see [`mesh`]), which describes the code being polled, not the shard.
+//!
 //! ## Invariants
 //!
 //! - A [`ShardCtx`] is built inside its thread and never leaves it; UCX handles are never shared
@@ -41,6 +51,9 @@
 //!   executor (it awaits a socket).
 //! - Shutdown leaves no thread blocked forever: the waker thread waits on the event fd with a
 //!   timeout and exits when the driver's socket closes.
+//! - A shard's extension slot is emptied, newest value first, once its connections are closed
+//!   and its driver has stopped, and before its UCX worker, pool and context are destroyed;
+//!   from then on it keeps nothing.
 //!
 //! ## What is `Send`, and why
 //!

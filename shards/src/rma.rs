@@ -78,11 +78,12 @@
 //!
 //! ## Where the state lives, and what is `Send`
 //!
-//! The region state of a shard is in a thread-local of the shard's thread (each shard is one
-//! executor thread, and [`ShardCtx`]'s fields belong to the modules that build it). The state
-//! remembers which [`ShardCtx`] it belongs to, and every call checks that it is the caller's, so
-//! a stale state is never used for another context. The memory is freed when the region is
-//! deregistered or when the shard's thread ends.
+//! The region state of a shard is in the shard's extension slot ([`ShardCtx::ext`], see
+//! [`crate::boot`]): it belongs to that [`ShardCtx`] alone, so no other context (another run on
+//! the same thread) can ever see it. The request handlers [`install`] registers hold it weakly
+//! and serve without looking it up. The memory is freed when the region is deregistered, or
+//! at the shard's teardown (after its connections are closed and its driver has stopped),
+//! whatever descriptors remote nodes still hold.
 //!
 //! [`RemoteRegion`], [`RmaStats`], [`RmaOpError`] and [`DescriptorError`] are `Send + Sync`;
 //! the memory itself never leaves its shard.
@@ -103,7 +104,6 @@
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::rc::{Rc, Weak};
-use std::thread::LocalKey;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
@@ -315,17 +315,10 @@ struct Regions {
     free: Vec<u32>,
 }
 
-/// One shard's remote-memory state (in [`STATE`]).
+/// One shard's remote-memory state (in the shard's extension slot).
 struct RmaState {
-    /// The context this state belongs to (identity only).
-    shard: Weak<ShardCtx>,
     regions: RefCell<Regions>,
     stats: Cell<RmaStats>,
-}
-
-thread_local! {
-    /// The remote-memory state of the shard running on this thread (see the module docs).
-    static STATE: RefCell<Option<Rc<RmaState>>> = const { RefCell::new(None) };
 }
 
 impl RemoteRegion {
@@ -500,40 +493,25 @@ impl RmaState {
 /// [`FrameKind::RmaPut`] and [`FrameKind::RmaGet`]. Call it on every shard before it serves:
 /// from [`crate::ShardsBuilder::on_start`]. Calling it again keeps the regions.
 pub fn install(ctx: &Rc<ShardCtx>) {
-    if state_of(ctx).is_none() {
-        let state = Rc::new(RmaState {
-            shard: Rc::downgrade(ctx),
-            regions: RefCell::new(Regions::new(Generation::new(ctx.incarnation().get()))),
-            stats: Cell::new(RmaStats::default()),
-        });
-        STATE.with(|s| *s.borrow_mut() = Some(state));
-    }
+    let state = ctx.ext_or_insert_with(|| RmaState {
+        regions: RefCell::new(Regions::new(Generation::new(ctx.incarnation().get()))),
+        stats: Cell::new(RmaStats::default()),
+    });
     for kind in [FrameKind::RmaPut, FrameKind::RmaGet] {
+        // The handler keeps the state at hand (no lookup per request), weakly: the handler
+        // lives as long as the shard's net state, the regions' memory only until the shard's
+        // teardown.
+        let state = Rc::downgrade(&state);
         // Cannot fail: both kinds are request kinds `set_frame_handler` accepts.
-        let _ = ctx.set_frame_handler(kind, on_request);
+        let _ = ctx.set_frame_handler(kind, move |ctx, from, header, payload| {
+            on_request(ctx, &state, from, header, payload);
+        });
     }
 }
 
 /// The state of `ctx`'s shard, if [`install`] ran on it (see the module docs).
 fn state_of(ctx: &ShardCtx) -> Option<Rc<RmaState>> {
-    shard_state(&STATE, ctx, |s| &s.shard)
-}
-
-/// The state a shard module keeps in the thread-local `key`, if it is `ctx`'s: the shard it
-/// names (`shard` of it) is `ctx` and still alive. Makes none.
-pub(crate) fn shard_state<T>(
-    key: &'static LocalKey<RefCell<Option<Rc<T>>>>,
-    ctx: &ShardCtx,
-    shard: impl Fn(&T) -> &Weak<ShardCtx>,
-) -> Option<Rc<T>> {
-    key.try_with(|s| {
-        let s = s.borrow();
-        let st = s.as_ref()?;
-        let owner = shard(st);
-        (owner.strong_count() > 0 && std::ptr::eq(owner.as_ptr(), ctx)).then(|| st.clone())
-    })
-    .ok()
-    .flatten()
+    ctx.ext::<RmaState>()
 }
 
 /// The shard named by a region id.
@@ -557,9 +535,17 @@ fn refusal(code: RmaErrorCode) -> Vec<u8> {
     RmaReply::header(Err(code)).to_vec()
 }
 
-/// The handler of RMA requests on the owner shard of the initiator: serve here, or forward to
-/// the region's shard.
-fn on_request(ctx: &Rc<ShardCtx>, from: NodeId, header: &FrameHeader, payload: Vec<u8>) {
+/// The handler of RMA requests on the shard they arrived on (`state` is its region state):
+/// serve here, or forward to the region's shard.
+fn on_request(
+    ctx: &Rc<ShardCtx>,
+    state: &Weak<RmaState>,
+    from: NodeId,
+    header: &FrameHeader,
+    payload: Vec<u8>,
+) {
+    // Gone: the shard is being torn down, it holds no region any more.
+    let state = state.upgrade();
     let expires = if header.ttl_ns == NO_DEADLINE_TTL {
         None
     } else {
@@ -568,12 +554,12 @@ fn on_request(ctx: &Rc<ShardCtx>, from: NodeId, header: &FrameHeader, payload: V
     let region = RegionId::new(header.id);
     let (kind, holder, header) = (header.kind, holder_of(region), *header);
     if holder == ctx.id() {
-        if let Some(reply) = serve(ctx, from, kind, region, &payload, expires) {
+        if let Some(reply) = serve(ctx, state.as_deref(), from, kind, region, &payload, expires) {
             send_reply(ctx.clone(), from, header, reply);
         }
         return;
     }
-    if let Some(s) = state_of(ctx) {
+    if let Some(s) = &state {
         s.count(|s| s.forwarded += 1);
     }
     if holder.index() >= ctx.shard_count() {
@@ -587,8 +573,10 @@ fn on_request(ctx: &Rc<ShardCtx>, from: NodeId, header: &FrameHeader, payload: V
     }
     let c = ctx.clone();
     glommio::spawn_local(async move {
-        let job =
-            move |t: Rc<ShardCtx>| async move { serve(&t, from, kind, region, &payload, expires) };
+        let job = move |t: Rc<ShardCtx>| async move {
+            let state = state_of(&t);
+            serve(&t, state.as_deref(), from, kind, region, &payload, expires)
+        };
         // A holder that stopped means the node is going down: the initiator times out.
         if let Ok(Some(reply)) = c.forward(holder, job).await {
             send_reply(c, from, header, reply);
@@ -617,18 +605,20 @@ fn send_reply(ctx: Rc<ShardCtx>, to: NodeId, request: FrameHeader, reply: Vec<u8
     .detach();
 }
 
-/// Checks and serves one request on the region's shard; the reply payload, or `None` to drop
-/// the request (its deadline passed, or this is not a request kind).
+/// Checks and serves one request on the region's shard (`state` is its region state, if any);
+/// the reply payload, or `None` to drop the request (its deadline passed, or this is not a
+/// request kind).
 fn serve(
     ctx: &ShardCtx,
+    state: Option<&RmaState>,
     from: NodeId,
     kind: FrameKind,
     region: RegionId,
     payload: &[u8],
     expires: Option<Instant>,
 ) -> Option<Vec<u8>> {
-    let Some(state) = state_of(ctx) else {
-        // Not installed here: this shard holds no region.
+    let Some(state) = state else {
+        // Not installed here (or torn down): this shard holds no region.
         return Some(refusal(RmaErrorCode::UnknownRegion));
     };
     if expires.is_some_and(|e| Instant::now() >= e) {

@@ -134,7 +134,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -147,7 +147,7 @@ use crate::net::MAX_REQUEST_TIMEOUT;
 use crate::proto::region::{Access, Permissions, RegionDescriptor, RmaError};
 use crate::proto::shard_map::MAX_SHARDS;
 use crate::proto::{Generation, Incarnation, NodeId, RegionId, ShardId};
-use crate::rma::{shard_state, DescriptorError, RmaOpError};
+use crate::rma::{DescriptorError, RmaOpError};
 use crate::ucx::{Endpoint, EpOptions, ErrorMode, MemHandle, PackedRkey, RemoteKey};
 use crate::ucx::{Error as UcxError, WorkerAddress};
 
@@ -245,10 +245,9 @@ struct PeerCache {
     holders: HashMap<ShardId, HolderCache>,
 }
 
-/// One shard's trusted-mode state (in [`STATE`]).
+/// One shard's trusted-mode state (in the shard's extension slot, [`ShardCtx::ext`]; its
+/// endpoints and unpacked keys are released at the shard's teardown).
 struct TrustedState {
-    /// The context this state belongs to (identity only).
-    shard: Weak<ShardCtx>,
     /// This shard's worker address, once asked for.
     worker: RefCell<Option<Arc<[u8]>>>,
     /// This shard's transports, once asked for.
@@ -256,11 +255,6 @@ struct TrustedState {
     next_id: Cell<u32>,
     peers: RefCell<HashMap<NodeId, PeerCache>>,
     stats: Cell<TrustedStats>,
-}
-
-thread_local! {
-    /// The trusted-mode state of the shard running on this thread (made on first use).
-    static STATE: RefCell<Option<Rc<TrustedState>>> = const { RefCell::new(None) };
 }
 
 impl TrustedDescriptor {
@@ -685,8 +679,7 @@ fn state(ctx: &Rc<ShardCtx>) -> Rc<TrustedState> {
     if let Some(st) = existing_state(ctx) {
         return st;
     }
-    let st = Rc::new(TrustedState {
-        shard: Rc::downgrade(ctx),
+    let st = ctx.ext_or_insert_with(|| TrustedState {
         worker: RefCell::new(None),
         transports: Cell::new(None),
         next_id: Cell::new(1),
@@ -700,13 +693,12 @@ fn state(ctx: &Rc<ShardCtx>) -> Rc<TrustedState> {
             st.on_peer_lost(node);
         }
     });
-    STATE.with(|s| *s.borrow_mut() = Some(st.clone()));
     st
 }
 
 /// The state of `ctx`'s shard, if it has one (for counters; makes none).
 fn existing_state(ctx: &ShardCtx) -> Option<Rc<TrustedState>> {
-    shard_state(&STATE, ctx, |s| &s.shard)
+    ctx.ext::<TrustedState>()
 }
 
 /// Which kinds of transports a context's resources include (as `Context::info` lists them:

@@ -80,7 +80,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::future::poll_fn;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
@@ -188,7 +188,8 @@ struct InFlight {
     slot: Rc<Slot>,
 }
 
-/// One shard's tag state.
+/// One shard's tag state, in the shard's extension slot ([`ShardCtx::ext`]); the handlers
+/// [`install`] registers hold it too.
 struct TagState {
     cfg: Cell<TagConfig>,
     peers: RefCell<HashMap<NodeId, PeerTags>>,
@@ -200,11 +201,6 @@ struct TagState {
     gone: RefCell<HashMap<NodeId, NetError>>,
     /// The shard is shutting down: receives fail at once.
     shut: Cell<bool>,
-}
-
-thread_local! {
-    /// The tag state of the shard on this thread (with that shard, weakly, to tell runs apart).
-    static STATE: RefCell<Option<(Weak<ShardCtx>, Rc<TagState>)>> = const { RefCell::new(None) };
 }
 
 impl Default for TagConfig {
@@ -275,8 +271,8 @@ impl PeerTags {
 }
 
 impl TagState {
-    fn new(cfg: TagConfig) -> Rc<Self> {
-        Rc::new(Self {
+    fn new(cfg: TagConfig) -> Self {
+        Self {
             cfg: Cell::new(cfg),
             peers: RefCell::new(HashMap::new()),
             inflight: RefCell::new(Vec::new()),
@@ -285,7 +281,7 @@ impl TagState {
             stats: Cell::new(TagStats::default()),
             gone: RefCell::new(HashMap::new()),
             shut: Cell::new(false),
-        })
+        }
     }
 
     fn count(&self, f: impl FnOnce(&mut TagStats)) {
@@ -492,43 +488,46 @@ pub fn install(ctx: &Rc<ShardCtx>) {
 
 /// [`install`] with bounds of its own (on an installed shard, only the bounds change).
 pub fn install_with(ctx: &Rc<ShardCtx>, cfg: TagConfig) {
-    if let Some(st) = installed(ctx) {
+    if let Some(st) = ctx.ext::<TagState>() {
         st.cfg.set(cfg);
         return;
     }
-    let st = TagState::new(cfg);
-    STATE.with(|s| *s.borrow_mut() = Some((Rc::downgrade(ctx), st.clone())));
-    let eager = st.clone();
+    let st = ctx.ext_or_insert_with(|| TagState::new(cfg));
+    // Each handler keeps the state at hand (no lookup per message), weakly: the handlers live
+    // as long as the shard's net state, the queued messages only until the shard's teardown.
+    let eager = Rc::downgrade(&st);
     ctx.set_net_handler(TAG_AM, move |_ctx, node, payload| {
-        eager.on_eager(node, payload);
+        if let Some(st) = eager.upgrade() {
+            st.on_eager(node, payload);
+        }
     });
-    let lost = st.clone();
-    ctx.on_peer_lost(move |node, err| lost.on_peer_lost(node, err));
-    let (choose, done) = (st.clone(), st);
+    let lost = Rc::downgrade(&st);
+    ctx.on_peer_lost(move |node, err| {
+        if let Some(st) = lost.upgrade() {
+            st.on_peer_lost(node, err);
+        }
+    });
+    let (choose, done) = (Rc::downgrade(&st), Rc::downgrade(&st));
     ctx.set_net_handler_rndv::<Vec<u8>, _, _>(
         TAG_AM,
-        move |_ctx, node, header| choose.on_rndv_header(node, header),
-        move |_ctx, node, header, res| done.on_rndv_data(node, header, res),
+        move |_ctx, node, header| choose.upgrade()?.on_rndv_header(node, header),
+        move |_ctx, node, header, res| {
+            if let Some(st) = done.upgrade() {
+                st.on_rndv_data(node, header, res);
+            }
+        },
     );
-}
-
-/// This shard's tag state, if installed in this run.
-fn installed(ctx: &ShardCtx) -> Option<Rc<TagState>> {
-    STATE.with(|s| {
-        let s = s.borrow();
-        let (who, st) = s.as_ref()?;
-        std::ptr::eq(who.as_ptr(), ctx).then(|| st.clone())
-    })
 }
 
 /// This shard's tag state, installing it now if needed.
 fn state(ctx: &Rc<ShardCtx>) -> Rc<TagState> {
-    if let Some(st) = installed(ctx) {
+    if let Some(st) = ctx.ext::<TagState>() {
         return st;
     }
     install(ctx);
-    // `install` has just set it for this shard.
-    installed(ctx).unwrap_or_else(|| TagState::new(TagConfig::default()))
+    // `install` has just put it in the slot (unless the shard is torn down: then a state of
+    // its own, which nothing will ever match).
+    ctx.ext_or_insert_with(|| TagState::new(TagConfig::default()))
 }
 
 /// On the owner shard: a receive from the moment it is posted until it ends or is dropped.
@@ -743,7 +742,9 @@ impl ShardCtx {
 
     /// This shard's tag counters and queue sizes (for the messages that arrive on its rails).
     pub fn tag_stats(&self) -> TagStats {
-        installed(self).map(|st| st.snapshot()).unwrap_or_default()
+        self.ext::<TagState>()
+            .map(|st| st.snapshot())
+            .unwrap_or_default()
     }
 }
 
