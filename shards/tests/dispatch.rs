@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    canary, check_canary, node, percentile, quiet_panics_starting_with, run_node, serial,
+    canary, check_canary, dropped, node, percentile, quiet_panics_starting_with, run_node, serial,
     wait_until, Barrier, Server, A, B,
 };
 use futures_lite::future::yield_now;
@@ -203,18 +203,6 @@ fn inline_handlers_get_a_rails_frames_in_send_order() {
         assert_eq!(dropped(&r.stats), 0, "{:?}", r.stats);
     }
     eprintln!("2 × {N} frames in {took:?} (with node start-up)");
-}
-
-/// Frames dropped for any reason.
-fn dropped(s: &NetStats) -> u64 {
-    s.dropped_unauthenticated
-        + s.dropped_malformed
-        + s.dropped_misrouted
-        + s.dropped_no_handler
-        + s.dropped_other
-        + s.dropped_too_large
-        + s.dropped_expired
-        + s.dropped_unmatched
 }
 
 fn panics_at(seq: u64) -> bool {

@@ -231,6 +231,21 @@ pub(crate) fn check_canary(bytes: &[u8]) -> Result<u64, String> {
     Ok(seq)
 }
 
+/// Frames a shard dropped for any reason but one: `dropped_unauthenticated`, which a correct
+/// set-up may count too. A rail's `Join` that reaches its shard of the peer before that node
+/// has recorded the session (its primary handshake completes on another shard) is refused
+/// with `UnknownSession`, counted there as unauthenticated, and tried again by the joining
+/// side (its `join_retries`).
+pub(crate) fn dropped(s: &NetStats) -> u64 {
+    s.dropped_malformed
+        + s.dropped_misrouted
+        + s.dropped_no_handler
+        + s.dropped_other
+        + s.dropped_too_large
+        + s.dropped_expired
+        + s.dropped_unmatched
+}
+
 pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
