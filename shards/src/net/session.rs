@@ -52,10 +52,12 @@ use super::request::send_cancel;
 use super::{frame_am_header, NetError, NetState, Queue, RemoteNode, Slot};
 use crate::boot::ShardCtx;
 use crate::proto::conn::FailReason;
-use crate::proto::handshake::{HandshakeError, HandshakeMessage, PeerInfo, RejectReason, Role};
+use crate::proto::handshake::{
+    accept_join, HandshakeError, HandshakeMessage, PeerInfo, RejectReason, Role,
+};
 use crate::proto::{
-    Connection, Event, FrameHeader, FrameKind, NodeId, Rails, ReqId, Seeds, SessionSecret, ShardId,
-    State, Timestamp,
+    Connection, Event, FrameHeader, FrameKind, NodeId, Rail, Rails, ReqId, Seeds, SessionSecret,
+    ShardId, State, Timestamp,
 };
 use crate::ucx::{Endpoint, WorkerAddress};
 
@@ -176,10 +178,28 @@ pub(super) fn accept_opening(
         return false;
     };
     let conn = match &msg {
-        HandshakeMessage::Join(_) => {
+        HandshakeMessage::Join(join) => {
             let session = session_of(net, node);
             match session {
-                Some(s) => Connection::join_server(net.now(), cfg, s.peer, s.secret, seeds),
+                Some(s) => {
+                    // Checked before anything is made of it: a join that does not prove the
+                    // session must not replace the rail this shard may hold on that pair
+                    // (`insert_rail` retires the old one), nor start a sender. It is refused
+                    // on an endpoint of its own, as a join to no session is.
+                    let rail = Rail {
+                        local: ctx.id(),
+                        remote: header.src_shard,
+                    };
+                    if let Err(e) = accept_join(&cfg.handshake, &s.peer, &s.secret, rail, join) {
+                        let reason = e.reject_reason().unwrap_or(RejectReason::BadProof);
+                        if let Some(t) = Connection::refuse(&cfg, header, &msg, reason) {
+                            refuse_on(ep, frame_am_header(net.settings.node_id, 0), t.to_vec());
+                        }
+                        net.count(|s| s.dropped_unauthenticated += 1);
+                        return false;
+                    }
+                    Connection::join_server(net.now(), cfg, s.peer, s.secret, seeds)
+                }
                 None => {
                     // No session to join: tell the sender at once, so that it falls back to
                     // a primary handshake instead of waiting for its deadline.
