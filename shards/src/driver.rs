@@ -1,8 +1,9 @@
 //! The progress driver: fast when busy, asleep when idle.
 //!
-//! One task per shard, in a latency-sensitive task queue, calls [`Worker::progress`] in a loop,
-//! yielding to the shard's other tasks between rounds, while events keep coming and for a spin
-//! window ([`DriverConfig::spin`]) after the last one. When the window has passed with no event,
+//! One task per shard, in the shard's default task queue, calls [`Worker::progress`] in a loop,
+//! dispatching what UCX's callbacks recorded right after each call (handlers run inline; see
+//! "The hot path" at [`run`]) and yielding to the shard's other tasks once a round found work,
+//! while events keep coming and for a spin window ([`DriverConfig::spin`]) after the last one. When the window has passed with no event,
 //! it arms the worker and sleeps until the worker's event fd is readable.
 //!
 //! ## How a glommio task sleeps on a UCX fd without unsafe code
@@ -36,8 +37,8 @@
 //! driver polls on every round, after `progress`: it takes whatever other shards have put in
 //! this shard's lanes (one atomic load when nothing came; see the module docs of
 //! [`crate::mesh`]). A spinning shard so sees a forwarded request or completion within one
-//! round, instead of when glommio next looks at other threads' wake-ups (the progress queue's
-//! preempt, 500 µs, see `boot.rs`). What the hook takes counts as an event, like a UCX one: the
+//! round, instead of when glommio next looks at other threads' wake-ups (the executor's
+//! preempt timer, 1 ms, `PREEMPT_TIMER` in `boot.rs`). What the hook takes counts as an event, like a UCX one: the
 //! driver keeps spinning through an exchange of forwards.
 //!
 //! A sleeping driver does not poll it; the mesh's own inbox task, woken by the sender through
@@ -55,12 +56,13 @@
 //!
 //! ## glommio 0.9 can park with the driver runnable: the backstop timer
 //!
-//! glommio's executor loop installs the task queues' preempt timer (here 500 µs, from the
-//! progress queue's `Latency::Matters`), then runs the task queues; if the preempt timer has
+//! glommio's executor loop installs the task queues' preempt timer (here 1 ms, set for every
+//! queue in `boot.rs`), then runs the task queues; if the preempt timer has
 //! already fired by the time it checks (the thread was descheduled for longer than that in
 //! between, which happens on a busy 2-core machine), it runs nothing, and then parks in
 //! `io_uring_enter` as though no task were runnable. It wakes only for I/O or a timer. A driver
-//! that had just yielded ([`glommio::ExecutorProxy::yield_task_queue_now`]) is neither, so the
+//! that had just yielded (`yield_now`, or formerly `yield_task_queue_now` when it had a task
+//! queue of its own) is neither, so the
 //! shard stopped for good: the `idle_wake` example hung in about one run in five, with the
 //! driver parked between two progress rounds and its waker thread idle in `read`.
 //!
@@ -71,7 +73,7 @@
 //! own wake-up is bounded by a backstop set to `MAX_SLEEP + BACKSTOP` (one timer per sleep,
 //! which never fires on an idle shard). The race itself is in glommio (`LocalExecutor::run`
 //! parks when `run_task_queues` returns false because `need_preempt()` was already true); the
-//! shorter the progress queue's latency, the more often it happens.
+//! shorter the preempt timer, the more often it happens.
 //!
 //! ## Changing the spin/arm strategy
 //!
@@ -160,8 +162,17 @@ pub(crate) type PollHook = Rc<dyn RoundHook>;
 
 /// The net layer's dispatch, called right after every `progress` (see "The hot path"): handles
 /// at most `budget` of the inputs UCX's callbacks recorded, calling their handlers inline, and
-/// returns how many it handled.
-pub(crate) type DispatchHook = Rc<dyn Fn(usize) -> usize>;
+/// returns how many it handled and whether inputs are left (the budget ran out).
+pub(crate) type DispatchHook = Rc<dyn Fn(usize) -> Dispatched>;
+
+/// What one dispatch did (see [`DispatchHook`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Dispatched {
+    /// Inputs handled.
+    pub(crate) handled: usize,
+    /// Inputs left recorded: the next round dispatches them before calling `progress` again.
+    pub(crate) backlog: bool,
+}
 
 /// A shard's running progress driver: the waker thread and the flags shared with it.
 pub(crate) struct Driver {
@@ -183,6 +194,8 @@ pub(crate) struct DriverTask {
     dispatch: Rc<OnceCell<DispatchHook>>,
     stats: Rc<DriverStats>,
     config: DriverConfig,
+    /// The last dispatch left inputs recorded (see "Backlog" in [`run`]'s docs).
+    backlog: Cell<bool>,
 }
 
 /// A glommio timer kept registered with the reactor while the driver runs, so that the
@@ -237,6 +250,7 @@ impl Driver {
                 dispatch,
                 stats,
                 config,
+                backlog: Cell::new(false),
             },
         ))
     }
@@ -344,6 +358,16 @@ pub const DISPATCH_BUDGET: usize = 64;
 /// default task queue, with the tasks it wakes, so that handing over to them is a plain
 /// `yield_now` (the next task of the same queue), not a switch of task queues, which in glommio
 /// 0.9 reads the clock twice.
+///
+/// ## Backlog
+///
+/// While the last dispatch left inputs recorded (its budget ran out), a round dispatches them
+/// without calling `progress` first. The recorded inputs are one FIFO for all connections of
+/// the shard, so a `progress` that moves a whole flood from one connection into it would put
+/// every other connection's next frame behind that flood (and grow the FIFO without bound);
+/// left in UCX, the backlog stays per connection (in UCX's receive queues, the sockets, the
+/// peer's send queues, where TCP and UCX's own flow control push back on the flooder), and the
+/// FIFO holds at most one budget plus what one `progress` brings.
 pub(crate) async fn run(mut task: DriverTask) {
     let mut last_event = Instant::now();
     let mut byte = [0u8; 1];
@@ -433,11 +457,17 @@ fn spin(task: &DriverTask) -> Found {
     let hook = task.hook.get();
     let executor = glommio::executor();
     for _ in 0..IDLE_ROUNDS {
-        let events = task.worker.progress();
-        let handled = dispatch.map_or(0, |d| d(DISPATCH_BUDGET));
+        // See "Backlog" in `run`'s docs.
+        let events = if task.backlog.get() {
+            0
+        } else {
+            task.worker.progress()
+        };
+        let done = dispatch.map_or(Dispatched::default(), |d| d(DISPATCH_BUDGET));
+        task.backlog.set(done.backlog);
         let hooked = hook.is_some_and(|hook| hook.poll());
         task.stats.rounds.set(task.stats.rounds.get() + 1);
-        if events > 0 || handled > 0 || hooked {
+        if events > 0 || done.handled > 0 || hooked {
             return Found::Work;
         }
         if executor.need_preempt() {

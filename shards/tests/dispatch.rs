@@ -541,17 +541,12 @@ fn a_flood_on_one_rail_starves_neither_another_rail_nor_timers() {
 /// The same with a deep flood: 32 768 frames in flight (a one-way sender without flow control
 /// has no bound at all). The other rail's pings must still be answered within the same p99.
 ///
-/// Fails today: the driver calls `progress` on every round whatever the dispatch left in the
-/// shard's inbox, so UCX's callbacks keep moving everything in flight into the one FIFO inbox
-/// that all rails share, while the dispatch takes 64 inputs per round. A ping from another rail
-/// then waits behind the whole backlog: ping p50 about 260 ms here (about 37 ms with 8192
-/// frames in flight, 3 ms with 1024), growing with what the flooder keeps in flight, and so does
-/// the inbox's memory. Not calling `progress` while the inbox holds a budget's worth or more
-/// (so that the backlog stays in UCX and the sockets, per rail, and TCP pushes back on the
-/// flooder) brought the p99 to 5 ms in a trial, with a higher flood rate too.
+/// Regression: the driver used to call `progress` on every round whatever the dispatch left in
+/// the shard's inbox, so UCX's callbacks moved everything in flight into the one FIFO inbox
+/// that all rails share, while the dispatch took 64 inputs per round; a ping from another rail
+/// then waited behind the whole backlog (p50 about 260 ms). The driver now dispatches a backlog
+/// before calling `progress` again, so the backlog stays in UCX, per rail.
 #[test]
-#[ignore = "bug: the shard's inbox takes in a whole flood (progress is called whatever the \
-            backlog), so another rail's frames wait behind it; see the test's docs"]
 fn a_deep_flood_on_one_rail_does_not_delay_another_rail() {
     let _g = serial();
     let f = flood(64 * ACK_EVERY);

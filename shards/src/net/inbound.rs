@@ -17,7 +17,7 @@ use super::{
     FRAME_AM, MAX_ADDR_LEN, MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
-use crate::driver::DispatchHook;
+use crate::driver::{DispatchHook, Dispatched};
 use crate::pool::PoolBuf;
 use crate::proto::conn::{DropReason, Received};
 use crate::proto::handshake::Role;
@@ -365,11 +365,11 @@ pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
     let inbox = ctx.net().inbox.clone();
     Rc::new(move |budget| {
         if inbox.borrow().is_empty() {
-            return 0;
+            return Dispatched::default();
         }
         match weak.upgrade() {
             Some(ctx) => drain(&ctx, budget),
-            None => 0,
+            None => Dispatched::default(),
         }
     })
 }
@@ -379,13 +379,18 @@ pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
 /// Each frame reaches its handler before the next input is handled: a `Close` (or an endpoint
 /// error) that follows data frames must not fail the requests and receives those frames
 /// answer.
-pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> usize {
+pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> Dispatched {
     let net = ctx.net();
     let mut now = None;
     let mut n = 0;
     while n < budget {
         let item = net.inbox.borrow_mut().pop_front();
-        let Some(item) = item else { return n };
+        let Some(item) = item else {
+            return Dispatched {
+                handled: n,
+                backlog: false,
+            };
+        };
         n += 1;
         let now = *now.get_or_insert_with(|| {
             let at = Instant::now();
@@ -393,10 +398,14 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> usize {
         });
         handle(ctx, net, item, now);
     }
-    if !net.inbox.borrow().is_empty() {
+    let backlog = !net.inbox.borrow().is_empty();
+    if backlog {
         net.count(|s| s.dispatch_budget_hits += 1);
     }
-    n
+    Dispatched {
+        handled: n,
+        backlog,
+    }
 }
 
 /// Handles one recorded input.
