@@ -2,7 +2,7 @@
 //!
 //! One task per shard, in the shard's default task queue, calls [`Worker::progress`] in a loop,
 //! dispatching what UCX's callbacks recorded right after each call (handlers run inline; see
-//! "The hot path" at [`run`]) and yielding to the shard's other tasks once a round found work,
+//! "The hot path" at `run`) and yielding to the shard's other tasks once a round found work,
 //! while events keep coming and for a spin window ([`DriverConfig::spin`]) after the last one. When the window has passed with no event,
 //! it arms the worker and sleeps until the worker's event fd is readable.
 //!

@@ -9,10 +9,10 @@
 //!
 //! Answers come back on the rail their request went out on, so the answer handlers run on the
 //! shard that waits for them; one that arrives anywhere else fails the run (it would mean a
-//! hop). The handlers share a [`Waits`] with the shard's test task: `am-lat` runs entirely in
+//! hop). The handlers share a `Waits` with the shard's test task: `am-lat` runs entirely in
 //! the echo-answer handler (record the round trip, send the next ping inline) and wakes the
 //! task at the end; `am-rate`/`am-bw` wake it once per window, at the acknowledgement. A
-//! watchdog task per shard fails a wait whose answer is [`DEADLINE`] overdue.
+//! watchdog task per shard fails a wait whose answer is `DEADLINE` overdue.
 //!
 //! Tag streams: client shard `s` sends pings tagged `1 << 12 | s` and receives pongs tagged
 //! `2 << 12 | s`; `3 << 12 | s` ends the stream on the server.

@@ -162,7 +162,7 @@ async fn accept_loop(ctx: Weak<ShardCtx>, listener: Listener, dir: Rc<Vec<u8>>) 
 
 impl ShardCtx {
     /// Fetches the directory of the node listening at `addr`, from this shard (see the module
-    /// docs). Bounded by [`NetConfig::connect_timeout`].
+    /// docs). Bounded by [`NetConfig::connect_timeout`](super::NetConfig::connect_timeout).
     pub async fn bootstrap(&self, addr: SocketAddr) -> Result<Directory, NetError> {
         let net = self.net();
         let _permit = net

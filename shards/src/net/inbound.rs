@@ -701,7 +701,7 @@ fn deliver_rndv(
     .detach();
 }
 
-/// Pulls rendezvous data from `node` into `buf`, within [`NetConfig::rndv_timeout`].
+/// Pulls rendezvous data from `node` into `buf`, within [`NetConfig::rndv_timeout`](super::NetConfig::rndv_timeout).
 pub(super) async fn pull<B: IoBufMut>(
     ctx: &Rc<ShardCtx>,
     node: NodeId,
@@ -869,15 +869,15 @@ impl ShardCtx {
 
     /// Registers, on this shard, the rendezvous handler of application frames with `id`: for
     /// a frame whose payload came by rendezvous (longer than the sender's
-    /// [`NetConfig::rndv_threshold`]), `choose` picks the buffer the data is pulled into
+    /// [`NetConfig::rndv_threshold`](super::NetConfig::rndv_threshold)), `choose` picks the buffer the data is pulled into
     /// (a [`crate::PoolBuf`], a `Vec<u8>`, an aligned or device buffer...) before any byte is
     /// received, and `on_data` gets the buffer once the data is in it.
     ///
     /// `choose` sees the frame header (`payload_len` is the data's length, already checked
-    /// against [`NetConfig::max_message_size`]); returning `None` declines the data (the sender
+    /// against [`NetConfig::max_message_size`](super::NetConfig::max_message_size)); returning `None` declines the data (the sender
     /// completes, nothing is received). `on_data` gets `Ok(buf)` with the data in its first
     /// `payload_len` bytes, or an error ([`NetError::BufferTooSmall`], [`NetError::Receive`],
-    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`]); on error the buffer is
+    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`](super::NetConfig::rndv_timeout)); on error the buffer is
     /// dropped once UCX no longer uses it. Both run on this shard and must not block;
     /// `on_data` may run after handlers of frames that arrived later.
     ///
@@ -957,7 +957,7 @@ impl ShardCtx {
     /// declined that way gets no reply unless `choose` sends one, e.g. with
     /// [`ShardCtx::reply_now`]). `on_data` gets `Ok(buf)` with the data in its first
     /// `payload_len` bytes, or an error ([`NetError::BufferTooSmall`], [`NetError::Receive`],
-    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`]). Both run on this shard and
+    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`](super::NetConfig::rndv_timeout)). Both run on this shard and
     /// must not block; `on_data` may run after handlers of frames that arrived later.
     ///
     /// Eager frames of `kind` still go to the handler of [`ShardCtx::set_frame_handler`];

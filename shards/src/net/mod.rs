@@ -16,8 +16,8 @@
 //! For a pair of nodes A and B, the shard of A that owns B is
 //! `o = ShardMap::new(A's shard count).owner_of(B)` and the shard of B that owns A is
 //! `r = ShardMap::new(B's shard count).owner_of(A)`. The session lives on `o` and `r` only:
-//! `o` holds one UCX endpoint to `r`'s worker and a client [`Connection`], `r` holds one
-//! endpoint back to `o`'s worker and a server [`Connection`]. Every other shard reaches the peer
+//! `o` holds one UCX endpoint to `r`'s worker and a client [`Connection`](crate::proto::Connection), `r` holds one
+//! endpoint back to `o`'s worker and a server [`Connection`](crate::proto::Connection). Every other shard reaches the peer
 //! by forwarding to its owner over the mesh ([`ShardCtx::forward`]).
 //!
 //! ## Connecting
@@ -35,9 +35,9 @@
 //!    (one in flight at a time) and the reply is unambiguous.
 //! 2. **Session.** [`ShardCtx::connect`] computes `o` and `r` from the directory, forwards to
 //!    `o` (unless it is the caller), which connects to `r` by worker address and runs a client
-//!    [`Connection`]. The first frame, the `Hello`, carries `o`'s worker address; `r`, on a
+//!    [`Connection`](crate::proto::Connection). The first frame, the `Hello`, carries `o`'s worker address; `r`, on a
 //!    `Hello` from a node it has no connection with (and that it owns), creates the reverse
-//!    endpoint to that address and a server [`Connection`]. The handshake has its own deadline
+//!    endpoint to that address and a server [`Connection`](crate::proto::Connection). The handshake has its own deadline
 //!    ([`NetConfig::handshake_timeout`]); a failure ends the connect with a typed
 //!    [`NetError`]: [`NetError::Refused`] for a wrong key (with proto's reject reason),
 //!    [`NetError::TimedOut`], [`NetError::Handshake`] for other handshake failures.
@@ -54,11 +54,11 @@
 //! ```
 //!
 //! and whose payload is the worker address (`addr_len` bytes) followed by the proto frame (the
-//! 48-byte [`FrameHeader`] and its payload).
+//! 48-byte [`FrameHeader`](crate::proto::FrameHeader) and its payload).
 //!
 //! Application frames (active messages, requests, replies, cancels) travel as [`DATA_AM`]:
 //! the UCX AM header is [`DATA_HEADER_LEN`] = 64 bytes, the 16 above (`addr_len` zero) then
-//! the 48-byte [`FrameHeader`], followed by the frame's *user header* (the application's AM
+//! the 48-byte [`FrameHeader`](crate::proto::FrameHeader), followed by the frame's *user header* (the application's AM
 //! header, up to [`MAX_USER_HEADER`] bytes; empty for other kinds); the UCX payload is the
 //! application payload itself. So a send copies nothing on our side: UCX is handed the header
 //! (built on the stack) and the caller's bytes. A payload of at most
@@ -74,7 +74,7 @@
 //! user header, and queues the input. Right after `ucp_worker_progress` returns, the shard's
 //! progress driver calls this module's dispatch ([`crate::driver`], "The hot path"), which,
 //! for each recorded input in order and at most [`crate::driver::DISPATCH_BUDGET`] per round:
-//! finds the connection, feeds [`Connection::handle_frame`] (the clock is read once per
+//! finds the connection, feeds [`Connection::handle_frame`](crate::proto::Connection::handle_frame) (the clock is read once per
 //! batch), and calls the handler inline with a [`Frame`] that owns the descriptor: a handler
 //! that reads the payload in place and answers inline ([`ShardCtx::send_frame_now`],
 //! [`ShardCtx::reply_now`]) costs no task switch, no allocation and no copy on our side. A
@@ -96,7 +96,7 @@
 //! ## Rendezvous
 //!
 //! A [`DATA_AM`] frame whose payload is longer than [`NetConfig::rndv_threshold`] (8 KiB by
-//! default) is sent with UCX rendezvous ([`FrameFlags::RNDV`] in its header). The receiver's
+//! default) is sent with UCX rendezvous ([`FrameFlags::RNDV`](crate::proto::FrameFlags::RNDV) in its header). The receiver's
 //! callback keeps UCX's descriptor and queues it with the header; the dispatch checks the
 //! header (size limit first, then `payload_len` against UCX's length, then the connection as
 //! for any frame), and only then is a buffer chosen and the data pulled. Data nobody takes is
@@ -132,7 +132,7 @@
 //!
 //! The net task of each shard serves the timers: it sleeps until the earliest `poll_timeout`
 //! of its connections (handshake deadline, heartbeats, suspicion and death) and requests, and
-//! handles what is due. An endpoint error becomes [`Connection::handle_transport_error`]. A
+//! handles what is due. An endpoint error becomes [`Connection::handle_transport_error`](crate::proto::Connection::handle_transport_error). A
 //! connection that fails or closes is removed; its sender task flushes what is queued (a
 //! `Reject`, a `Close`) within a linger time and drops the endpoint.
 //!
@@ -212,7 +212,7 @@ pub const DATA_AM: AmIdRaw = 0x5C02;
 /// Bytes of the routing part of a UCX AM header: the sender's node id and an address length.
 pub const AM_HEADER_LEN: usize = 16;
 /// Bytes of the UCX AM header of a [`DATA_AM`] message before its user header: the
-/// [`AM_HEADER_LEN`]-byte routing part (with `addr_len` zero) and the 48-byte [`FrameHeader`].
+/// [`AM_HEADER_LEN`]-byte routing part (with `addr_len` zero) and the 48-byte [`FrameHeader`](crate::proto::FrameHeader).
 pub const DATA_HEADER_LEN: usize = AM_HEADER_LEN + crate::proto::wire::HEADER_LEN;
 /// Longest user header of an application frame (the application's AM header). UCX 1.12 carries
 /// an AM header in one fragment of its transport, about 8 KiB on shared memory and TCP.

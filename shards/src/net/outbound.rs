@@ -54,6 +54,18 @@ pub(super) struct FrameSpec {
     pub(super) ttl_ns: u64,
 }
 
+impl FrameSpec {
+    /// An application active message `id`: no request, no deadline.
+    fn am(id: AmId) -> FrameSpec {
+        FrameSpec {
+            kind: FrameKind::Am,
+            id: id.get(),
+            req_id: ReqId::NONE,
+            ttl_ns: NO_DEADLINE_TTL,
+        }
+    }
+}
+
 /// A frame's payload: owned (moved into a queued send as it is), shared or pooled (sent from
 /// where it is, never copied) or borrowed (copied only if the frame must be queued).
 pub(super) enum Body<'a> {
@@ -465,12 +477,7 @@ impl ShardCtx {
         let dest = dest.into();
         let buf = buf.into();
         check_sizes(self.net(), user_header.len(), buf.len())?;
-        let spec = FrameSpec {
-            kind: FrameKind::Am,
-            id: id.get(),
-            req_id: ReqId::NONE,
-            ttl_ns: NO_DEADLINE_TTL,
-        };
+        let spec = FrameSpec::am(id);
         match self.route(dest)? {
             Route::Here(remote) => {
                 send(self, (dest.node, remote), spec, user_header, Body::Buf(buf))
@@ -493,12 +500,7 @@ impl ShardCtx {
         id: AmId,
         payload: Vec<u8>,
     ) -> Result<(), NetError> {
-        let spec = FrameSpec {
-            kind: FrameKind::Am,
-            id: id.get(),
-            req_id: ReqId::NONE,
-            ttl_ns: NO_DEADLINE_TTL,
-        };
+        let spec = FrameSpec::am(id);
         self.send_spec(dest.into(), spec, Vec::new(), payload).await
     }
 
@@ -514,12 +516,7 @@ impl ShardCtx {
     ) -> Result<(), NetError> {
         let dest = dest.into();
         check_sizes(self.net(), user_header.len(), payload.len())?;
-        let spec = FrameSpec {
-            kind: FrameKind::Am,
-            id: id.get(),
-            req_id: ReqId::NONE,
-            ttl_ns: NO_DEADLINE_TTL,
-        };
+        let spec = FrameSpec::am(id);
         match self.route(dest)? {
             Route::Here(remote) => send(
                 self,

@@ -2,7 +2,7 @@
 //! deadline, and cancelled when their caller gives up.
 //!
 //! [`ShardCtx::request`] runs on the shard that owns the peer (forwarded there from other
-//! shards, and its result forwarded back). The owner keeps one [`PendingTable`] of requests
+//! shards, and its result forwarded back). The owner keeps one [`PendingTable`](crate::proto::PendingTable) of requests
 //! for all its peers, so request ids are never reused on a connection, even across sessions.
 //! The request's deadline (`now + timeout`) travels as the frame's `ttl_ns`. The request ends
 //! with the first of: a matching reply; its deadline ([`NetError::TimedOut`]); the failure or
@@ -284,7 +284,7 @@ impl ShardCtx {
     /// Dropping the future before it resolves gives the request up on the owner shard, also
     /// when it was forwarded there from another shard; an [`FrameKind::RpcRequest`] given up
     /// that way (or by its timeout) is followed by an [`FrameKind::RpcCancel`] frame with the
-    /// same `id` and `req_id` ([`NetStats::cancels_sent`]).
+    /// same `id` and `req_id` ([`NetStats::cancels_sent`](super::NetStats::cancels_sent)).
     pub async fn request_with_ttl(
         self: &Rc<Self>,
         dest: impl Into<Dest>,
