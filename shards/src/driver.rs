@@ -178,6 +178,7 @@ pub(crate) struct Dispatched {
 pub(crate) struct Driver {
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
+    kick: Rc<Cell<bool>>,
     hook: Rc<OnceCell<PollHook>>,
     dispatch: Rc<OnceCell<DispatchHook>>,
     waker: Option<JoinHandle<()>>,
@@ -190,6 +191,9 @@ pub(crate) struct DriverTask {
     stream: UnixStream,
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
+    /// Set by [`Driver::wake`]: a task has work for UCX (a frame queued for a sender, a send
+    /// posted): the next poll runs one round and yields, instead of spinning on.
+    kick: Rc<Cell<bool>>,
     hook: Rc<OnceCell<PollHook>>,
     dispatch: Rc<OnceCell<DispatchHook>>,
     stats: Rc<DriverStats>,
@@ -230,12 +234,14 @@ impl Driver {
         let _ = std::fs::remove_file(&path);
         let stream = connected?;
         let sleeping = Rc::new(Cell::new(false));
+        let kick = Rc::new(Cell::new(false));
         let hook = Rc::new(OnceCell::new());
         let dispatch = Rc::new(OnceCell::new());
         Ok((
             Driver {
                 stop: stop.clone(),
                 sleeping: sleeping.clone(),
+                kick: kick.clone(),
                 hook: hook.clone(),
                 dispatch: dispatch.clone(),
                 waker: Some(waker),
@@ -246,6 +252,7 @@ impl Driver {
                 stream,
                 stop,
                 sleeping,
+                kick,
                 hook,
                 dispatch,
                 stats,
@@ -267,8 +274,11 @@ impl Driver {
         let _ = self.dispatch.set(hook);
     }
 
-    /// Wake the driver if it sleeps, so that it progresses the worker now.
+    /// Wake the driver if it sleeps, so that it progresses the worker now; if it spins, its
+    /// next poll runs one round and yields, so that a task made runnable by the caller (a
+    /// sender with a queued frame) runs within a round instead of after [`IDLE_ROUNDS`].
     pub(crate) fn wake(&self) {
+        self.kick.set(true);
         if self.sleeping.get() {
             // A failed signal only delays progress until the next event.
             let _ = self.worker.signal();
@@ -456,6 +466,8 @@ fn spin(task: &DriverTask) -> Found {
     let dispatch = task.dispatch.get();
     let hook = task.hook.get();
     let executor = glommio::executor();
+    // Set by a task since the last poll (see `Driver::wake`): other tasks are runnable.
+    let kicked = task.kick.replace(false);
     for _ in 0..IDLE_ROUNDS {
         // See "Backlog" in `run`'s docs.
         let events = if task.backlog.get() {
@@ -467,7 +479,7 @@ fn spin(task: &DriverTask) -> Found {
         task.backlog.set(done.backlog);
         let hooked = hook.is_some_and(|hook| hook.poll());
         task.stats.rounds.set(task.stats.rounds.get() + 1);
-        if events > 0 || done.handled > 0 || hooked {
+        if events > 0 || done.handled > 0 || hooked || kicked {
             return Found::Work;
         }
         if executor.need_preempt() {

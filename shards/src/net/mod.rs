@@ -344,6 +344,10 @@ pub struct NetStats {
     pub cancels_sent: u64,
     /// Application frames handed to UCX in place (no copy, no request: see "The hot path").
     pub sent_in_place: u64,
+    /// Application frames posted to UCX at once from an owned buffer (longer than UCX's
+    /// short-message limit, or a rendezvous; nothing queued before them): no task switch;
+    /// the rail's sender tracks the completion when UCX does not complete them at once.
+    pub sent_posted: u64,
     /// Application frames queued for the connection's sender task instead (UCX could not take
     /// them at once, or frames before them were still queued), copied when borrowed.
     pub sent_queued: u64,

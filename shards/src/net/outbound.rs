@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::rc::{Rc, Weak};
-use std::task::Poll;
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use futures_lite::future;
@@ -40,6 +40,9 @@ pub(super) enum Outbound {
         payload: SendBuf,
         rndv: bool,
     },
+    /// A send already posted to UCX by [`send`] (the queue was empty), not complete yet: the
+    /// sender tracks its completion as for a send of its own (`rndv`: a rendezvous).
+    Posted { send: AmSend<SendBuf>, rndv: bool },
     /// A send in place failed at once: the sender reports the transport error and stops, as
     /// after a send of its own failed.
     Failed,
@@ -217,8 +220,11 @@ pub(super) fn send(
             .map_err(|_| NetError::NotConnected { node })?
     };
     let am = AmHeader::new(net.settings.node_id, &header, user);
-    if let (false, true, Some(bytes)) = (rndv, p.out.is_idle(), body.as_slice()) {
-        if let Some(ep) = p.ep.upgrade() {
+    // Nothing queued before this frame: hand it to UCX here, in order, with no task switch;
+    // in place when UCX takes it at once, else posted from an owned buffer.
+    let idle_ep = p.out.is_idle().then(|| p.ep.upgrade()).flatten();
+    if let Some(ep) = idle_ep {
+        if let (false, Some(bytes)) = (rndv, body.as_slice()) {
             match ep.am_send_now(DATA_AM, am.as_slice(), bytes) {
                 Ok(()) => {
                     net.count(|s| s.sent_in_place += 1);
@@ -231,6 +237,28 @@ pub(super) fn send(
                 }
             }
         }
+        let proto = if rndv {
+            AmProto::Rendezvous
+        } else {
+            AmProto::Eager
+        };
+        let mut send = ep.am_send(DATA_AM, am.as_slice(), body.into_send_buf(), proto);
+        // The first poll posts the send (the waker is the sender's from its first poll on).
+        let first = Pin::new(&mut send).poll(&mut std::task::Context::from_waker(Waker::noop()));
+        net.count(|s| s.sent_posted += 1);
+        return match first {
+            Poll::Ready((Ok(()), _)) => Ok(()),
+            Poll::Ready((Err(_), _)) => {
+                p.out.push(Outbound::Failed);
+                Err(NetError::Transport { node })
+            }
+            Poll::Pending if p.out.push(Outbound::Posted { send, rndv }) => {
+                ctx.wake_driver();
+                Ok(())
+            }
+            // Closed meanwhile: dropping the send parks its buffer with UCX.
+            Poll::Pending => Err(NetError::NotConnected { node }),
+        };
     }
     let item = Outbound::Data {
         header: am.into_vec(),
@@ -239,6 +267,8 @@ pub(super) fn send(
     };
     if p.out.push(item) {
         net.count(|s| s.sent_queued += 1);
+        // The sender is runnable now: the driver yields to it at its next round.
+        ctx.wake_driver();
         Ok(())
     } else {
         Err(NetError::NotConnected { node })
@@ -303,11 +333,13 @@ pub(super) async fn sender(
             Poll::Pending
         })
         .await;
-        let (mut send, rndv) = match next {
+        let (mut send, rndv, posted) = match next {
             Next::Frame(Some(Outbound::Control(header, payload))) => (
                 ep.am_send(FRAME_AM, &header, SendBuf::Vec(payload), AmProto::Eager),
                 false,
+                false,
             ),
+            Next::Frame(Some(Outbound::Posted { send, rndv })) => (send, rndv, true),
             Next::Frame(Some(Outbound::Data {
                 header,
                 payload,
@@ -318,7 +350,7 @@ pub(super) async fn sender(
                 } else {
                     AmProto::Eager
                 };
-                (ep.am_send(DATA_AM, &header, payload, proto), rndv)
+                (ep.am_send(DATA_AM, &header, payload, proto), rndv, false)
             }
             Next::Frame(Some(Outbound::Failed)) | Next::Failed => {
                 report(&ctx);
@@ -326,11 +358,17 @@ pub(super) async fn sender(
             }
             Next::Frame(None) => break,
         };
-        // The first poll posts the send, so frames leave in queue order.
-        let first = future::poll_once(&mut send).await;
-        if let Some(c) = ctx.upgrade() {
-            c.wake_driver();
-        }
+        // The first poll posts the send, so frames leave in queue order (a send posted by
+        // `send` is in flight already).
+        let first = if posted {
+            None
+        } else {
+            let first = future::poll_once(&mut send).await;
+            if let Some(c) = ctx.upgrade() {
+                c.wake_driver();
+            }
+            first
+        };
         match first {
             Some((Ok(()), _)) => {}
             Some((Err(_), _)) => {
