@@ -462,8 +462,8 @@ impl NodeBuilder {
     }
 
     /// Registers the handler of active message `id`: `factory` runs once on every shard and
-    /// returns that shard's handler, which runs for every message `id` from a peer this shard
-    /// owns. Replaces an earlier registration of `id`. Ids from [`FIRST_RESERVED_AM_ID`] up
+    /// returns that shard's handler, which runs for every message `id` that arrives on one of
+    /// this shard's rails, inline on its progress driver (see [`AmMsg`]). Replaces an earlier registration of `id`. Ids from [`FIRST_RESERVED_AM_ID`] up
     /// belong to the runtime: [`NodeBuilder::run`] then fails with [`Error::ReservedAmId`].
     pub fn on_am<F, H>(mut self, id: AmId, factory: F) -> Self
     where

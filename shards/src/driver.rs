@@ -172,6 +172,9 @@ pub(crate) struct Dispatched {
     pub(crate) handled: usize,
     /// Inputs left recorded: the next round dispatches them before calling `progress` again.
     pub(crate) backlog: bool,
+    /// The clock reading the dispatch took for its batch, if it handled anything: the driver
+    /// uses it instead of reading the clock again.
+    pub(crate) at: Option<Instant>,
 }
 
 /// A shard's running progress driver: the waker thread and the flags shared with it.
@@ -339,8 +342,9 @@ impl Backstop {
 
 /// What one poll of the driver found (see [`spin`]).
 enum Found {
-    /// Events, dispatched frames or mesh messages: handlers may have woken tasks.
-    Work,
+    /// Events, dispatched frames or mesh messages: handlers may have woken tasks. With the
+    /// dispatch's clock reading when it had one.
+    Work(Option<Instant>),
     /// Nothing within the idle budget, or the executor wants the thread back.
     Nothing,
 }
@@ -387,8 +391,12 @@ pub(crate) async fn run(mut task: DriverTask) {
         let found = std::future::poll_fn(|_| Poll::Ready(spin(&task))).await;
         // The mesh's lanes (see "The mesh's hook").
         let hook = task.hook.get();
-        let now = Instant::now();
-        if matches!(found, Found::Work) {
+        // One clock reading per poll: the dispatch's when it took one.
+        let now = match found {
+            Found::Work(Some(at)) => at,
+            _ => Instant::now(),
+        };
+        if matches!(found, Found::Work(_)) {
             last_event = now;
         } else if now.duration_since(last_event) >= task.config.spin {
             // Say so before the last look at the lanes: a sender then either sees the driver
@@ -480,7 +488,7 @@ fn spin(task: &DriverTask) -> Found {
         let hooked = hook.is_some_and(|hook| hook.poll());
         task.stats.rounds.set(task.stats.rounds.get() + 1);
         if events > 0 || done.handled > 0 || hooked || kicked {
-            return Found::Work;
+            return Found::Work(done.at);
         }
         if executor.need_preempt() {
             break;

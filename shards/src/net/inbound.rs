@@ -383,14 +383,10 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> Dispatched {
     let net = ctx.net();
     let mut now = None;
     let mut n = 0;
+    let mut backlog = false;
     while n < budget {
         let item = net.inbox.borrow_mut().pop_front();
-        let Some(item) = item else {
-            return Dispatched {
-                handled: n,
-                backlog: false,
-            };
-        };
+        let Some(item) = item else { break };
         n += 1;
         let now = *now.get_or_insert_with(|| {
             let at = Instant::now();
@@ -398,13 +394,14 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> Dispatched {
         });
         handle(ctx, net, item, now);
     }
-    let backlog = !net.inbox.borrow().is_empty();
-    if backlog {
+    if n == budget && !net.inbox.borrow().is_empty() {
+        backlog = true;
         net.count(|s| s.dispatch_budget_hits += 1);
     }
     Dispatched {
         handled: n,
         backlog,
+        at: now.map(|(_, at)| at),
     }
 }
 
