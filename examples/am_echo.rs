@@ -190,7 +190,7 @@ fn client(o: &Opts, addr: SocketAddr) {
         println!(
             "{:<6} {:<9} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10.0}",
             me.to_string(),
-            if me == owner { "owner" } else { "forwarded" },
+            if me == owner { "own rail" } else { "forwarded" },
             hist.len(),
             us(0.5),
             us(0.99),
