@@ -31,7 +31,7 @@
 //! | --- | --- | --- |
 //! | `am-lat` | an active message of `size` bytes to the peer, echoed back with the same size | round trip |
 //! | `am-rate` | one-way active messages, `window` in flight: the last of each window asks for an acknowledgement | one window (send `window` messages, get the ack) |
-//! | `am-bw` | as `am-rate`, for large sizes (window capped to 32 MiB in flight) | one window |
+//! | `am-bw` | as `am-rate`, for large sizes (window capped to 8 MiB in flight, the server shard's default pool) | one window |
 //! | `tag-lat` | tag send of `size` bytes, the peer's tag receive sends it back | round trip |
 //! | `rpc-lat` | a typed call ([`RpcEcho`]): a `Vec<u8>` of `size` bytes, answered with the same bytes | round trip |
 //! | `rpc-rate` | `window` typed calls ([`RpcSink`]) in flight together, each answered with the length it got | one window (start `window` calls, get every reply) |

@@ -52,7 +52,8 @@ commands:
       --duration S           or: seconds per test and shard
       --warmup N             iterations before measuring (default: iters/10, at most 1000)
       --window N             operations in flight for am-rate/am-bw/rpc-rate/rpc-notify/
-                             put-bw/get-bw/put-trusted-bw (default 64)
+                             put-bw/get-bw/put-trusted-bw (default 64; the bandwidth
+                             tests keep at most 8 MiB in flight)
       --shards LIST          client shard counts, each run in turn (default 1; hop needs 2)
       --transport LIST       shm,tcp,auto (default shm)
       --cores C[/S]          CPUs of the client shards [/ of the local peer's shards]
