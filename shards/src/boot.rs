@@ -98,6 +98,33 @@ pub struct ShardsBuilder {
 /// every queue, it bounds that delay.
 const PREEMPT_TIMER: Duration = Duration::from_millis(1);
 
+/// The size of a shared-memory FIFO element (UCX's `MM_FIFO_ELEM_SIZE`, 128 by default) that
+/// shards ask for, unless the environment sets [`MM_FIFO_ELEM_ENV`]. A message goes by UCX's
+/// short path (copied into the element, no request) only when it fits one element; every
+/// shardcx frame carries 64 bytes of headers (routing and frame header), so with 128-byte
+/// elements only payloads up to 16 bytes did (an 8-byte RPC call did not), and with 256 payloads
+/// up to about 150 bytes do. Both sides of a shared-memory connection must use the same size
+/// (UCX writes the peer's FIFO with its own element size): set the variable on every node or on
+/// none.
+pub const MM_FIFO_ELEM_SIZE: &str = "256";
+/// The environment variable that overrides [`MM_FIFO_ELEM_SIZE`].
+pub const MM_FIFO_ELEM_ENV: &str = "UCX_MM_FIFO_ELEM_SIZE";
+
+/// Whether UCX may open a shared-memory FIFO transport with transport list `tls` (`UCX_TLS`
+/// syntax; `None`: UCX's default, all of them). Setting [`MM_FIFO_ELEM_SIZE`] otherwise makes
+/// UCX warn that the setting is invalid.
+fn uses_shared_memory(tls: Option<&str>) -> bool {
+    tls.is_none_or(|tls| {
+        tls.split(',').map(str::trim).any(|t| {
+            t.starts_with('^')
+                || matches!(
+                    t.trim_start_matches('\\'),
+                    "all" | "sm" | "shm" | "mm" | "posix" | "sysv" | "xpmem"
+                )
+        })
+    })
+}
+
 /// A hook run on every shard once its state is built (see [`ShardsBuilder::on_start`]).
 #[derive(Clone)]
 struct StartHook(Arc<StartFn>);
@@ -408,6 +435,14 @@ impl ShardsBuilder {
         if let Some(tls) = &self.transports {
             config.set("TLS", tls).map_err(ucx)?;
         }
+        let tls = self
+            .transports
+            .clone()
+            .or_else(|| std::env::var("UCX_TLS").ok());
+        if std::env::var_os(MM_FIFO_ELEM_ENV).is_none() && uses_shared_memory(tls.as_deref()) {
+            // A UCX without the setting keeps its default: only slower, never wrong.
+            let _ = config.set(&MM_FIFO_ELEM_ENV["UCX_".len()..], MM_FIFO_ELEM_SIZE);
+        }
         let mut features = self.features;
         features.wakeup = true;
         let context = Context::new(&config, features).map_err(ucx)?;
@@ -655,6 +690,23 @@ fn parse_memlock(limits: &str) -> Option<u64> {
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_memory_is_seen_in_transport_lists() {
+        for tls in [
+            None,
+            Some("sm,tcp"),
+            Some("posix"),
+            Some("^tcp"),
+            Some("all"),
+            Some("tcp,\\sysv"),
+        ] {
+            assert!(uses_shared_memory(tls), "{tls:?}");
+        }
+        for tls in ["tcp", "tcp,self", "rc,ud", ""] {
+            assert!(!uses_shared_memory(Some(tls)), "{tls}");
+        }
+    }
 
     /// Records its name in a shared log when dropped.
     struct Noted(&'static str, Rc<RefCell<Vec<&'static str>>>);
