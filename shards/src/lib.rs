@@ -85,7 +85,9 @@ pub mod rma;
 pub mod rma_trusted;
 pub mod tag;
 
-pub use boot::{memlock_limit, Placement, ShardCtx, ShardsBuilder};
+pub use boot::{
+    memlock_limit, Placement, ShardCtx, ShardsBuilder, MM_FIFO_ELEM_ENV, MM_FIFO_ELEM_SIZE,
+};
 pub use driver::DriverConfig;
 pub use error::{BootError, ForwardError, NetError};
 pub use mesh::{MeshConfig, MeshStats};
