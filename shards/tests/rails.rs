@@ -984,16 +984,12 @@ fn a_restarted_client_node_gets_every_rail_back() {
 /// noticed yet: no `Close` came) while the new B connects: A still holds the old B's rails,
 /// with endpoints to the old B's workers, when the new B's `Hello` and `Join`s arrive.
 ///
-/// Fails today: A hands the new B's `Hello` to the connection of the rail it already holds
-/// for node B (`handle_control`: an opening for an existing rail goes to its connection), so
-/// A's `Welcome` goes out on that rail's endpoint, to the old B's worker; the new B never
-/// hears back and its connect fails at the handshake deadline ("timed out: handshake", 3 s
-/// here). A `Join` on such a rail is likewise refused on the old endpoint. Once the old rails
-/// are gone (the old B's `Close`, or heartbeats missed for `dead_after` intervals), a connect
-/// works again.
+/// Regression: A used to hand the new B's `Hello` to the connection of the rail it already
+/// held for node B (an opening for an existing rail went to its connection), so A's `Welcome`
+/// went out on that rail's endpoint, to the old B's worker; the new B never heard back and its
+/// connect failed at the handshake deadline. An opening from another incarnation than the
+/// rail's peer now makes a new rail on an endpoint of its own, which replaces the old one.
 #[test]
-#[ignore = "bug: a node restarted before its peer noticed gets no answer to its Hello (the \
-            peer answers on the old incarnation's endpoint); see the test's docs"]
 fn a_restarted_client_node_gets_every_rail_back_before_its_peer_noticed() {
     let _g = serial();
     let a = Server::start(echo_server(A, 2, &Hits::default()));

@@ -20,9 +20,11 @@ use crate::boot::ShardCtx;
 use crate::driver::{DispatchHook, Dispatched};
 use crate::pool::PoolBuf;
 use crate::proto::conn::{DropReason, Received};
-use crate::proto::handshake::Role;
+use crate::proto::handshake::{HandshakeMessage, Role};
 use crate::proto::wire::decode_frame;
-use crate::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId, ShardId, Timestamp, WireError};
+use crate::proto::{
+    AmId, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ShardId, Timestamp, WireError,
+};
 use crate::ucx::{AlignedBuf, AmData, AmPayload, AmRndv, IoBufMut};
 
 /// A handler of application frames (an AM id's, or a request kind's).
@@ -494,14 +496,27 @@ fn handle_control(
         }
     };
     let remote = header.src_shard;
+    // An opening from another incarnation of the node than the rail's peer (the node
+    // restarted before this shard noticed) is a new rail, answered on its own endpoint: handed
+    // to the old rail's connection, its answer would go to the old incarnation's worker.
+    let opening_from = match header.kind {
+        FrameKind::Hello | FrameKind::Join => opening_incarnation(header.kind, payload),
+        _ => None,
+    };
     let fits = net
         .peers
         .borrow()
         .get(&node)
         .and_then(|p| p.get(remote))
-        .map(|r| match header.kind {
-            FrameKind::Join => r.conn.role() == Role::Server && r.conn.is_join(),
-            _ => true,
+        .map(|r| {
+            let restarted = opening_from
+                .zip(r.conn.peer())
+                .is_some_and(|(inc, peer)| inc != peer.incarnation);
+            match header.kind {
+                _ if restarted => false,
+                FrameKind::Join => r.conn.role() == Role::Server && r.conn.is_join(),
+                _ => true,
+            }
         });
     let takes = match fits {
         Some(true) => true,
@@ -530,6 +545,15 @@ fn handle_control(
     if count_received(net, &header, received) {
         // Application frames travel as DATA_AM only.
         net.count(|s| s.dropped_malformed += 1);
+    }
+}
+
+/// The incarnation a `Hello` or `Join` says it comes from (`None` if it does not decode).
+fn opening_incarnation(kind: FrameKind, payload: &[u8]) -> Option<Incarnation> {
+    match HandshakeMessage::decode(kind, payload).ok()? {
+        HandshakeMessage::Hello(h) => Some(h.incarnation),
+        HandshakeMessage::Join(j) => Some(j.incarnation),
+        _ => None,
     }
 }
 
