@@ -352,7 +352,9 @@ fn encode_request<A: RpcType>(
     flags: CallFlags,
     args: &A,
 ) -> Result<Vec<u8>, RpcError> {
-    let mut payload = Vec::with_capacity(64);
+    // Room for small arguments without a reallocation while rkyv writes them (the allocator's
+    // per-thread cache serves this size class without locking).
+    let mut payload = Vec::with_capacity(256);
     payload.extend_from_slice(&request_prefix(schema, flags));
     rkyv::api::high::to_bytes_in::<_, rancor::Error>(args, payload)
         .map_err(|e| RpcError::BadRequest(format!("arguments not serialized: {e}")))
