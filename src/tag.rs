@@ -115,17 +115,17 @@ impl Peer {
         let pattern = user(user_tag & user_mask)?;
         let mask = TagMask::from_raw(TagLayout::KIND_MASK | (user_mask & TagLayout::USER_MASK));
         let (ctx, peer) = (node.shard_ctx(), self.node_id());
-        let (tag, data) = deadline("tag_recv", timeout, async {
-            match ctx.tag_recv(peer, pattern, mask, timeout).await {
-                Ok(got) => Ok(got),
-                Err(NetError::TimedOut { .. }) => Err(Error::TimedOut {
+        // The receive keeps its own deadline (one timer, only while it waits).
+        let (tag, data) = match ctx.tag_recv(peer, pattern, mask, timeout).await {
+            Ok(got) => got,
+            Err(NetError::TimedOut { .. }) => {
+                return Err(Error::TimedOut {
                     what: "tag_recv",
                     after: timeout,
-                }),
-                Err(e) => Err(e.into()),
+                })
             }
-        })
-        .await?;
+            Err(e) => return Err(e.into()),
+        };
         Ok((tag.user(), data))
     }
 }
