@@ -162,7 +162,9 @@ async fn accept_loop(ctx: Weak<ShardCtx>, listener: Listener, dir: Rc<Vec<u8>>) 
 
 impl ShardCtx {
     /// Fetches the directory of the node listening at `addr`, from this shard (see the module
-    /// docs). Bounded by [`NetConfig::connect_timeout`](super::NetConfig::connect_timeout).
+    /// docs). Bounded by [`NetConfig::connect_timeout`].
+    ///
+    /// [`NetConfig::connect_timeout`]: super::NetConfig::connect_timeout
     pub async fn bootstrap(&self, addr: SocketAddr) -> Result<Directory, NetError> {
         let net = self.net();
         let _permit = net
@@ -205,8 +207,8 @@ impl ShardCtx {
     /// Connects this node to the node listening at `addr`, from any shard: bootstraps from this
     /// shard, then has local shard 0 establish the node pair (one handshake per node pair,
     /// then every rail of every local shard joined; see `session`), and resolves with this
-    /// shard's default rail. Returns at once, after the bootstrap, when that rail is already
-    /// up with the node's current incarnation.
+    /// shard's default rail once every local shard has its rails. Connecting again finds them
+    /// up: it costs the bootstrap and one look per shard.
     pub async fn connect(self: &Rc<Self>, addr: SocketAddr) -> Result<RemoteNode, NetError> {
         if self.net().settings.psk.is_none() {
             return Err(NetError::NoKey);
@@ -219,12 +221,12 @@ impl ShardCtx {
             return Err(NetError::BadDirectory { addr });
         }
         let node = dir.node_id;
-        if let Some(up) = self
-            .session(node)
-            .filter(|r| r.incarnation == dir.incarnation)
-        {
-            return Ok(up);
-        }
+        // Always through shard 0's establishment, also when this shard's default rail is up
+        // already: another shard's connect may be establishing the node pair right now, its
+        // primary done and its joins still under way, and this connect must not return before
+        // every local shard has its rails (a call from here for a remote shard goes on another
+        // local shard's rail). With the session and every rail up, establishing again costs one
+        // look per shard and opens nothing.
         let coordinator = ShardId::new(0);
         if self.id() == coordinator {
             session::establish(self, dir).await?;

@@ -32,7 +32,9 @@
 //! node's current incarnation, then asks every local shard (over the mesh) to make sure each
 //! of its rails is up, joining the missing ones. The node that connects joins every rail;
 //! the other side only answers, and then holds the same rails (it sends on them too).
-//! Connecting again finds the rails up and costs a bootstrap; a rail that failed is joined
+//! A connect returns once every local shard has its rails, also when its own default rail was
+//! up already (another shard's connect may be establishing the pair). Connecting again finds
+//! the rails up and costs a bootstrap and one look per shard; a rail that failed is joined
 //! again, and a node that restarted gets a new primary.
 
 use std::collections::HashMap;
