@@ -6,8 +6,9 @@
 //! each time with that shard's [`Node`] handle (`!Send`: it belongs to the shard's thread).
 //!
 //! A [`Peer`] is a remote node as seen from this node: `Send + Copy`, usable from any shard.
-//! Operations through it find the calling shard by itself and go to the shard that owns the
-//! peer (its connection lives there), over the cross-shard mesh when that is another shard.
+//! Operations through it find the calling shard by itself and go out on that shard's own rail
+//! to the peer ([`Peer::shard`] names a remote shard: then they go from the local shard that
+//! holds the rail to it, over the cross-shard mesh when that is another shard).
 //!
 //! ## Where a shard's node state lives
 //!
@@ -341,8 +342,9 @@ impl Node {
         }
     }
 
-    /// Connects to the node listening at `addr` (handshake with the pre-shared key on both
-    /// owner shards), within the default deadline. Returns the existing session if there is one.
+    /// Connects to the node listening at `addr` (one handshake with the pre-shared key per node
+    /// pair, then a rail for every shard), within the default deadline. Returns the existing
+    /// session if there is one.
     pub async fn connect(&self, addr: SocketAddr) -> Result<Peer, Error> {
         self.connect_within(addr, self.shared.deadline).await
     }
@@ -463,8 +465,9 @@ impl NodeBuilder {
 
     /// Registers the handler of active message `id`: `factory` runs once on every shard and
     /// returns that shard's handler, which runs for every message `id` that arrives on one of
-    /// this shard's rails, inline on its progress driver (see [`AmMsg`]). Replaces an earlier registration of `id`. Ids from [`FIRST_RESERVED_AM_ID`] up
-    /// belong to the runtime: [`NodeBuilder::run`] then fails with [`Error::ReservedAmId`].
+    /// this shard's rails, inline on its progress driver (see [`AmMsg`]). Replaces an earlier
+    /// registration of `id`. Ids from [`FIRST_RESERVED_AM_ID`] up belong to the runtime:
+    /// [`NodeBuilder::run`] then fails with [`Error::ReservedAmId`].
     pub fn on_am<F, H>(mut self, id: AmId, factory: F) -> Self
     where
         F: Fn() -> H + Send + Sync + 'static,

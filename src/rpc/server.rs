@@ -646,8 +646,8 @@ fn refuse(ctx: &ShardCtx, rpc: &ShardRpc, node: NodeId, header: &FrameHeader, f:
 
 /// Before the rendezvous data of a request is pulled: refuses an unknown function and
 /// arguments over [`RpcConfig::max_args_size`] without receiving them, then asks the
-/// function's chooser for the buffer (a recycled vector when it has none); a chooser that declines gets
-/// the caller [`super::RpcError::Busy`].
+/// function's chooser for the buffer (a recycled vector when it has none); a chooser that
+/// declines gets the caller [`super::RpcError::Busy`].
 fn choose_args_buffer(
     ctx: &Rc<ShardCtx>,
     shared: &Rc<ShardLocal>,

@@ -159,13 +159,7 @@ impl Payload {
             PayloadInner::Empty => Vec::new(),
             PayloadInner::Desc(d) => d.as_slice().to_vec(),
             PayloadInner::Vec(v) => v,
-            PayloadInner::Pool(b, len) => {
-                let mut v = vec![0u8; len];
-                match b.read_at(0, &mut v) {
-                    Ok(()) => v,
-                    Err(_) => Vec::new(),
-                }
-            }
+            PayloadInner::Pool(b, len) => b.as_slice().map_or_else(Vec::new, |b| b[..len].to_vec()),
             PayloadInner::Recycled(r) => r.into_vec(),
         }
     }
@@ -722,7 +716,9 @@ fn deliver_rndv(
     .detach();
 }
 
-/// Pulls rendezvous data from `node` into `buf`, within [`NetConfig::rndv_timeout`](super::NetConfig::rndv_timeout).
+/// Pulls rendezvous data from `node` into `buf`, within [`NetConfig::rndv_timeout`].
+///
+/// [`NetConfig::rndv_timeout`]: super::NetConfig::rndv_timeout
 pub(super) async fn pull<B: IoBufMut>(
     ctx: &Rc<ShardCtx>,
     node: NodeId,
@@ -890,15 +886,15 @@ impl ShardCtx {
 
     /// Registers, on this shard, the rendezvous handler of application frames with `id`: for
     /// a frame whose payload came by rendezvous (longer than the sender's
-    /// [`NetConfig::rndv_threshold`](super::NetConfig::rndv_threshold)), `choose` picks the buffer the data is pulled into
+    /// [`NetConfig::rndv_threshold`]), `choose` picks the buffer the data is pulled into
     /// (a [`crate::PoolBuf`], a `Vec<u8>`, an aligned or device buffer...) before any byte is
     /// received, and `on_data` gets the buffer once the data is in it.
     ///
     /// `choose` sees the frame header (`payload_len` is the data's length, already checked
-    /// against [`NetConfig::max_message_size`](super::NetConfig::max_message_size)); returning `None` declines the data (the sender
+    /// against [`NetConfig::max_message_size`]); returning `None` declines the data (the sender
     /// completes, nothing is received). `on_data` gets `Ok(buf)` with the data in its first
     /// `payload_len` bytes, or an error ([`NetError::BufferTooSmall`], [`NetError::Receive`],
-    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`](super::NetConfig::rndv_timeout)); on error the buffer is
+    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`]); on error the buffer is
     /// dropped once UCX no longer uses it. Both run on this shard and must not block;
     /// `on_data` may run after handlers of frames that arrived later.
     ///
@@ -906,6 +902,10 @@ impl ShardCtx {
     /// [`ShardCtx::set_net_handler`]; when `id` has no rendezvous handler, rendezvous data is
     /// pulled into a `Vec<u8>` for that handler. Register both on every shard that may own a
     /// peer.
+    ///
+    /// [`NetConfig::rndv_threshold`]: super::NetConfig::rndv_threshold
+    /// [`NetConfig::max_message_size`]: super::NetConfig::max_message_size
+    /// [`NetConfig::rndv_timeout`]: super::NetConfig::rndv_timeout
     pub fn set_net_handler_rndv<B, C, D>(&self, id: AmId, choose: C, on_data: D)
     where
         B: IoBufMut,
@@ -978,11 +978,13 @@ impl ShardCtx {
     /// declined that way gets no reply unless `choose` sends one, e.g. with
     /// [`ShardCtx::reply_now`]). `on_data` gets `Ok(buf)` with the data in its first
     /// `payload_len` bytes, or an error ([`NetError::BufferTooSmall`], [`NetError::Receive`],
-    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`](super::NetConfig::rndv_timeout)). Both run on this shard and
+    /// [`NetError::TimedOut`] after [`NetConfig::rndv_timeout`]). Both run on this shard and
     /// must not block; `on_data` may run after handlers of frames that arrived later.
     ///
     /// Eager frames of `kind` still go to the handler of [`ShardCtx::set_frame_handler`];
     /// without a rendezvous handler, rendezvous data is pulled into a `Vec<u8>` for it.
+    ///
+    /// [`NetConfig::rndv_timeout`]: super::NetConfig::rndv_timeout
     pub fn set_frame_handler_rndv<C, D>(
         &self,
         kind: FrameKind,
@@ -1010,7 +1012,8 @@ impl ShardCtx {
     }
 }
 
-/// A rendezvous handler: `choose` picks the buffer on the progress driver (`None` declines the data);
+/// A rendezvous handler: `choose` picks the buffer on the progress driver (`None` declines the
+/// data);
 /// a task then pulls the data into it with `pull` and hands the result to `on_data`.
 fn rndv_handler<B, C, D, P, F>(choose: C, on_data: D, pull: P) -> RndvHandler
 where

@@ -1,4 +1,4 @@
-//! Connections between nodes: bootstrap, handshake, and frames on the owner shards.
+//! Connections between nodes: bootstrap, sessions and rails, and frames on them.
 //!
 //! A *node* is one [`ShardsBuilder`](crate::ShardsBuilder) set of shards, known to others by
 //! its [`NodeId`] (configured, or drawn from `/dev/urandom`) and, for one run, its
@@ -11,14 +11,15 @@
 //! place or through the connection's sender task) and [`request`] (requests, replies,
 //! deadlines, cancellation).
 //!
-//! ## Who holds the endpoint
+//! ## Rails
 //!
-//! For a pair of nodes A and B, the shard of A that owns B is
-//! `o = ShardMap::new(A's shard count).owner_of(B)` and the shard of B that owns A is
-//! `r = ShardMap::new(B's shard count).owner_of(A)`. The session lives on `o` and `r` only:
-//! `o` holds one UCX endpoint to `r`'s worker and a client [`Connection`](crate::proto::Connection), `r` holds one
-//! endpoint back to `o`'s worker and a server [`Connection`](crate::proto::Connection). Every other shard reaches the peer
-//! by forwarding to its owner over the mesh ([`ShardCtx::forward`]).
+//! Every shard has its own connection (a *rail*: one UCX endpoint each way between two shards'
+//! workers, one [`Connection`] on each side) to the remote shards it is paired with; local
+//! shard `i` always has its *default rail* to remote shard `i mod M`. A call goes out on the
+//! caller's rail, its answer comes back on it, and a call for a rail another local shard holds
+//! is forwarded to that shard over the mesh ([`ShardCtx::forward`]). One pre-shared-key
+//! handshake per node pair authenticates the session; every other rail joins it with a proof.
+//! The `session` module's docs have the details.
 //!
 //! ## Connecting
 //!
@@ -33,12 +34,13 @@
 //!    ([`NetError::Unreachable`]) or for the deadline ([`NetError::TimedOut`]). UCX AM handlers
 //!    do not say which endpoint a message came from, so bootstraps are serialised per shard
 //!    (one in flight at a time) and the reply is unambiguous.
-//! 2. **Session.** [`ShardCtx::connect`] computes `o` and `r` from the directory, forwards to
-//!    `o` (unless it is the caller), which connects to `r` by worker address and runs a client
-//!    [`Connection`](crate::proto::Connection). The first frame, the `Hello`, carries `o`'s worker address; `r`, on a
-//!    `Hello` from a node it has no connection with (and that it owns), creates the reverse
-//!    endpoint to that address and a server [`Connection`](crate::proto::Connection). The handshake has its own deadline
-//!    ([`NetConfig::handshake_timeout`]); a failure ends the connect with a typed
+//! 2. **Rails.** [`ShardCtx::connect`] asks local shard 0 to establish the node pair: a
+//!    primary handshake on its default rail, then a join on every other shard's rails. Each
+//!    rail's client connects to the remote shard by worker address and runs a client
+//!    [`Connection`]; its first frame (a `Hello` or a `Join`) carries the client's worker
+//!    address, from which the remote shard creates the reverse endpoint and a server
+//!    [`Connection`]. The handshake has its own deadline ([`NetConfig::handshake_timeout`]); a
+//!    failure ends the connect with a typed
 //!    [`NetError`]: [`NetError::Refused`] for a wrong key (with proto's reject reason),
 //!    [`NetError::TimedOut`], [`NetError::Handshake`] for other handshake failures.
 //!
@@ -54,11 +56,11 @@
 //! ```
 //!
 //! and whose payload is the worker address (`addr_len` bytes) followed by the proto frame (the
-//! 48-byte [`FrameHeader`](crate::proto::FrameHeader) and its payload).
+//! 48-byte [`FrameHeader`] and its payload).
 //!
 //! Application frames (active messages, requests, replies, cancels) travel as [`DATA_AM`]:
 //! the UCX AM header is [`DATA_HEADER_LEN`] = 64 bytes, the 16 above (`addr_len` zero) then
-//! the 48-byte [`FrameHeader`](crate::proto::FrameHeader), followed by the frame's *user header* (the application's AM
+//! the 48-byte [`FrameHeader`], followed by the frame's *user header* (the application's AM
 //! header, up to [`MAX_USER_HEADER`] bytes; empty for other kinds); the UCX payload is the
 //! application payload itself. So a send copies nothing on our side: UCX is handed the header
 //! (built on the stack) and the caller's bytes. A payload of at most
@@ -74,20 +76,23 @@
 //! user header, and queues the input. Right after `ucp_worker_progress` returns, the shard's
 //! progress driver calls this module's dispatch ([`crate::driver`], "The hot path"), which,
 //! for each recorded input in order and at most [`crate::driver::DISPATCH_BUDGET`] per round:
-//! finds the connection, feeds [`Connection::handle_frame`](crate::proto::Connection::handle_frame) (the clock is read once per
+//! finds the connection, feeds [`Connection::handle_frame`] (the clock is read once per
 //! batch), and calls the handler inline with a [`Frame`] that owns the descriptor: a handler
 //! that reads the payload in place and answers inline ([`ShardCtx::send_frame_now`],
 //! [`ShardCtx::reply_now`]) costs no task switch, no allocation and no copy on our side. A
 //! handler that keeps the frame (moves it into a task) keeps the descriptor; dropping the
 //! frame releases it to UCX.
 //!
-//! A send from the owner shard ([`ShardCtx::send_frame_now`], and every send that reaches the
-//! owner) is handed to UCX at once with [`Endpoint::am_send_now`](crate::ucx::Endpoint::am_send_now)
-//! when nothing queued must go first and UCX can complete it in place (its short path): no
-//! request, no callback, no allocation. Otherwise (a payload over UCX's short limit or the
-//! rendezvous threshold, a full send queue, an endpoint still wiring up) the frame is queued,
-//! copied when borrowed, for the connection's *sender task*, which posts frames in order and
-//! keeps their buffers until UCX completes them.
+//! A send on a shard's rail ([`ShardCtx::send_frame_now`], and every send that reaches the
+//! shard holding the rail) is handed to UCX by the caller when nothing queued must go first:
+//! with [`Endpoint::am_send_now`](crate::ucx::Endpoint::am_send_now) when UCX can complete it
+//! in place (its short path: no request, no callback, no allocation), else posted from an
+//! owned buffer (copied when borrowed; a payload over UCX's short limit or the rendezvous
+//! threshold), the rail's *sender task* then only tracking its completion
+//! ([`NetStats::sent_posted`]). Behind queued frames (or with an endpoint still wiring up) the
+//! frame is queued for the sender task, which posts frames in order and keeps their buffers
+//! until UCX completes them; the driver is told ([`ShardCtx::wake_driver`]) so that it yields
+//! to the sender at its next round.
 //!
 //! A frame from a node with no connection that is not a well-formed `Hello` from that same
 //! node, and any non-handshake frame of a connection that is not `Ready`, is dropped and
@@ -96,7 +101,7 @@
 //! ## Rendezvous
 //!
 //! A [`DATA_AM`] frame whose payload is longer than [`NetConfig::rndv_threshold`] (8 KiB by
-//! default) is sent with UCX rendezvous ([`FrameFlags::RNDV`](crate::proto::FrameFlags::RNDV) in its header). The receiver's
+//! default) is sent with UCX rendezvous ([`FrameFlags::RNDV`] in its header). The receiver's
 //! callback keeps UCX's descriptor and queues it with the header; the dispatch checks the
 //! header (size limit first, then `payload_len` against UCX's length, then the connection as
 //! for any frame), and only then is a buffer chosen and the data pulled. Data nobody takes is
@@ -126,13 +131,13 @@
 //!
 //! ## Requests
 //!
-//! See [`request`]: [`ShardCtx::request`] runs on the shard that owns the peer, with one
+//! See [`request`]: [`ShardCtx::request`] runs on the shard that holds the rail, with one
 //! pending table per shard, a deadline carried in the frame's `ttl_ns`, one timer per shard for
 //! all deadlines, and cancellation that reaches the owner and (for RPC) the server.
 //!
 //! The net task of each shard serves the timers: it sleeps until the earliest `poll_timeout`
 //! of its connections (handshake deadline, heartbeats, suspicion and death) and requests, and
-//! handles what is due. An endpoint error becomes [`Connection::handle_transport_error`](crate::proto::Connection::handle_transport_error). A
+//! handles what is due. An endpoint error becomes [`Connection::handle_transport_error`]. A
 //! connection that fails or closes is removed; its sender task flushes what is queued (a
 //! `Reject`, a `Close`) within a linger time and drops the endpoint.
 //!
@@ -147,8 +152,8 @@
 //!
 //! - A failed session is not re-established by itself (`max_reconnect_attempts` is 0): call
 //!   [`ShardCtx::connect`] again.
-//! - Two nodes connecting to each other at the same moment are not reconciled: the shard that
-//!   owns both directions holds one connection per peer node, and the second handshake fails.
+//! - Two nodes connecting to each other at the same moment are not reconciled: a rail is one
+//!   connection per shard pair, and the second handshake on it fails.
 //!   Connecting to a node that is already connected (either way) returns the existing session.
 //! - Payloads are capped by [`NetConfig::max_message_size`] (16 MiB by default) on both
 //!   sides: a sender refuses a larger one with [`NetError::TooLarge`] before forwarding it; a
@@ -167,6 +172,12 @@
 //! - UCX 1.12 takes no memory handle per operation (`UCP_OP_ATTR_FIELD_MEMH` came later):
 //!   registered buffers are found by UCX's registration cache.
 
+//!
+//! [`Connection`]: crate::proto::Connection
+//! [`Connection::handle_frame`]: crate::proto::Connection::handle_frame
+//! [`Connection::handle_transport_error`]: crate::proto::Connection::handle_transport_error
+//! [`FrameHeader`]: crate::proto::FrameHeader
+//! [`FrameFlags::RNDV`]: crate::proto::FrameFlags::RNDV
 pub mod bootstrap;
 pub mod buffers;
 pub mod inbound;
@@ -212,7 +223,8 @@ pub const DATA_AM: AmIdRaw = 0x5C02;
 /// Bytes of the routing part of a UCX AM header: the sender's node id and an address length.
 pub const AM_HEADER_LEN: usize = 16;
 /// Bytes of the UCX AM header of a [`DATA_AM`] message before its user header: the
-/// [`AM_HEADER_LEN`]-byte routing part (with `addr_len` zero) and the 48-byte [`FrameHeader`](crate::proto::FrameHeader).
+/// [`AM_HEADER_LEN`]-byte routing part (with `addr_len` zero) and the 48-byte frame header
+/// ([`crate::proto::FrameHeader`]).
 pub const DATA_HEADER_LEN: usize = AM_HEADER_LEN + crate::proto::wire::HEADER_LEN;
 /// Longest user header of an application frame (the application's AM header). UCX 1.12 carries
 /// an AM header in one fragment of its transport, about 8 KiB on shared memory and TCP.
@@ -273,7 +285,8 @@ pub struct RemoteNode {
 }
 
 /// Where a frame or request goes: a node, on the calling shard's default rail to it, or one
-/// shard of it (see "Rails" in the module docs). A [`NodeId`] converts into the former.
+/// shard of it (see "Rails" in the module docs, and the `session` module's). A [`NodeId`] converts
+/// into the former.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Dest {
     /// The remote node.

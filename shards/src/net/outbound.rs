@@ -69,10 +69,10 @@ impl FrameSpec {
     }
 }
 
-/// A frame's payload: owned (moved into a queued send as it is), shared or pooled (sent from
-/// where it is, never copied) or borrowed (copied only if the frame must be queued).
+/// A frame's payload: owned (a vector, shared bytes or a pool block: moved into a queued or
+/// posted send as it is, never copied) or borrowed (copied only if UCX cannot take the frame
+/// in place).
 pub(super) enum Body<'a> {
-    Owned(Vec<u8>),
     Buf(SendBuf),
     Borrowed(&'a [u8]),
 }
@@ -87,7 +87,6 @@ impl Body<'_> {
     /// The bytes, when they can be read in place (see [`SendBuf::as_slice`]).
     fn as_slice(&self) -> Option<&[u8]> {
         match self {
-            Body::Owned(v) => Some(v),
             Body::Buf(b) => b.as_slice(),
             Body::Borrowed(b) => Some(b),
         }
@@ -95,7 +94,6 @@ impl Body<'_> {
 
     fn len(&self) -> usize {
         match self {
-            Body::Owned(v) => v.len(),
             Body::Buf(b) => b.len(),
             Body::Borrowed(b) => b.len(),
         }
@@ -103,7 +101,6 @@ impl Body<'_> {
 
     fn into_send_buf(self) -> SendBuf {
         match self {
-            Body::Owned(v) => SendBuf::Vec(v),
             Body::Buf(b) => b,
             Body::Borrowed(b) => SendBuf::Vec(b.to_vec()),
         }
@@ -180,10 +177,12 @@ pub(super) fn check_sizes(net: &NetState, user: usize, payload: usize) -> Result
     Ok(())
 }
 
-/// Sends an application frame on this shard's rail to `(node, remote)`: in place when nothing queued
-/// must go first, the payload is at most the rendezvous threshold and UCX completes the send at
-/// once (its short path); otherwise queued for the connection's sender task (a borrowed
-/// payload is copied then). Sizes are checked first, and control kinds refused.
+/// Sends an application frame on this shard's rail to `(node, remote)`. When nothing queued
+/// must go first: in place when the payload is at most the rendezvous threshold and UCX
+/// completes the send at once (its short path), else posted to UCX here from an owned buffer
+/// (a borrowed payload is copied then), the rail's sender only tracking its completion.
+/// Otherwise queued for the rail's sender task. Sizes are checked first, and control kinds
+/// refused.
 ///
 /// Frames leave in order: the sender posts a frame in the same poll in which it takes it from
 /// the queue, so an empty queue means every earlier frame is already with UCX, which keeps the
@@ -612,12 +611,14 @@ impl ShardCtx {
         check_kind(spec.kind)?;
         let node = dest.node;
         match self.route(dest)? {
-            Route::Here(remote) => send(self, (node, remote), spec, &user, Body::Owned(payload)),
+            Route::Here(remote) => {
+                send(self, (node, remote), spec, &user, Body::Buf(payload.into()))
+            }
             Route::There(owner) => {
                 self.forward(owner, move |c| async move {
                     match c.route(dest)? {
                         Route::Here(remote) => {
-                            send(&c, (node, remote), spec, &user, Body::Owned(payload))
+                            send(&c, (node, remote), spec, &user, Body::Buf(payload.into()))
                         }
                         Route::There(_) => Err(NetError::NotConnected { node }),
                     }

@@ -1,9 +1,10 @@
-//! Requests: sent from the shard that owns the peer, answered by a reply frame, bounded by a
-//! deadline, and cancelled when their caller gives up.
+//! Requests: sent from the shard that holds the rail, answered by a reply frame on the same
+//! rail, bounded by a deadline, and cancelled when their caller gives up.
 //!
-//! [`ShardCtx::request`] runs on the shard that owns the peer (forwarded there from other
-//! shards, and its result forwarded back). The owner keeps one [`PendingTable`](crate::proto::PendingTable) of requests
-//! for all its peers, so request ids are never reused on a connection, even across sessions.
+//! [`ShardCtx::request`] runs on the shard that holds the rail to the destination: the calling
+//! shard for its default rail, else the local shard holding the rail to the named remote shard
+//! (forwarded there, and its result forwarded back). Each shard keeps one [`PendingTable`] of
+//! requests for all its rails, so request ids are never reused on a rail, even across sessions.
 //! The request's deadline (`now + timeout`) travels as the frame's `ttl_ns`. The request ends
 //! with the first of: a matching reply; its deadline ([`NetError::TimedOut`]); the failure or
 //! close of the connection, which fails every request pending for that node with the
@@ -11,7 +12,7 @@
 //! a restart of the peer (its old incarnation's requests fail with [`NetError::Closed`]); this
 //! node's shutdown, which first waits for pending requests' answers for at most the mesh's
 //! drain timeout ([`NetError::ShuttingDown`] after it). A dropped request future removes its
-//! entry, also when the caller is on another shard: the forwarded job on the owner races the
+//! entry, also when the caller is on another shard: the forwarded job on the rail's shard races the
 //! request with a cancel flag that the caller's future sets when it is dropped (the mesh
 //! itself runs a forwarded job to its end). An [`FrameKind::RpcRequest`] given up before its
 //! answer (dropped, or timed out) is followed by an [`FrameKind::RpcCancel`] frame with its
@@ -27,6 +28,8 @@
 //! moved only to an earlier deadline: when the earliest request is answered, the timer fires
 //! at its (now useless) deadline and is set again for the next one, so answered requests cost
 //! no timer operation, and an idle shard has no timer (or at most one stale one) armed.
+//!
+//! [`PendingTable`]: crate::proto::PendingTable
 
 use std::future::{poll_fn, Future};
 use std::rc::Rc;
@@ -229,7 +232,7 @@ async fn request_local(
         },
         armed: true,
     };
-    send(ctx, (node, remote), spec, &[], Body::Owned(payload))?;
+    send(ctx, (node, remote), spec, &[], Body::Buf(payload.into()))?;
     if net.closed.get() {
         let got = future::or(async { Some(waiter.wait().await) }, async {
             sleep(deadline.saturating_duration_since(net.now())).await;
@@ -284,7 +287,9 @@ impl ShardCtx {
     /// Dropping the future before it resolves gives the request up on the owner shard, also
     /// when it was forwarded there from another shard; an [`FrameKind::RpcRequest`] given up
     /// that way (or by its timeout) is followed by an [`FrameKind::RpcCancel`] frame with the
-    /// same `id` and `req_id` ([`NetStats::cancels_sent`](super::NetStats::cancels_sent)).
+    /// same `id` and `req_id` ([`NetStats::cancels_sent`]).
+    ///
+    /// [`NetStats::cancels_sent`]: super::NetStats::cancels_sent
     pub async fn request_with_ttl(
         self: &Rc<Self>,
         dest: impl Into<Dest>,
