@@ -213,9 +213,10 @@ pub struct OwnedAmMsg {
 
 thread_local! {
     /// The shard running on this thread (weak: it must not keep the shard alive), for the
-    /// functions given no handle on it (see the module docs). Its node state is in its
-    /// extension slot.
-    static CURRENT: RefCell<Option<Weak<ShardCtx>>> = const { RefCell::new(None) };
+    /// functions given no handle on it (see the module docs), with its node state
+    /// (kept in its extension slot; weak here too).
+    static CURRENT: RefCell<Option<(Weak<ShardCtx>, Weak<ShardLocal>)>> =
+        const { RefCell::new(None) };
 }
 
 impl Node {
@@ -236,9 +237,16 @@ impl Node {
 
     /// The node of the shard running on this thread, if any.
     pub fn current() -> Option<Node> {
-        let ctx = CURRENT.with(|c| c.borrow().as_ref()?.upgrade())?;
-        let shared = ctx.ext::<ShardLocal>()?;
-        Some(Node { ctx, shared })
+        // Both weak, both upgraded: no lookup in the extension slot per call (this runs on
+        // every `Peer` call).
+        CURRENT.with(|c| {
+            let c = c.borrow();
+            let (ctx, shared) = c.as_ref()?;
+            Some(Node {
+                ctx: ctx.upgrade()?,
+                shared: shared.upgrade()?,
+            })
+        })
     }
 
     /// A handle from its parts (the RPC server builds one per call).
@@ -623,9 +631,8 @@ impl NodeBuilder {
 /// On every shard, before it serves: the node state in the shard's extension slot, the
 /// thread's current shard, and the AM and RPC handlers.
 fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(AmId, Factory)]) {
-    // First in the slot: `Node::current` finds it with one comparison.
     let shared = ctx.ext_or_insert_with(|| local);
-    CURRENT.with(|c| *c.borrow_mut() = Some(Rc::downgrade(ctx)));
+    CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), Rc::downgrade(&shared))));
     // Checked remote memory: this shard's region table and its put/get handlers.
     shardcx_shards::rma::install(ctx);
     // Tag send/recv: this shard's matching state and its handler.

@@ -780,11 +780,10 @@ impl ShardCtx {
         let node = dest.node;
         let peers = self.net().peers.borrow();
         let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
-        let bad = NetError::BadShardCount {
+        let rails = session::rails_with(self, p.remote_count).ok_or(NetError::BadShardCount {
             node,
             count: p.remote_count,
-        };
-        let rails = session::rails_with(self, p.remote_count).ok_or(bad)?;
+        })?;
         match dest.shard {
             None => Ok(Route::Here(rails.default_remote(self.id()))),
             Some(j) if j.get() >= p.remote_count => Err(NetError::NoSuchShard { node, shard: j }),
