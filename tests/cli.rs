@@ -163,6 +163,52 @@ fn a_node_prints_its_address_and_stops_when_asked() {
     }
 }
 
+/// Outside cargo, from another directory, with no library path: the build's run path finds
+/// the UCX that ucx1-sys built, and `info` says so; `info --json` says the same as one object.
+#[test]
+fn the_binary_runs_anywhere_and_says_which_ucx_it_loaded() {
+    let out = shardcx()
+        .arg("info")
+        .env_remove("LD_LIBRARY_PATH")
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "info failed: {out:?}");
+    let found = text.lines().find(|l| l.starts_with("UCX found by:")).unwrap();
+    assert!(found.contains("this build's run path"), "{found:?}");
+    let out = shardcx()
+        .args(["info", "--json"])
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "info --json failed: {out:?}");
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["shardcx"], env!("CARGO_PKG_VERSION"));
+    assert!(j["ucx"]["library"].as_str().unwrap().contains("libucp.so"), "{j}");
+    assert!(j["ucx"]["source"].as_str().unwrap().contains("run path"), "{j}");
+    assert!(!j["cpus"].as_array().unwrap().is_empty(), "{j}");
+    assert!(j["ucx"]["transports"].as_array().is_some(), "{j}");
+}
+
+/// Help per subcommand, and completions a shell can load.
+#[test]
+fn help_and_completions() {
+    for (args, want) in [
+        (&["--help"][..], "Commands:"),
+        (&["help", "bench"][..], "--connect <ADDR>"),
+        (&["node", "--help"][..], "--listen <ADDR>"),
+        (&["completions", "bash"][..], "complete -F _shardcx"),
+        (&["completions", "zsh"][..], "#compdef shardcx"),
+        (&["--version"][..], env!("CARGO_PKG_VERSION")),
+    ] {
+        let out = shardcx().args(args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        assert!(text.contains(want), "{args:?}: {want:?} missing from\n{text}");
+    }
+}
+
 #[test]
 fn bad_input_is_a_clear_error_not_a_panic() {
     for (args, want) in [
@@ -171,10 +217,11 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         (&["bench", "--iters", "0"][..], "at least 1"),
         (&["bench", "--cores", "999"][..], "not available"),
         (&["bench", "--transport", "rdma"][..], "unknown transport"),
-        (&["bench", "--iters"][..], "needs a value"),
-        (&["node", "--listen", "nowhere"][..], "cannot read"),
-        (&["frobnicate"][..], "unknown command"),
-        (&[][..], "no command"),
+        (&["bench", "--iters"][..], "a value is required"),
+        (&["bench", "--itres", "3"][..], "a similar argument exists: '--iters'"),
+        (&["node", "--listen", "nowhere"][..], "invalid socket address"),
+        (&["frobnicate"][..], "unrecognized subcommand"),
+        (&[][..], "Usage: shardcx <COMMAND>"),
     ] {
         let out = shardcx().args(args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

@@ -1,5 +1,6 @@
-//! The `shardcx` command: `info`, `node` and `bench`. See `shardcx help`, and
-//! [`shardcx::bench`] for what the benchmarks measure and the JSON schema.
+//! The `shardcx` command: `info`, `node`, `bench` and `completions`. See `shardcx help` (and
+//! `shardcx help <command>`), and [`shardcx::bench`] for what the benchmarks measure and the
+//! JSON schema.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
@@ -8,6 +9,7 @@ use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use clap::{CommandFactory, Parser, Subcommand};
 use shardcx::bench::client::{self, ClientConfig};
 use shardcx::bench::server::{self, ServeConfig};
 use shardcx::bench::{
@@ -17,122 +19,160 @@ use shardcx::shards::boot::MEMLOCK_RESERVE;
 use shardcx::shards::{memlock_limit, ShardsBuilder};
 use shardcx::Shutdown;
 
-const USAGE: &str = "\
-usage: shardcx <command> [options]
-
-commands:
-  info                       UCX version (loaded and built against), transports and devices,
-                             io_uring, locked memory, cores, CUDA
-  node                       serve the benchmark and echo handlers until SIGINT/SIGTERM: one
-                             node; client shard i is served by shard i mod N, on its own rail
-      --listen ADDR          listen address (default 127.0.0.1:0); prints `listening ADDR`,
-                             then `shards N`
-      --shards N             shards of the node (default 1)
-      --transport T          shm | tcp | auto (default shm)
-      --cores LIST           CPUs for the shards, shard j on LIST[j % len] (default: unpinned)
-      --trusted-rma          trusted-mode remote memory, for put-trusted-bw (any client can
-                             then write anywhere in this process: trusted peers only)
-      --psk-file F           pre-shared key file (default: the built-in bench key)
-      --stop-on-stdin-eof    also stop when standard input closes
-      --peers K              deprecated, ignored (bench peers are gone: every client shard
-                             has its own rail to this node)
-  bench                      run the benchmark suite (starts a local peer process, one node
-                             with as many shards as the client, unless --connect is given)
-                             and print a table per test; client shard i talks to server
-                             shard i mod N on its own rail, and the `route` column says
-                             whether it did so alone (`rail`) or something crossed its
-                             shard-to-shard lanes while it measured (`hop`)
-      --connect ADDR         use the node running at ADDR (`shardcx node`; put-trusted-bw
-                             needs it started with --trusted-rma)
-      --test LIST            am-lat,am-rate,am-bw,tag-lat,rpc-lat,rpc-rate,rpc-notify,
-                             put-bw,get-bw,put-trusted-bw,hop (default: all);
-                             put-trusted-bw is skipped over tcp
-      --size LIST            message sizes, e.g. 8,4k,1m (default: per test)
-      --iters N              measured iterations per test and shard (default: per test)
-      --duration S           or: seconds per test and shard
-      --warmup N             iterations before measuring (default: iters/10, at most 1000)
-      --window N             operations in flight for am-rate/am-bw/rpc-rate/rpc-notify/
-                             put-bw/get-bw/put-trusted-bw (default 64; the bandwidth
-                             tests keep at most 8 MiB in flight)
-      --shards LIST          client shard counts, each run in turn (default 1; hop needs 2)
-      --transport LIST       shm,tcp,auto (default shm)
-      --cores C[/S]          CPUs of the client shards [/ of the local peer's shards]
-                             (default: peer on the last CPU, client on the others first)
-      --json FILE            write the results as JSON (schema: shardcx::bench docs)
-      --plot FILE            write latency and bandwidth against size as SVG
-      --psk-file F           pre-shared key file (default: the built-in bench key)
-  help                       this text";
-
-/// A command-line mistake: printed with the usage hint, exit status 2.
-struct Usage(String);
-
-/// Why the command failed.
-enum Failure {
-    Usage(Usage),
-    Run(String),
+/// shardcx: a thread-per-core communication runtime over UCX.
+#[derive(Parser)]
+#[command(name = "shardcx", version, arg_required_else_help = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
 }
 
-impl From<Usage> for Failure {
-    fn from(u: Usage) -> Self {
-        Failure::Usage(u)
-    }
+#[derive(Subcommand)]
+enum Cmd {
+    /// UCX version (loaded, built against, and why that library), transports and devices,
+    /// io_uring, locked memory, cores, CUDA.
+    Info {
+        /// Print one JSON object instead of the text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Serve the benchmark and echo handlers until SIGINT/SIGTERM: one node; client shard i is
+    /// served by shard i mod N, on its own rail.
+    Node(NodeArgs),
+    /// Run the benchmark suite and print a table per test (starts a local peer process, one
+    /// node with as many shards as the client, unless --connect is given).
+    ///
+    /// Client shard i talks to server shard i mod N on its own rail, and the `route` column
+    /// says whether it did so alone (`rail`) or something crossed its shard-to-shard lanes
+    /// while it measured (`hop`).
+    Bench(BenchArgs),
+    /// Print a shell completion script, e.g. `shardcx completions bash >
+    /// ~/.local/share/bash-completion/completions/shardcx`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
+
+#[derive(clap::Args)]
+struct NodeArgs {
+    /// Listen address; prints `listening ADDR`, then `shards N`.
+    #[arg(
+        long,
+        env = "SHARDCX_LISTEN",
+        default_value = "127.0.0.1:0",
+        value_name = "ADDR"
+    )]
+    listen: SocketAddr,
+    /// Shards of the node.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256),
+          value_name = "N")]
+    shards: u16,
+    /// Transport: shm (shared memory for data, tcp to connect), tcp, or auto.
+    #[arg(long, default_value = "shm", value_parser = transport, value_name = "T")]
+    transport: Transport,
+    /// CPUs for the shards, shard j on LIST[j % len] (default: unpinned).
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    cores: Option<Vec<usize>>,
+    /// Trusted-mode remote memory, for put-trusted-bw (any client can then write anywhere in
+    /// this process: trusted peers only).
+    #[arg(long)]
+    trusted_rma: bool,
+    /// Pre-shared key file (default: the built-in bench key).
+    #[arg(long, env = "SHARDCX_PSK_FILE", value_name = "FILE")]
+    psk_file: Option<String>,
+    /// Also stop when standard input closes.
+    #[arg(long)]
+    stop_on_stdin_eof: bool,
+    /// Deprecated, ignored: every client shard has its own rail to this node.
+    #[arg(long, hide = true, value_name = "K")]
+    peers: Option<usize>,
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Use the node running at ADDR (`shardcx node`; put-trusted-bw needs it started with
+    /// --trusted-rma).
+    #[arg(long, value_name = "ADDR")]
+    connect: Option<SocketAddr>,
+    /// Tests to run: am-lat, am-rate, am-bw, tag-lat, rpc-lat, rpc-rate, rpc-notify, put-bw,
+    /// get-bw, put-trusted-bw, hop (default: all; put-trusted-bw is skipped over tcp).
+    #[arg(long = "test", value_delimiter = ',', value_parser = test, value_name = "LIST")]
+    tests: Vec<Test>,
+    /// Message sizes, e.g. 8,4k,1m (default: per test).
+    #[arg(long = "size", value_delimiter = ',', value_parser = size, value_name = "LIST")]
+    sizes: Option<Vec<usize>>,
+    /// Measured iterations per test and shard (default: per test).
+    #[arg(long, value_parser = positive, value_name = "N", conflicts_with = "duration")]
+    iters: Option<u64>,
+    /// Or: seconds per test and shard (0 to 3600).
+    #[arg(long, value_parser = seconds, value_name = "S")]
+    duration: Option<Duration>,
+    /// Iterations before measuring (default: iters/10, at most 1000).
+    #[arg(long, value_name = "N")]
+    warmup: Option<u64>,
+    /// Operations in flight for am-rate, am-bw, rpc-rate, rpc-notify, put-bw, get-bw and
+    /// put-trusted-bw (the bandwidth tests keep at most 8 MiB in flight).
+    #[arg(long, default_value_t = 64, value_parser = positive, value_name = "N")]
+    window: u64,
+    /// Client shard counts, each run in turn (hop needs 2).
+    #[arg(long, value_delimiter = ',', default_value = "1", value_parser = shard_count,
+          value_name = "LIST")]
+    shards: Vec<usize>,
+    /// Transports, each run in turn: shm, tcp, auto.
+    #[arg(long = "transport", value_delimiter = ',', default_value = "shm",
+          value_parser = transport, value_name = "LIST")]
+    transports: Vec<Transport>,
+    /// CPUs of the client shards [/ of the local peer's shards], e.g. 0/1 or 0,1/2,3
+    /// (default: the peer on the last CPU, the client on the others first).
+    #[arg(long, value_parser = core_split, value_name = "C[/S]")]
+    cores: Option<CoreSplit>,
+    /// Write the results as JSON (schema: the `shardcx::bench` docs).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Write latency and bandwidth against size as SVG.
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
+    /// Pre-shared key file (default: the built-in bench key).
+    #[arg(long, env = "SHARDCX_PSK_FILE", value_name = "FILE")]
+    psk_file: Option<String>,
+}
+
+/// `--cores C[/S]`: client CPUs, and the local peer's if given.
+#[derive(Clone)]
+struct CoreSplit {
+    client: Vec<usize>,
+    server: Option<Vec<usize>>,
+}
+
+/// Why the command failed (exit status 1; clap's usage errors exit with 2).
+struct Failure(String);
 
 impl From<BenchError> for Failure {
     fn from(e: BenchError) -> Self {
-        Failure::Run(e.to_string())
-    }
-}
-
-/// Arguments, consumed front to back.
-struct Args {
-    rest: std::vec::IntoIter<String>,
-}
-
-impl Args {
-    fn next(&mut self) -> Option<String> {
-        self.rest.next()
-    }
-
-    fn value(&mut self, flag: &str) -> Result<String, Usage> {
-        self.rest
-            .next()
-            .ok_or_else(|| Usage(format!("{flag} needs a value")))
-    }
-
-    fn parsed<T: std::str::FromStr>(&mut self, flag: &str) -> Result<T, Usage> {
-        let v = self.value(flag)?;
-        v.parse()
-            .map_err(|_| Usage(format!("{flag}: cannot read {v:?}")))
+        Failure(e.to_string())
     }
 }
 
 fn main() -> ExitCode {
-    let mut args = Args {
-        rest: std::env::args().skip(1).collect::<Vec<_>>().into_iter(),
-    };
-    let r = match args.next().as_deref() {
-        Some("info") => info(args),
-        Some("node") => node(args),
-        Some("bench") => bench(args),
-        Some("help" | "--help" | "-h") => {
-            println!("{USAGE}");
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Cmd::Info { json } => info(json),
+        Cmd::Node(a) => node(a),
+        Cmd::Bench(a) => bench(a),
+        Cmd::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "shardcx",
+                &mut std::io::stdout(),
+            );
             Ok(())
         }
-        Some("--version" | "-V") => {
-            println!("shardcx {}", env!("CARGO_PKG_VERSION"));
-            Ok(())
-        }
-        Some(other) => Err(Usage(format!("unknown command {other:?}")).into()),
-        None => Err(Usage("no command given".into()).into()),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
-        Err(Failure::Usage(Usage(m))) => {
-            eprintln!("shardcx: {m}\n(run `shardcx help` for the commands and options)");
-            ExitCode::from(2)
-        }
-        Err(Failure::Run(m)) => {
+        Err(Failure(m)) => {
             eprintln!("shardcx: error: {m}");
             ExitCode::FAILURE
         }
@@ -142,79 +182,144 @@ fn main() -> ExitCode {
 // ---------------------------------------------------------------------------------------------
 // info
 
-fn info(mut args: Args) -> Result<(), Failure> {
-    if let Some(a) = args.next() {
-        return Err(Usage(format!("info takes no options, got {a:?}")).into());
-    }
-    let v = shardcx::ucx::version();
-    println!("shardcx {}", env!("CARGO_PKG_VERSION"));
-    println!(
-        "UCX loaded:       {}.{}.{} ({}) from {}",
-        v.loaded.0,
-        v.loaded.1,
-        v.loaded.2,
-        v.loaded_string,
-        v.library_path.as_deref().unwrap_or("an unknown file")
-    );
-    println!(
-        "UCX built with:   {}.{} headers ({})",
-        v.built.0,
-        v.built.1,
-        if v.matches() {
-            "the loaded library matches"
-        } else if v.compatible() {
-            "the loaded library is newer and compatible"
-        } else {
-            "WARNING: the loaded library is not compatible with this build"
-        }
-    );
-    match shardcx::ucx::Context::from_env(shardcx::ucx::Features::messaging()) {
-        Ok(ctx) => {
-            // `ucp_context_print_info` lists "resource N : md M dev D flags -- tl/device".
-            let info = ctx.info();
-            let found: Vec<&str> = info
-                .lines()
-                .filter(|l| l.contains("resource"))
-                .filter_map(|l| l.split_whitespace().last())
-                .collect();
-            if found.is_empty() {
-                println!("UCX transports and devices: none listed by UCX");
-            } else {
-                println!(
-                    "UCX transports:   {} (transport/device; UCX_TLS and UCX_NET_DEVICES \
-                     narrow them)",
-                    found.join(" ")
-                );
-            }
-        }
-        Err(e) => println!("UCX transports and devices: cannot create a UCX context: {e}"),
-    }
-    println!("io_uring:         {}", io_uring_status());
-    let cpus = cpu_list();
-    let shards = ShardsBuilder::new();
-    let limit = memlock_limit();
-    let limit_s = if limit == u64::MAX {
-        "unlimited".to_string()
-    } else {
-        format!("{} KiB", limit >> 10)
+/// Where the loaded libucp came from: `LD_LIBRARY_PATH`, this build's run path, or the
+/// system's search path.
+fn ucx_source(loaded: Option<&str>) -> String {
+    let rpath = env!("SHARDCX_UCX_RPATH");
+    let Some(loaded) = loaded else {
+        return "unknown (the loaded library's path could not be read)".into();
     };
-    match shards.io_memory_for(limit) {
-        Ok(per) => println!(
-            "locked memory:    limit {limit_s}; {} shard(s) (one per CPU) get {} KiB of io \
-             memory each, {} KiB in all with the {} KiB reserve: enough",
-            cpus.len(),
-            per >> 10,
-            (per * cpus.len() as u64 + MEMLOCK_RESERVE) >> 10,
-            MEMLOCK_RESERVE >> 10
-        ),
-        Err(e) => println!("locked memory:    limit {limit_s}: NOT ENOUGH: {e}"),
+    let loaded_dir = std::path::Path::new(loaded).parent();
+    let canon = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+    let loaded_dir = loaded_dir.and_then(canon);
+    if let Ok(ld) = std::env::var("LD_LIBRARY_PATH") {
+        let hit = ld
+            .split(':')
+            .filter(|d| !d.is_empty())
+            .any(|d| canon(std::path::Path::new(d)) == loaded_dir);
+        if hit {
+            return "LD_LIBRARY_PATH (it comes before this build's run path)".into();
+        }
     }
-    println!(
-        "cores:            {} available to this process: {:?}",
-        cpus.len(),
-        cpus
-    );
-    println!("CUDA:             none: this build of shardcx has no CUDA support yet");
+    if !rpath.is_empty() && canon(std::path::Path::new(rpath)) == loaded_dir {
+        return format!("this build's run path ({rpath}, the UCX that ucx1-sys built)");
+    }
+    if rpath.is_empty() {
+        "the system's library search path (this build has no run path to UCX)".into()
+    } else {
+        format!("the system's library search path (this build's run path {rpath} had none)")
+    }
+}
+
+fn info(json: bool) -> Result<(), Failure> {
+    let v = shardcx::ucx::version();
+    let source = ucx_source(v.library_path.as_deref());
+    let compat = if v.matches() {
+        "the loaded library matches"
+    } else if v.compatible() {
+        "the loaded library is newer and compatible"
+    } else {
+        "WARNING: the loaded library is not compatible with this build"
+    };
+    let transports = match shardcx::ucx::Context::from_env(shardcx::ucx::Features::messaging()) {
+        // `ucp_context_print_info` lists "resource N : md M dev D flags -- tl/device".
+        Ok(ctx) => Ok(ctx
+            .info()
+            .lines()
+            .filter(|l| l.contains("resource"))
+            .filter_map(|l| l.split_whitespace().last())
+            .map(str::to_string)
+            .collect::<Vec<String>>()),
+        Err(e) => Err(e.to_string()),
+    };
+    let io_uring = io_uring_status();
+    let cpus = cpu_list();
+    let limit = memlock_limit();
+    let io_memory = ShardsBuilder::new().io_memory_for(limit);
+    let cuda = "none: this build of shardcx has no CUDA support yet";
+    let mut out = String::new();
+    if json {
+        let j = serde_json::json!({
+            "shardcx": env!("CARGO_PKG_VERSION"),
+            "ucx": {
+                "loaded": format!("{}.{}.{}", v.loaded.0, v.loaded.1, v.loaded.2),
+                "loaded_string": v.loaded_string,
+                "library": v.library_path,
+                "source": source,
+                "built_with": format!("{}.{}", v.built.0, v.built.1),
+                "compatible": v.compatible(),
+                "transports": transports.as_ref().ok(),
+                "transports_error": transports.as_ref().err(),
+            },
+            "io_uring": io_uring,
+            "memlock_limit_bytes": (limit != u64::MAX).then_some(limit),
+            "io_memory_per_shard_bytes": io_memory.as_ref().ok(),
+            "io_memory_error": io_memory.as_ref().err().map(|e| e.to_string()),
+            "cpus": cpus,
+            "cuda": cuda,
+        });
+        out = format!("{j:#}\n");
+    } else {
+        use std::fmt::Write as _;
+        let _ = writeln!(out, "shardcx {}", env!("CARGO_PKG_VERSION"));
+        let _ = writeln!(
+            out,
+            "UCX loaded:       {}.{}.{} ({}) from {}",
+            v.loaded.0,
+            v.loaded.1,
+            v.loaded.2,
+            v.loaded_string,
+            v.library_path.as_deref().unwrap_or("an unknown file")
+        );
+        let _ = writeln!(out, "UCX found by:     {source}");
+        let _ = writeln!(
+            out,
+            "UCX built with:   {}.{} headers ({compat})",
+            v.built.0, v.built.1
+        );
+        let _ = match &transports {
+            Ok(found) if found.is_empty() => {
+                writeln!(out, "UCX transports and devices: none listed by UCX")
+            }
+            Ok(found) => writeln!(
+                out,
+                "UCX transports:   {} (transport/device; UCX_TLS and UCX_NET_DEVICES narrow \
+                 them)",
+                found.join(" ")
+            ),
+            Err(e) => writeln!(
+                out,
+                "UCX transports and devices: cannot create a UCX context: {e}"
+            ),
+        };
+        let _ = writeln!(out, "io_uring:         {io_uring}");
+        let limit_s = if limit == u64::MAX {
+            "unlimited".to_string()
+        } else {
+            format!("{} KiB", limit >> 10)
+        };
+        let _ = match &io_memory {
+            Ok(per) => writeln!(
+                out,
+                "locked memory:    limit {limit_s}; {} shard(s) (one per CPU) get {} KiB of io \
+                 memory each, {} KiB in all with the {} KiB reserve: enough",
+                cpus.len(),
+                per >> 10,
+                (per * cpus.len() as u64 + MEMLOCK_RESERVE) >> 10,
+                MEMLOCK_RESERVE >> 10
+            ),
+            Err(e) => writeln!(out, "locked memory:    limit {limit_s}: NOT ENOUGH: {e}"),
+        };
+        let _ = writeln!(
+            out,
+            "cores:            {} available to this process: {:?}",
+            cpus.len(),
+            cpus
+        );
+        let _ = writeln!(out, "CUDA:             {cuda}");
+    }
+    // One write; a closed pipe (`shardcx info | head -1`) is not an error worth a panic.
+    let _ = std::io::stdout().lock().write_all(out.as_bytes());
     Ok(())
 }
 
@@ -255,40 +360,31 @@ fn cpu_list() -> Vec<usize> {
 
 // ---------------------------------------------------------------------------------------------
 // node
+// ---------------------------------------------------------------------------------------------
+// node
 
-fn node(mut args: Args) -> Result<(), Failure> {
-    let mut cfg = ServeConfig {
-        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        shards: 1,
-        transport: Transport::Shm,
-        psk: DEFAULT_PSK.to_vec(),
-        cores: None,
-        trusted_rma: false,
-    };
-    let mut stdin_eof = false;
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--listen" => cfg.listen = args.parsed("--listen")?,
-            "--shards" => cfg.shards = positive(args.parsed("--shards")?, "--shards")?,
-            "--peers" => {
-                let _: usize = args.parsed("--peers")?;
-                eprintln!(
-                    "shardcx node: --peers is deprecated and ignored: there are no bench \
-                     peers any more (every client shard has its own rail to this node; use \
-                     --shards)"
-                );
-            }
-            "--trusted-rma" => cfg.trusted_rma = true,
-            "--transport" => cfg.transport = transport(&args.value("--transport")?)?,
-            "--cores" => cfg.cores = Some(cores(&args.value("--cores")?)?),
-            "--psk-file" => cfg.psk = psk_file(&args.value("--psk-file")?)?,
-            "--stop-on-stdin-eof" => stdin_eof = true,
-            other => return Err(Usage(format!("node: unknown option {other:?}")).into()),
-        }
+fn node(a: NodeArgs) -> Result<(), Failure> {
+    if a.peers.is_some() {
+        eprintln!(
+            "shardcx node: --peers is deprecated and ignored: there are no bench peers any more \
+             (every client shard has its own rail to this node; use --shards)"
+        );
     }
+    let cfg = ServeConfig {
+        listen: a.listen,
+        shards: usize::from(a.shards),
+        transport: a.transport,
+        psk: match &a.psk_file {
+            Some(f) => psk_file(f)?,
+            None => DEFAULT_PSK.to_vec(),
+        },
+        cores: a.cores,
+        trusted_rma: a.trusted_rma,
+    };
+    let stdin_eof = a.stop_on_stdin_eof;
     let stop = Shutdown::new();
     stop.trigger_on_signals()
-        .map_err(|e| Failure::Run(format!("cannot install the signal handlers: {e}")))?;
+        .map_err(|e| Failure(format!("cannot install the signal handlers: {e}")))?;
     if stdin_eof {
         let s = stop.clone();
         std::thread::spawn(move || {
@@ -320,105 +416,39 @@ fn node(mut args: Args) -> Result<(), Failure> {
 // ---------------------------------------------------------------------------------------------
 // bench
 
-struct BenchOpts {
-    connect: Option<SocketAddr>,
-    tests: Vec<Test>,
-    sizes: Option<Vec<usize>>,
-    budget: Option<Budget>,
-    warmup: Option<u64>,
-    window: usize,
-    shards: Vec<usize>,
-    transports: Vec<Transport>,
-    client_cores: Option<Vec<usize>>,
-    server_cores: Option<Vec<usize>>,
-    json: Option<PathBuf>,
-    plot: Option<PathBuf>,
-    psk_file: Option<String>,
-}
-
-fn bench(mut args: Args) -> Result<(), Failure> {
+fn bench(a: BenchArgs) -> Result<(), Failure> {
     let cpus = cpu_list();
-    let mut o = BenchOpts {
-        connect: None,
-        tests: Test::ALL.to_vec(),
-        sizes: None,
-        budget: None,
-        warmup: None,
-        window: 64,
-        shards: vec![1],
-        transports: vec![Transport::Shm],
-        client_cores: None,
-        server_cores: None,
-        json: None,
-        plot: None,
-        psk_file: None,
+    let o = a;
+    let tests = if o.tests.is_empty() {
+        Test::ALL.to_vec()
+    } else {
+        o.tests.clone()
     };
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--connect" => o.connect = Some(args.parsed("--connect")?),
-            "--test" => {
-                o.tests = list(&args.value("--test")?, "--test", |s| {
-                    Test::parse(s).ok_or_else(|| format!("unknown test {s:?}"))
-                })?
-            }
-            "--size" => {
-                o.sizes = Some(list(&args.value("--size")?, "--size", |s| {
-                    parse_size(s).ok_or_else(|| format!("cannot read size {s:?}"))
-                })?)
-            }
-            "--iters" => {
-                o.budget = Some(Budget::Iters(positive(args.parsed("--iters")?, "--iters")?))
-            }
-            "--duration" => {
-                let s: f64 = args.parsed("--duration")?;
-                if !(s > 0.0 && s <= 3600.0) {
-                    return Err(Usage("--duration: seconds between 0 and 3600".into()).into());
-                }
-                o.budget = Some(Budget::Duration(Duration::from_secs_f64(s)));
-            }
-            "--warmup" => o.warmup = Some(args.parsed("--warmup")?),
-            "--window" => o.window = positive(args.parsed("--window")?, "--window")?,
-            "--shards" => {
-                o.shards = list(&args.value("--shards")?, "--shards", |s| {
-                    s.parse::<usize>()
-                        .ok()
-                        .filter(|n| (1..=256).contains(n))
-                        .ok_or_else(|| format!("shard count {s:?} not in 1..=256"))
-                })?
-            }
-            "--transport" => {
-                o.transports = list(&args.value("--transport")?, "--transport", |s| {
-                    Transport::parse(s).ok_or_else(|| format!("unknown transport {s:?}"))
-                })?
-            }
-            "--cores" => {
-                let v = args.value("--cores")?;
-                let (c, s) = match v.split_once('/') {
-                    Some((c, s)) => (c, Some(s)),
-                    None => (v.as_str(), None),
-                };
-                o.client_cores = Some(cores(c)?);
-                o.server_cores = s.map(cores).transpose()?;
-            }
-            "--json" => o.json = Some(args.value("--json")?.into()),
-            "--plot" => o.plot = Some(args.value("--plot")?.into()),
-            "--psk-file" => o.psk_file = Some(args.value("--psk-file")?),
-            other => return Err(Usage(format!("bench: unknown option {other:?}")).into()),
-        }
-    }
+    let budget = match (o.duration, o.iters) {
+        (Some(d), _) => Some(Budget::Duration(d)),
+        (None, Some(n)) => Some(Budget::Iters(n)),
+        (None, None) => None,
+    };
+    let window = usize::try_from(o.window).unwrap_or(usize::MAX);
+    let client_cores_opt = o.cores.as_ref().map(|c| c.client.clone());
+    let server_cores_opt = o.cores.as_ref().and_then(|c| c.server.clone());
+
     let psk = match &o.psk_file {
         Some(f) => psk_file(f)?,
         None => DEFAULT_PSK.to_vec(),
     };
-    for c in o.client_cores.iter().chain(&o.server_cores).flatten() {
+    for c in client_cores_opt.iter().chain(&server_cores_opt).flatten() {
         if !cpus.contains(c) {
-            return Err(Usage(format!("--cores: CPU {c} is not available (CPUs {cpus:?})")).into());
+            usage_error(
+                "bench",
+                format!("--cores: CPU {c} is not available (CPUs {cpus:?})"),
+            );
         }
     }
     // Default placement: the local peer on the last CPU, the client on the others first.
     let last = *cpus.last().unwrap_or(&0);
-    let server_cores = o.server_cores.clone().unwrap_or_else(|| vec![last]);
-    let client_cores = o.client_cores.clone().unwrap_or_else(|| {
+    let server_cores = server_cores_opt.clone().unwrap_or_else(|| vec![last]);
+    let client_cores = client_cores_opt.clone().unwrap_or_else(|| {
         let mut c: Vec<usize> = cpus.iter().copied().filter(|&c| c != last).collect();
         c.push(last);
         c
@@ -453,7 +483,7 @@ fn bench(mut args: Args) -> Result<(), Failure> {
     for &transport in &o.transports {
         let mut local = None;
         // Trusted mode on the peer only when a test needs it (and can run: not over tcp).
-        let trusted = o.tests.contains(&Test::PutTrustedBw) && transport != Transport::Tcp;
+        let trusted = tests.contains(&Test::PutTrustedBw) && transport != Transport::Tcp;
         let addr = match o.connect {
             Some(a) => a,
             None => {
@@ -474,11 +504,11 @@ fn bench(mut args: Args) -> Result<(), Failure> {
                 addr,
                 shards,
                 transport,
-                tests: o.tests.clone(),
+                tests: tests.clone(),
                 sizes: o.sizes.clone(),
-                budget: o.budget,
+                budget,
                 warmup: o.warmup,
-                window: o.window,
+                window,
                 cores: Some(client_cores.clone()),
                 psk: psk.clone(),
                 progress: true,
@@ -491,7 +521,7 @@ fn bench(mut args: Args) -> Result<(), Failure> {
         }
     }
     // Grouped by test in `--test` order; within a test, in run order (a stable sort).
-    results.sort_by_key(|m| o.tests.iter().position(|t| *t == m.test));
+    results.sort_by_key(|m| tests.iter().position(|t| *t == m.test));
     print!("{}", report::table(&results));
     let _ = std::io::stdout().flush();
     if let Some(f) = &o.json {
@@ -522,7 +552,7 @@ impl LocalPeer {
         psk_file: Option<&str>,
     ) -> Result<Self, Failure> {
         let exe = std::env::current_exe()
-            .map_err(|e| Failure::Run(format!("cannot find this program to start a peer: {e}")))?;
+            .map_err(|e| Failure(format!("cannot find this program to start a peer: {e}")))?;
         let core_list: Vec<String> = cores.iter().map(usize::to_string).collect();
         let mut cmd = Command::new(exe);
         cmd.args(["node", "--listen", "127.0.0.1:0"])
@@ -541,7 +571,7 @@ impl LocalPeer {
         }
         let mut child = cmd
             .spawn()
-            .map_err(|e| Failure::Run(format!("cannot start the local peer process: {e}")))?;
+            .map_err(|e| Failure(format!("cannot start the local peer process: {e}")))?;
         let stdout = child.stdout.take();
         let stderr = child.stderr.take();
         let (tx, rx) = mpsc::channel();
@@ -569,7 +599,7 @@ impl LocalPeer {
                 let _ = child.kill();
                 let _ = child.wait();
                 let err = erx.recv_timeout(Duration::from_secs(5)).unwrap_or_default();
-                return Err(Failure::Run(format!(
+                return Err(Failure(format!(
                     "the local peer process did not start: {}",
                     err.trim()
                 )));
@@ -577,7 +607,7 @@ impl LocalPeer {
         };
         let addr = addr
             .parse()
-            .map_err(|_| Failure::Run(format!("the local peer printed a bad address {addr:?}")))?;
+            .map_err(|_| Failure(format!("the local peer printed a bad address {addr:?}")))?;
         Ok(Self { child, stdin, addr })
     }
 
@@ -608,46 +638,90 @@ impl Drop for LocalPeer {
 }
 
 // ---------------------------------------------------------------------------------------------
-// helpers
+// argument parsers (clap value parsers) and helpers
 
-fn list<T>(s: &str, flag: &str, item: impl Fn(&str) -> Result<T, String>) -> Result<Vec<T>, Usage> {
-    let v: Vec<T> = s
+/// A usage mistake found after parsing: printed as clap prints its own, exit status 2.
+fn usage_error(subcommand: &str, msg: String) -> ! {
+    let mut cmd = Cli::command();
+    cmd.build();
+    match cmd.find_subcommand_mut(subcommand) {
+        Some(sub) => sub.error(clap::error::ErrorKind::InvalidValue, msg).exit(),
+        None => cmd.error(clap::error::ErrorKind::InvalidValue, msg).exit(),
+    }
+}
+
+fn positive(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(_) => Err(format!("cannot read {s:?} as a count")),
+    }
+}
+
+fn transport(s: &str) -> Result<Transport, String> {
+    Transport::parse(s).ok_or_else(|| format!("unknown transport {s:?} (shm, tcp, auto)"))
+}
+
+fn test(s: &str) -> Result<Test, String> {
+    Test::parse(s).ok_or_else(|| {
+        let names: Vec<&str> = Test::ALL.iter().map(|t| t.name()).collect();
+        format!("unknown test {s:?} (one of {})", names.join(", "))
+    })
+}
+
+fn size(s: &str) -> Result<usize, String> {
+    parse_size(s).ok_or_else(|| format!("cannot read size {s:?} (e.g. 8, 4k, 1m)"))
+}
+
+fn seconds(s: &str) -> Result<Duration, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 3600.0 => Ok(Duration::from_secs_f64(v)),
+        _ => Err(format!("{s:?}: seconds between 0 and 3600")),
+    }
+}
+
+fn shard_count(s: &str) -> Result<usize, String> {
+    s.parse::<usize>()
+        .ok()
+        .filter(|n| (1..=256).contains(n))
+        .ok_or_else(|| format!("shard count {s:?} not in 1..=256"))
+}
+
+fn cpu_ids(s: &str) -> Result<Vec<usize>, String> {
+    let v = s
         .split(',')
         .filter(|x| !x.trim().is_empty())
-        .map(|x| item(x.trim()).map_err(|e| Usage(format!("{flag}: {e}"))))
-        .collect::<Result<_, _>>()?;
+        .map(|c| {
+            c.trim()
+                .parse()
+                .map_err(|_| format!("cannot read CPU {c:?}"))
+        })
+        .collect::<Result<Vec<usize>, String>>()?;
     if v.is_empty() {
-        return Err(Usage(format!("{flag}: empty list")));
+        return Err("empty CPU list".into());
     }
     Ok(v)
 }
 
-fn positive<T: PartialOrd + Default>(n: T, flag: &str) -> Result<T, Usage> {
-    if n > T::default() {
-        Ok(n)
-    } else {
-        Err(Usage(format!("{flag}: must be at least 1")))
-    }
-}
-
-fn transport(s: &str) -> Result<Transport, Usage> {
-    Transport::parse(s).ok_or_else(|| Usage(format!("unknown transport {s:?} (shm, tcp, auto)")))
-}
-
-fn cores(s: &str) -> Result<Vec<usize>, Usage> {
-    list(s, "--cores", |c| {
-        c.parse().map_err(|_| format!("cannot read CPU {c:?}"))
+fn core_split(s: &str) -> Result<CoreSplit, String> {
+    let (c, srv) = match s.split_once('/') {
+        Some((c, srv)) => (c, Some(srv)),
+        None => (s, None),
+    };
+    Ok(CoreSplit {
+        client: cpu_ids(c)?,
+        server: srv.map(cpu_ids).transpose()?,
     })
 }
 
 fn psk_file(path: &str) -> Result<Vec<u8>, Failure> {
     let mut key = std::fs::read(path)
-        .map_err(|e| Failure::Run(format!("cannot read the key file {path}: {e}")))?;
+        .map_err(|e| Failure(format!("cannot read the key file {path}: {e}")))?;
     while key.last().is_some_and(|b| b.is_ascii_whitespace()) {
         key.pop();
     }
     if key.len() < 16 {
-        return Err(Failure::Run(format!(
+        return Err(Failure(format!(
             "the key in {path} has {} bytes; at least 16 are needed",
             key.len()
         )));
@@ -656,6 +730,5 @@ fn psk_file(path: &str) -> Result<Vec<u8>, Failure> {
 }
 
 fn write_file(path: &PathBuf, text: &str) -> Result<(), Failure> {
-    std::fs::write(path, text)
-        .map_err(|e| Failure::Run(format!("cannot write {}: {e}", path.display())))
+    std::fs::write(path, text).map_err(|e| Failure(format!("cannot write {}: {e}", path.display())))
 }
