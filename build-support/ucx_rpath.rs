@@ -78,8 +78,17 @@ fn emit_ucx_rpath() {
             // Run again (and re-link) when UCX is rebuilt.
             println!("cargo:rerun-if-changed={}", lib.join("libucp.so").display());
         }
-        // Not built yet: this path does not exist, so cargo runs this script again next time.
-        None => println!("cargo:rerun-if-changed={}", link.join("libucp.so").display()),
+        // Not built yet (cargo ran this first, on a fresh tree): this path does not exist, so
+        // cargo runs this script again on the next build, which makes the link.
+        None => {
+            println!("cargo:rerun-if-changed={}", link.join("libucp.so").display());
+            println!(
+                "cargo:warning=UCX was not built yet when this build script ran: build once \
+                 more (`cargo build`) so that binaries started outside cargo find it through \
+                 {}",
+                link.display()
+            );
+        }
     }
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", link.display());
     println!("cargo:rustc-env=SHARDCX_UCX_RPATH={}", link.display());
