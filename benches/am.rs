@@ -32,6 +32,7 @@ fn main() {
         cores: (cpus >= 2).then(|| vec![cpus - 1]),
         // Native RMA only when put-trusted-bw runs (the client turns it on then too).
         trusted_rma: tests.contains(&Test::PutTrustedBw),
+        metrics: None,
     };
     let r = run_in_process(serve, |addr| ClientConfig {
         addr,

@@ -16,6 +16,7 @@ fn main() {
         psk: DEFAULT_PSK.to_vec(),
         cores: None,
         trusted_rma: false,
+        metrics: None,
     };
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let r = run_in_process(serve, |addr| ClientConfig {

@@ -51,6 +51,9 @@ pub enum Error {
         /// When the next connect may start.
         retry_in: Duration,
     },
+    /// The metrics endpoint ([`crate::NodeBuilder::metrics`]) could not start.
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
     /// The call was made outside a shard thread of a running [`crate::Node`].
     #[error("not called on a shard of a running node")]
     NotOnShard,

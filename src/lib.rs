@@ -2,6 +2,7 @@
 
 pub mod bench;
 mod error;
+pub mod metrics;
 pub mod node;
 pub mod registry;
 pub mod rma;

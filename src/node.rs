@@ -116,6 +116,7 @@ pub struct NodeBuilder {
     shutdown: Shutdown,
     tag: TagConfig,
     rpc: RpcSetup,
+    metrics: Option<SocketAddr>,
 }
 
 /// This shard's handle on the running node. `!Send`: it belongs to the shard's thread; clone
@@ -134,6 +135,8 @@ pub(crate) struct ShardLocal {
     book: AddressBook,
     /// This shard's RPC functions, dedup window and counters.
     pub(crate) rpc: ShardRpc,
+    /// The node's metrics board, when it serves metrics ([`NodeBuilder::metrics`]).
+    metrics: Option<Arc<crate::metrics::Board>>,
 }
 
 /// Listen addresses of peers, for connecting on first use, and the back-off state of each.
@@ -231,6 +234,7 @@ impl Node {
             shutdown: Shutdown::new(),
             tag: TagConfig::default(),
             rpc: RpcSetup::new(),
+            metrics: None,
         }
         .drain_deadline(DEFAULT_DRAIN_DEADLINE)
     }
@@ -298,6 +302,11 @@ impl Node {
     /// the UCX worker).
     pub fn shard_ctx(&self) -> &Rc<ShardCtx> {
         &self.ctx
+    }
+
+    /// Where the node serves its metrics ([`NodeBuilder::metrics`]), if it does.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.shared.metrics.as_ref().and_then(|b| b.addr())
     }
 
     /// The default deadline of operations.
@@ -541,6 +550,17 @@ impl NodeBuilder {
         self
     }
 
+    /// Serves the node's metrics in the Prometheus (OpenMetrics) text format at
+    /// `http://ADDR/metrics` (port 0 picks one: [`Node::metrics_addr`]), from a small thread
+    /// of its own; the shards publish their counters every
+    /// [`PUBLISH_INTERVAL`](crate::metrics::PUBLISH_INTERVAL). The families are listed in
+    /// [`crate::metrics`]. [`NodeBuilder::run`] fails with [`Error::Metrics`] when the address
+    /// cannot be bound.
+    pub fn metrics(mut self, addr: SocketAddr) -> Self {
+        self.metrics = Some(addr);
+        self
+    }
+
     /// Starts the node and runs `f` on every shard with that shard's [`Node`]; returns each
     /// shard's result, in shard order, once every shard has ended (see the module docs).
     pub fn run<F, Fut, T>(self, f: F) -> Result<Vec<T>, Error>
@@ -557,6 +577,7 @@ impl NodeBuilder {
             shutdown,
             tag,
             rpc,
+            metrics,
         } = self;
         rpc.check()?;
         let rpc = Arc::new(rpc);
@@ -572,6 +593,17 @@ impl NodeBuilder {
             return Err(Error::ReservedAmId { id: *id });
         }
         let handlers = Arc::new(handlers);
+        // Started before the shards, stopped (joined) after they have all ended.
+        let (board, _metrics_server) = match metrics {
+            Some(addr) => {
+                let board = Arc::new(crate::metrics::Board::default());
+                let server = crate::metrics::Server::start(addr, board.clone())?;
+                board.set_addr(server.addr());
+                (Some(board), Some(server))
+            }
+            None => (None, None),
+        };
+        let start_board = board.clone();
         let start_book = book.clone();
         let start_shutdown = shutdown.clone();
         let start_rpc = rpc.clone();
@@ -581,11 +613,13 @@ impl NodeBuilder {
                 shutdown: start_shutdown.clone(),
                 book: start_book.clone(),
                 rpc: start_rpc.build(),
+                metrics: start_board.clone(),
             };
             install(ctx, local, tag, &handlers)
         });
         let ended = Arc::new(AtomicUsize::new(0));
         let out = shards.run(move |ctx: Rc<ShardCtx>| {
+            let board = board.clone();
             let f = f.clone();
             let ended = ended.clone();
             let book = book.clone();
@@ -598,6 +632,7 @@ impl NodeBuilder {
                     shutdown: shutdown.clone(),
                     book: book.clone(),
                     rpc: rpc.build(),
+                    metrics: board.clone(),
                 });
                 let node = Node {
                     ctx: ctx.clone(),
@@ -632,6 +667,12 @@ impl NodeBuilder {
 /// thread's current shard, and the AM and RPC handlers.
 fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(AmId, Factory)]) {
     let shared = ctx.ext_or_insert_with(|| local);
+    if let Some(board) = &shared.metrics {
+        let weak = Rc::downgrade(&shared);
+        crate::metrics::spawn_publisher(ctx, board.clone(), move || {
+            weak.upgrade().map(|l| l.rpc.stats()).unwrap_or_default()
+        });
+    }
     CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), Rc::downgrade(&shared))));
     // Checked remote memory: this shard's region table and its put/get handlers.
     shardcx_shards::rma::install(ctx);

@@ -175,7 +175,10 @@ fn the_binary_runs_anywhere_and_says_which_ucx_it_loaded() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "info failed: {out:?}");
-    let found = text.lines().find(|l| l.starts_with("UCX found by:")).unwrap();
+    let found = text
+        .lines()
+        .find(|l| l.starts_with("UCX found by:"))
+        .unwrap();
     assert!(found.contains("this build's run path"), "{found:?}");
     let out = shardcx()
         .args(["info", "--json"])
@@ -185,8 +188,14 @@ fn the_binary_runs_anywhere_and_says_which_ucx_it_loaded() {
     assert!(out.status.success(), "info --json failed: {out:?}");
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["shardcx"], env!("CARGO_PKG_VERSION"));
-    assert!(j["ucx"]["library"].as_str().unwrap().contains("libucp.so"), "{j}");
-    assert!(j["ucx"]["source"].as_str().unwrap().contains("run path"), "{j}");
+    assert!(
+        j["ucx"]["library"].as_str().unwrap().contains("libucp.so"),
+        "{j}"
+    );
+    assert!(
+        j["ucx"]["source"].as_str().unwrap().contains("run path"),
+        "{j}"
+    );
     assert!(!j["cpus"].as_array().unwrap().is_empty(), "{j}");
     assert!(j["ucx"]["transports"].as_array().is_some(), "{j}");
 }
@@ -205,7 +214,10 @@ fn help_and_completions() {
         let out = shardcx().args(args).output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{args:?}: {out:?}");
-        assert!(text.contains(want), "{args:?}: {want:?} missing from\n{text}");
+        assert!(
+            text.contains(want),
+            "{args:?}: {want:?} missing from\n{text}"
+        );
     }
 }
 
@@ -218,8 +230,14 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         (&["bench", "--cores", "999"][..], "not available"),
         (&["bench", "--transport", "rdma"][..], "unknown transport"),
         (&["bench", "--iters"][..], "a value is required"),
-        (&["bench", "--itres", "3"][..], "a similar argument exists: '--iters'"),
-        (&["node", "--listen", "nowhere"][..], "invalid socket address"),
+        (
+            &["bench", "--itres", "3"][..],
+            "a similar argument exists: '--iters'",
+        ),
+        (
+            &["node", "--listen", "nowhere"][..],
+            "invalid socket address",
+        ),
         (&["frobnicate"][..], "unrecognized subcommand"),
         (&[][..], "Usage: shardcx <COMMAND>"),
     ] {

@@ -58,6 +58,8 @@ pub struct ServeConfig {
     pub cores: Option<Vec<usize>>,
     /// Trusted-mode remote memory ([`NodeBuilder::trusted_rma`]), for `put-trusted-bw`.
     pub trusted_rma: bool,
+    /// Serve Prometheus metrics here ([`NodeBuilder::metrics`]); port 0 picks one.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Where a started server listens.
@@ -67,6 +69,8 @@ pub struct Serving {
     pub addr: SocketAddr,
     /// Its shard count.
     pub shards: usize,
+    /// Where it serves its metrics, if it does.
+    pub metrics: Option<SocketAddr>,
 }
 
 thread_local! {
@@ -89,7 +93,7 @@ pub fn serve(
         ));
     }
     let io = io_memory(cfg.shards)?;
-    let (tx, rx) = mpsc::channel::<SocketAddr>();
+    let (tx, rx) = mpsc::channel::<(SocketAddr, Option<SocketAddr>)>();
     let thread = start(node(cfg, io), cfg.cores.clone(), tx, stop.clone())?;
     let deadline = Instant::now() + START_LIMIT;
     let addr = loop {
@@ -104,7 +108,7 @@ pub fn serve(
             }
         }
     };
-    let Some(addr) = addr else {
+    let Some((addr, metrics)) = addr else {
         let late = !thread.is_finished();
         stop.trigger();
         return Err(match thread.join() {
@@ -119,6 +123,7 @@ pub fn serve(
     ready(&Serving {
         addr,
         shards: cfg.shards,
+        metrics,
     });
     thread
         .join()
@@ -150,6 +155,9 @@ fn node(cfg: &ServeConfig, io: u64) -> NodeBuilder {
     }
     if cfg.trusted_rma {
         b = b.trusted_rma();
+    }
+    if let Some(addr) = cfg.metrics {
+        b = b.metrics(addr);
     }
     handlers(b)
 }
@@ -298,7 +306,7 @@ async fn tag_stream(client: Peer, stream: u64) {
 fn start(
     builder: NodeBuilder,
     cores: Option<Vec<usize>>,
-    tx: mpsc::Sender<SocketAddr>,
+    tx: mpsc::Sender<(SocketAddr, Option<SocketAddr>)>,
     stop: Shutdown,
 ) -> Result<JoinHandle<Result<(), Error>>, BenchError> {
     std::thread::Builder::new()
@@ -313,7 +321,7 @@ fn start(
                         }
                         if node.shard().index() == 0 {
                             if let Some(a) = node.listen_addr() {
-                                let _ = tx.send(a);
+                                let _ = tx.send((a, node.metrics_addr()));
                             }
                         }
                         stop.wait().await;

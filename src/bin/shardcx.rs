@@ -84,6 +84,10 @@ struct NodeArgs {
     /// Also stop when standard input closes.
     #[arg(long)]
     stop_on_stdin_eof: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (port 0 picks one; prints `metrics
+    /// ADDR` after `shards N`).
+    #[arg(long, env = "SHARDCX_METRICS", value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
     /// Deprecated, ignored: every client shard has its own rail to this node.
     #[arg(long, hide = true, value_name = "K")]
     peers: Option<usize>,
@@ -380,6 +384,7 @@ fn node(a: NodeArgs) -> Result<(), Failure> {
         },
         cores: a.cores,
         trusted_rma: a.trusted_rma,
+        metrics: a.metrics,
     };
     let stdin_eof = a.stop_on_stdin_eof;
     let stop = Shutdown::new();
@@ -396,6 +401,9 @@ fn node(a: NodeArgs) -> Result<(), Failure> {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "listening {}", serving.addr);
         let _ = writeln!(out, "shards {}", serving.shards);
+        if let Some(m) = serving.metrics {
+            let _ = writeln!(out, "metrics {m}");
+        }
         let _ = out.flush();
         eprintln!(
             "shardcx node: serving on {} with {} shard(s) ({}{}); Ctrl-C or SIGTERM stops it",

@@ -1,0 +1,505 @@
+//! Prometheus metrics of a running node ([`NodeBuilder::metrics`](crate::NodeBuilder::metrics),
+//! `shardcx node --metrics ADDR`).
+//!
+//! Off the hot path: every shard copies its counters into the node's [`Board`] every
+//! [`PUBLISH_INTERVAL`] (a timer task; the counters themselves are the plain per-shard ones the
+//! shards keep anyway), and a small server thread answers `GET /metrics` from the board with
+//! the `prometheus-client` text encoding (OpenMetrics). Each series carries a `shard` label.
+//!
+//! The families, per shard (counters end in `_total`):
+//!
+//! | family | kind | what |
+//! | --- | --- | --- |
+//! | `shardcx_frames_delivered` | counter | application frames handed to handlers |
+//! | `shardcx_frames_sent` | counter | application frames sent, by `path` (`in_place`, `posted`, `queued`) |
+//! | `shardcx_frames_dropped` | counter | frames dropped, by `reason` |
+//! | `shardcx_rendezvous_received` | counter | frames received by rendezvous, by `into` (`pool`, `recycled`, `allocated`, `declined`) |
+//! | `shardcx_handler_panics` | counter | handler calls that panicked |
+//! | `shardcx_handshakes`, `shardcx_rail_joins`, `shardcx_rail_join_retries` | counter | sessions and rails formed |
+//! | `shardcx_rpc_calls` | counter | RPC requests served, by `outcome` |
+//! | `shardcx_rpc_cancels_sent` | counter | cancel frames sent for calls given up |
+//! | `shardcx_mesh_taken` | counter | cross-shard lane messages, by `by` (`driver`, `task`) |
+//! | `shardcx_driver_rounds`, `shardcx_driver_sleeps` | counter | progress rounds, and sleeps of an idle shard |
+//! | `shardcx_dispatch_budget_hits` | counter | dispatch rounds cut at the budget (a flood) |
+//! | `shardcx_connected_nodes` | gauge | nodes this shard has a ready default rail to |
+//! | `shardcx_pending_requests` | gauge | requests waiting for a reply on this shard |
+//! | `shardcx_forward_depth` | gauge | operations this shard forwarded that have not completed |
+//! | `shardcx_pool_bytes_in_use`, `shardcx_pool_registered_bytes` | gauge | the registered pool |
+//! | `shardcx_metrics_age_seconds` | gauge | how old this shard's published figures are |
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::rc::{Rc, Weak};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use shardcx_shards::mesh::MeshStats;
+use shardcx_shards::net::NetStats;
+use shardcx_shards::ShardCtx;
+
+use crate::RpcStats;
+
+/// How often each shard publishes its figures.
+pub const PUBLISH_INTERVAL: Duration = Duration::from_millis(250);
+
+/// One shard's figures at one moment.
+#[derive(Debug, Clone, Copy)]
+struct Snapshot {
+    at: Instant,
+    net: NetStats,
+    rpc: RpcStats,
+    mesh: MeshStats,
+    rounds: u64,
+    sleeps: u64,
+    connected_nodes: u64,
+    pending_requests: u64,
+    forward_depth: u64,
+    pool_in_use: u64,
+    pool_registered: u64,
+}
+
+/// What the shards publish and the server reads: the latest snapshot of each shard.
+#[derive(Debug, Default)]
+pub(crate) struct Board {
+    shards: Mutex<BTreeMap<usize, Snapshot>>,
+    addr: std::sync::OnceLock<SocketAddr>,
+}
+
+impl Board {
+    pub(crate) fn set_addr(&self, addr: SocketAddr) {
+        let _ = self.addr.set(addr);
+    }
+
+    pub(crate) fn addr(&self) -> Option<SocketAddr> {
+        self.addr.get().copied()
+    }
+
+    fn publish(&self, shard: usize, s: Snapshot) {
+        if let Ok(mut m) = self.shards.lock() {
+            m.insert(shard, s);
+        }
+    }
+
+    fn snapshots(&self) -> Vec<(usize, Snapshot)> {
+        self.shards
+            .lock()
+            .map(|m| m.iter().map(|(k, v)| (*k, *v)).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Copies shard `ctx`'s figures into `board` now and then, for as long as the shard lives (a
+/// detached task of the shard; it holds the shard weakly).
+pub(crate) fn spawn_publisher(
+    ctx: &Rc<ShardCtx>,
+    board: Arc<Board>,
+    rpc: impl Fn() -> RpcStats + 'static,
+) {
+    let weak: Weak<ShardCtx> = Rc::downgrade(ctx);
+    glommio::spawn_local(async move {
+        loop {
+            {
+                let Some(ctx) = weak.upgrade() else { return };
+                board.publish(ctx.id().index(), snapshot(&ctx, rpc()));
+            }
+            glommio::timer::sleep(PUBLISH_INTERVAL).await;
+        }
+    })
+    .detach();
+}
+
+fn snapshot(ctx: &ShardCtx, rpc: RpcStats) -> Snapshot {
+    let pool = ctx.pool();
+    Snapshot {
+        at: Instant::now(),
+        net: ctx.net_stats(),
+        rpc,
+        mesh: ctx.mesh_stats(),
+        rounds: ctx.progress_rounds(),
+        sleeps: ctx.driver_sleeps(),
+        connected_nodes: ctx.connected_nodes().len() as u64,
+        pending_requests: ctx.pending_requests() as u64,
+        forward_depth: ctx.forward_depth() as u64,
+        pool_in_use: pool.bytes_in_use(),
+        pool_registered: pool.memory().len() as u64,
+    }
+}
+
+/// The collector the registry calls on each scrape: every family, one series per shard (and
+/// label value).
+#[derive(Debug)]
+struct ShardsCollector(Arc<Board>);
+
+/// One family: its name, help, type, and for each shard its `(extra label, value)` series.
+type Series = Vec<(Option<(&'static str, &'static str)>, u64)>;
+
+fn family(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    shards: &[(usize, Series)],
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, None, kind)?;
+    for (shard, series) in shards {
+        for (extra, value) in series {
+            let mut labels = vec![("shard", shard.to_string())];
+            if let Some((k, v)) = extra {
+                labels.push((k, (*v).to_string()));
+            }
+            let fam = metric.encode_family(&labels)?;
+            match kind {
+                MetricType::Counter => ConstCounter::new(*value).encode(fam)?,
+                _ => ConstGauge::new(i64::try_from(*value).unwrap_or(i64::MAX)).encode(fam)?,
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Collector for ShardsCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        use MetricType::{Counter, Gauge};
+        let snaps = self.0.snapshots();
+        let now = Instant::now();
+        let per = |f: &dyn Fn(&Snapshot) -> Series| -> Vec<(usize, Series)> {
+            snaps.iter().map(|(i, s)| (*i, f(s))).collect()
+        };
+        let one = |f: fn(&Snapshot) -> u64| per(&|s| vec![(None, f(s))]);
+        family(
+            &mut encoder,
+            "shardcx_frames_delivered",
+            "Application frames handed to handlers.",
+            Counter,
+            &one(|s| s.net.delivered),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_frames_sent",
+            "Application frames sent, by path: in place (UCX took them at once), posted (owned buffer, no task switch), queued (for the rail's sender task).",
+            Counter,
+            &per(&|s| {
+                vec![
+                    (Some(("path", "in_place")), s.net.sent_in_place),
+                    (Some(("path", "posted")), s.net.sent_posted),
+                    (Some(("path", "queued")), s.net.sent_queued),
+                ]
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_frames_dropped",
+            "Frames dropped, by reason.",
+            Counter,
+            &per(&|s| {
+                let n = &s.net;
+                vec![
+                    (
+                        Some(("reason", "unauthenticated")),
+                        n.dropped_unauthenticated,
+                    ),
+                    (Some(("reason", "malformed")), n.dropped_malformed),
+                    (Some(("reason", "misrouted")), n.dropped_misrouted),
+                    (Some(("reason", "no_handler")), n.dropped_no_handler),
+                    (Some(("reason", "too_large")), n.dropped_too_large),
+                    (Some(("reason", "expired")), n.dropped_expired),
+                    (Some(("reason", "unmatched_reply")), n.dropped_unmatched),
+                    (Some(("reason", "other")), n.dropped_other),
+                ]
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_rendezvous_received",
+            "Frames received by rendezvous, by where their data went.",
+            Counter,
+            &per(&|s| {
+                let n = &s.net;
+                vec![
+                    (Some(("into", "pool")), n.rndv_pooled),
+                    (Some(("into", "recycled")), n.rndv_recycled),
+                    (Some(("into", "allocated")), n.rndv_allocated),
+                    (Some(("into", "declined")), n.declined),
+                ]
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_handler_panics",
+            "Handler calls that panicked (the frame is dropped, the shard goes on).",
+            Counter,
+            &one(|s| s.net.handler_panics),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_handshakes",
+            "Pre-shared-key handshakes completed.",
+            Counter,
+            &one(|s| s.net.handshakes),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_rail_joins",
+            "Rails that joined a session.",
+            Counter,
+            &one(|s| s.net.joins),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_rail_join_retries",
+            "Joins tried again (the peer did not know the session yet).",
+            Counter,
+            &one(|s| s.net.join_retries),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_rpc_calls",
+            "RPC requests served on this shard, by outcome.",
+            Counter,
+            &per(&|s| {
+                let r = &s.rpc;
+                vec![
+                    (Some(("outcome", "served")), r.served),
+                    (Some(("outcome", "one_way")), r.one_way),
+                    (Some(("outcome", "failed")), r.failed),
+                    (Some(("outcome", "panicked")), r.panicked),
+                    (Some(("outcome", "unknown_function")), r.unknown_function),
+                    (Some(("outcome", "schema_mismatch")), r.schema_mismatch),
+                    (Some(("outcome", "malformed")), r.malformed),
+                    (Some(("outcome", "too_large")), r.too_large),
+                    (Some(("outcome", "too_old")), r.too_old),
+                    (Some(("outcome", "expired")), r.expired),
+                    (Some(("outcome", "cancelled")), r.cancelled),
+                    (Some(("outcome", "replayed")), r.replayed),
+                    (Some(("outcome", "duplicate_dropped")), r.duplicates_dropped),
+                ]
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_rpc_cancels_sent",
+            "Cancel frames sent for RPC calls given up before their reply.",
+            Counter,
+            &one(|s| s.net.cancels_sent),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_mesh_taken",
+            "Cross-shard lane messages taken, by who took them (the progress driver, or the inbox task after a wake-up).",
+            Counter,
+            &per(&|s| {
+                vec![
+                    (Some(("by", "driver")), s.mesh.taken_by_driver),
+                    (Some(("by", "task")), s.mesh.taken_by_task),
+                ]
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_driver_rounds",
+            "Progress driver rounds.",
+            Counter,
+            &one(|s| s.rounds),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_driver_sleeps",
+            "Times the idle progress driver went to sleep.",
+            Counter,
+            &one(|s| s.sleeps),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_dispatch_budget_hits",
+            "Dispatch rounds cut at the budget with inputs left (a flood).",
+            Counter,
+            &one(|s| s.net.dispatch_budget_hits),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_connected_nodes",
+            "Nodes this shard has a ready default rail to.",
+            Gauge,
+            &one(|s| s.connected_nodes),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_pending_requests",
+            "Requests of this shard waiting for a reply.",
+            Gauge,
+            &one(|s| s.pending_requests),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_forward_depth",
+            "Operations this shard forwarded to another shard that have not completed.",
+            Gauge,
+            &one(|s| s.forward_depth),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_pool_bytes_in_use",
+            "Bytes of the shard's registered pool in use.",
+            Gauge,
+            &one(|s| s.pool_in_use),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_pool_registered_bytes",
+            "Bytes of the shard's registered pool.",
+            Gauge,
+            &one(|s| s.pool_registered),
+        )?;
+        let mut age = encoder.encode_descriptor(
+            "shardcx_metrics_age_seconds",
+            "How old this shard's published figures are.",
+            None,
+            Gauge,
+        )?;
+        for (shard, snap) in &snaps {
+            let labels = [("shard", shard.to_string())];
+            let secs = now.saturating_duration_since(snap.at).as_secs_f64();
+            ConstGauge::new(secs).encode(age.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Why the metrics endpoint could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot serve metrics on {addr}: {reason}")]
+pub struct MetricsError {
+    /// The address asked for.
+    pub addr: SocketAddr,
+    /// What went wrong.
+    pub reason: String,
+}
+
+/// The HTTP server thread: `GET /metrics` (anything else: 404). Stopped and joined on drop.
+pub(crate) struct Server {
+    http: Arc<tiny_http::Server>,
+    thread: Option<JoinHandle<()>>,
+    addr: SocketAddr,
+}
+
+impl Server {
+    /// Binds `addr` (port 0 picks one) and serves `board` until dropped.
+    pub(crate) fn start(addr: SocketAddr, board: Arc<Board>) -> Result<Server, MetricsError> {
+        let http = tiny_http::Server::http(addr).map_err(|e| MetricsError {
+            addr,
+            reason: e.to_string(),
+        })?;
+        let bound = http.server_addr().to_ip().ok_or_else(|| MetricsError {
+            addr,
+            reason: "not an IP listener".into(),
+        })?;
+        let http = Arc::new(http);
+        let serving = http.clone();
+        let thread = std::thread::Builder::new()
+            .name("shardcx-metrics".into())
+            .spawn(move || serve(&serving, board))
+            .map_err(|e| MetricsError {
+                addr,
+                reason: format!("cannot start its thread: {e}"),
+            })?;
+        Ok(Server {
+            http,
+            thread: Some(thread),
+            addr: bound,
+        })
+    }
+
+    /// The bound address.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.http.unblock();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The OpenMetrics text of `board`.
+fn render(board: &Arc<Board>) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(ShardsCollector(board.clone())));
+    let mut text = String::new();
+    if prometheus_client::encoding::text::encode(&mut text, &registry).is_err() {
+        text = "# EOF\n".into();
+    }
+    text
+}
+
+/// The same figures in the Prometheus text format 0.0.4, for clients that do not ask for
+/// OpenMetrics (`curl`, `promtool check metrics`): a counter family is named with its `_total`
+/// suffix, as its samples are, and the OpenMetrics-only lines (`# UNIT`, `# EOF`) go.
+fn to_prometheus_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len() + 64 * counters.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{p}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn serve(http: &tiny_http::Server, board: Arc<Board>) {
+    for request in http.incoming_requests() {
+        let response = if request.url() == "/metrics" || request.url().starts_with("/metrics?") {
+            let openmetrics = request.headers().iter().any(|h| {
+                h.field.equiv("Accept") && h.value.as_str().contains("application/openmetrics-text")
+            });
+            let (body, content_type) = if openmetrics {
+                (
+                    render(&board),
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                )
+            } else {
+                (
+                    to_prometheus_text(&render(&board)),
+                    "text/plain; version=0.0.4; charset=utf-8",
+                )
+            };
+            let header =
+                tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes());
+            let mut r = tiny_http::Response::from_string(body);
+            if let Ok(h) = header {
+                r.add_header(h);
+            }
+            r
+        } else {
+            tiny_http::Response::from_string("shardcx: metrics are at /metrics\n")
+                .with_status_code(404)
+        };
+        // A client that went away is its own business.
+        let _ = request.respond(response);
+    }
+}
