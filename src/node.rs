@@ -368,11 +368,15 @@ impl Node {
 
     /// [`Node::connect`] with its own deadline.
     pub async fn connect_within(&self, addr: SocketAddr, timeout: Duration) -> Result<Peer, Error> {
-        let remote: RemoteNode = within("connect", timeout, async {
+        let remote: Result<RemoteNode, Error> = within("connect", timeout, async {
             Ok(self.ctx.connect(addr).await?)
         })
-        .await?;
-        Ok(Peer::new(remote.node_id))
+        .await;
+        match &remote {
+            Ok(r) => tracing::debug!(%addr, node = %r.node_id, "connected"),
+            Err(e) => tracing::info!(%addr, error = %e, "connect failed"),
+        }
+        Ok(Peer::new(remote?.node_id))
     }
 }
 
@@ -901,9 +905,12 @@ pub(crate) async fn connect_lazily(
                 // The operation's own deadline cut the connect short: that says
                 // nothing about the peer.
                 Err(Error::TimedOut { .. }) => {}
-                Err(_) => {
+                Err(err) => {
                     e.failures = e.failures.saturating_add(1);
-                    e.retry_at = Some(Instant::now() + e.backoff(peer));
+                    let backoff = e.backoff(peer);
+                    e.retry_at = Some(Instant::now() + backoff);
+                    tracing::warn!(node = %peer, %addr, failures = e.failures, retry_in = ?backoff,
+                        error = %err, "reconnect failed; backing off");
                 }
             }
         }

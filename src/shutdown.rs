@@ -70,7 +70,9 @@ impl Shutdown {
 
     /// Asks the node to stop (see the module docs). Idempotent; callable from any thread.
     pub fn trigger(&self) {
-        self.inner.triggered.store(true, Ordering::Release);
+        if !self.inner.triggered.swap(true, Ordering::AcqRel) {
+            tracing::debug!("shutdown triggered: draining");
+        }
         let waiters = match self.inner.waiters.lock() {
             Ok(mut w) => std::mem::take(&mut *w),
             Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),

@@ -254,3 +254,76 @@ fn bad_input_is_a_clear_error_not_a_panic() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the key file"));
 }
+
+/// A node logs through `tracing` to stderr: the sessions clients make (with the shard that
+/// holds them), a client that fails the handshake, and nothing in colour when stderr is not a
+/// terminal.
+#[test]
+fn a_node_logs_sessions_and_refused_handshakes() {
+    let mut child = shardcx()
+        .args(["node", "--listen", "127.0.0.1:0", "--shards", "2"])
+        .args(["--transport", "tcp", "--stop-on-stdin-eof"])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let stderr = child.stderr.take().unwrap();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let sink = log.clone();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let mut l = sink.lock().unwrap();
+            l.push_str(&line);
+            l.push('\n');
+        }
+    });
+    let first = lines.recv_timeout(Duration::from_secs(30)).unwrap();
+    let addr = first.strip_prefix("listening ").unwrap().to_string();
+    let bench = |extra: &[&str]| {
+        shardcx()
+            .args(["bench", "--connect", &addr, "--transport", "tcp"])
+            .args(["--test", "am-lat", "--iters", "50", "--warmup", "5"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    assert!(bench(&[]).status.success());
+    let key = std::env::temp_dir().join(format!("shardcx-wrong-key-{}", std::process::id()));
+    std::fs::write(&key, "not the node's key, 16+ bytes\n").unwrap();
+    let refused = bench(&["--psk-file", key.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&key);
+    assert!(!refused.status.success());
+    let until = Instant::now() + Duration::from_secs(10);
+    while !log.lock().unwrap().contains("BadProof") && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(child.stdin.take());
+    let status = child.wait().unwrap();
+    reader.join().unwrap();
+    assert!(status.success(), "{status}");
+    let log = log.lock().unwrap().clone();
+    assert!(
+        log.lines()
+            .any(|l| l.contains(" INFO shard{id=") && l.contains("session up: authenticated")),
+        "{log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains(" WARN shard{id=")
+            && l.contains("rail failed")
+            && l.contains("BadProof")),
+        "{log}"
+    );
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour codes in a log that is not a terminal:\n{log}"
+    );
+}

@@ -344,7 +344,14 @@ impl ShardsBuilder {
                 .name(&format!("shardcx-{shard}"))
                 .preempt_timer(PREEMPT_TIMER)
                 .io_memory(io_memory as usize)
-                .spawn(move || async move { me.shard_main(shard, ends, f).await })
+                .spawn(move || {
+                    // Every event on this shard's thread (all its tasks) carries `shard=N`.
+                    let span = tracing::info_span!("shard", id = shard).entered();
+                    async move {
+                        let _span = span;
+                        me.shard_main(shard, ends, f).await
+                    }
+                })
                 .map_err(|e| BootError::Executor {
                     shard,
                     reason: e.to_string(),

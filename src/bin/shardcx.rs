@@ -158,8 +158,26 @@ impl From<BenchError> for Failure {
     }
 }
 
+/// Logs to stderr through `tracing-subscriber`, filtered by `RUST_LOG` (e.g.
+/// `RUST_LOG=shardcx_shards=debug`); without it, `info` for a node (sessions, failures,
+/// shutdown) and `warn` for the other commands.
+fn init_logging(cmd: &Cmd) {
+    let default = match cmd {
+        Cmd::Node(_) => "info",
+        _ => "warn",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging(&cli.command);
     let r = match cli.command {
         Cmd::Info { json } => info(json),
         Cmd::Node(a) => node(a),

@@ -209,8 +209,30 @@ impl Rpc {
             })
     }
 
-    /// Sends a request and returns the reply's archive (see the module docs for retries).
+    /// Sends a request and returns the reply's archive (see the module docs for retries). A
+    /// failed call is logged at `debug`; with the `trace-messages` feature every call is,
+    /// at `trace`, with its round-trip time (off by default: the hot path pays nothing).
     async fn exchange<A: RpcType>(
+        &self,
+        peer: Peer,
+        t: Target,
+        args: &A,
+        timeout: Duration,
+    ) -> Result<Payload, RpcError> {
+        #[cfg(feature = "trace-messages")]
+        let start = Instant::now();
+        let r = self.exchange_once(peer, t, args, timeout).await;
+        if let Err(e) = &r {
+            tracing::debug!(function = t.id.get(), node = %peer.node_id(), error = %e,
+                "rpc call failed");
+        }
+        #[cfg(feature = "trace-messages")]
+        tracing::trace!(function = t.id.get(), node = %peer.node_id(), ok = r.is_ok(),
+            rtt = ?start.elapsed(), "rpc call");
+        r
+    }
+
+    async fn exchange_once<A: RpcType>(
         &self,
         peer: Peer,
         t: Target,

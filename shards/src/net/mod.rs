@@ -182,6 +182,7 @@ pub mod bootstrap;
 pub mod buffers;
 pub mod inbound;
 pub mod outbound;
+mod report;
 pub mod request;
 mod session;
 
@@ -700,6 +701,7 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
     inbound::register(ctx)?;
     let task = glommio::spawn_local(session::timer_loop(ctx.clone()));
     ctx.net().tasks.borrow_mut().push(task);
+    report::spawn(ctx);
     Ok(())
 }
 
@@ -722,7 +724,16 @@ pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>, drain: Duration) {
     while !net.pending.borrow().is_empty() && Instant::now() < until {
         sleep(DRAIN_POLL).await;
     }
+    let unanswered = net.pending.borrow().len();
+    if unanswered > 0 {
+        tracing::warn!(
+            unanswered,
+            ?drain,
+            "shutdown: requests still unanswered after the drain deadline fail with ShuttingDown"
+        );
+    }
     session::close_all(net);
+    tracing::debug!("shutdown: connections closed");
     let left = net.pending.borrow_mut().drain();
     for (_, p) in left {
         p.waiter.push(Err(NetError::ShuttingDown));

@@ -348,8 +348,10 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
             Event::Connected(info) => {
                 if r.conn.session_secret().is_some() {
                     handshakes += 1;
+                    tracing::info!(node = %node, remote_shard = remote.get(), "session up: authenticated");
                 } else {
                     joins += 1;
+                    tracing::debug!(node = %node, remote_shard = remote.get(), "rail joined the session");
                 }
                 if let Some(secret) = r.conn.session_secret() {
                     if let Ok(mut t) = net.settings.sessions.lock() {
@@ -369,13 +371,19 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
             }
             Event::Failed { reason } => {
                 let err = fail_error(node, reason);
+                tracing::warn!(node = %node, remote_shard = remote.get(), error = %err, "rail failed");
                 for w in r.waiters.drain(..) {
                     w.push(Err(err.clone()));
                 }
                 lost.get_or_insert(err);
             }
             // Requests sent to the old incarnation are void.
-            Event::PeerRestarted { .. } | Event::Closed { .. } => {
+            Event::PeerRestarted { .. } => {
+                tracing::info!(node = %node, remote_shard = remote.get(), "peer restarted (new incarnation)");
+                lost.get_or_insert(NetError::Closed { node });
+            }
+            Event::Closed { .. } => {
+                tracing::debug!(node = %node, remote_shard = remote.get(), "rail closed");
                 lost.get_or_insert(NetError::Closed { node });
             }
             _ => {}
