@@ -25,6 +25,9 @@ use glommio::timer::sleep;
 use hdrhistogram::Histogram;
 use shardcx::{AmId, AmMsg, Node, NodeId, OwnedAmMsg, ShardId};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 const KEY: &[u8] = b"am_echo example pre-shared key";
 const ECHO: AmId = AmId::new(1);
 const REPLY: AmId = AmId::new(2);
@@ -39,39 +42,40 @@ struct Opts {
     tls: String,
 }
 
-fn opts() -> Opts {
-    let mut o = Opts {
-        listen: None,
-        connect: None,
-        serve_for: Duration::from_secs(60),
-        count: 20_000,
-        size: 8,
-        shards: 2,
-        tls: "tcp".into(),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut v = || args.next().unwrap_or_else(|| usage());
-        match a.as_str() {
-            "--listen" => o.listen = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--for" => o.serve_for = Duration::from_secs(v().parse().unwrap_or_else(|_| usage())),
-            "--count" => o.count = v().parse().unwrap_or_else(|_| usage()),
-            "--size" => o.size = v().parse().unwrap_or_else(|_| usage()),
-            "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
-            "--tls" => o.tls = v(),
-            _ => usage(),
-        }
-    }
-    o
+/// Active-message echo between two nodes, with per-shard round-trip percentiles.
+#[derive(clap::Parser)]
+#[command(name = "am_echo")]
+struct Args {
+    #[command(flatten)]
+    role: cli::Role,
+    /// How long the server (--listen) serves, in seconds.
+    #[arg(long = "for", value_name = "SECS", default_value = "60", value_parser = cli::seconds)]
+    serve_for: Duration,
+    /// Messages per client shard.
+    #[arg(long, value_name = "N", default_value_t = 20_000)]
+    count: u32,
+    /// Payload bytes (e.g. 8, 4k).
+    #[arg(long, value_name = "B", default_value = "8", value_parser = cli::size)]
+    size: usize,
+    /// Shards per node.
+    #[arg(long, value_name = "N", default_value = "2", value_parser = cli::positive)]
+    shards: usize,
+    /// UCX transports (listening and connecting need tcp in UCX 1.12).
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    tls: String,
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: am_echo [--listen ADDR [--for SECS] | --connect ADDR] [--count N] [--size B] \
-         [--shards N] [--tls LIST]"
-    );
-    std::process::exit(2)
+fn opts() -> Opts {
+    let a = <Args as clap::Parser>::parse();
+    Opts {
+        listen: a.role.listen,
+        connect: a.role.connect,
+        serve_for: a.serve_for,
+        count: a.count,
+        size: a.size,
+        shards: a.shards,
+        tls: a.tls,
+    }
 }
 
 fn node(o: &Opts, id: u64) -> shardcx::NodeBuilder {
@@ -230,6 +234,6 @@ fn main() {
                 stop.store(true, Ordering::Release);
             });
         }
-        _ => usage(),
+        (Some(_), Some(_)) => unreachable!("clap refuses --listen with --connect"),
     }
 }

@@ -10,6 +10,9 @@ use std::rc::Rc;
 
 use shardcx::shards::{Placement, ShardCtx, ShardsBuilder};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 struct Report {
     shard: usize,
     cpus: Vec<usize>,
@@ -30,27 +33,32 @@ fn transports(info: &str) -> Vec<String> {
         .collect()
 }
 
-fn usage() -> ! {
-    eprintln!("usage: hello_shards [--shards N] [--unpinned] [--tls LIST]");
-    std::process::exit(2)
+/// One shard per CPU: each prints its CPUs, its UCX worker address and transports.
+#[derive(clap::Parser)]
+#[command(name = "hello_shards")]
+struct Args {
+    /// Shards (default: one per CPU).
+    #[arg(long, value_name = "N", value_parser = cli::positive)]
+    shards: Option<usize>,
+    /// Leave the shard threads unpinned.
+    #[arg(long)]
+    unpinned: bool,
+    /// UCX transports, e.g. tcp or sm,tcp (default: UCX_TLS or UCX's choice).
+    #[arg(long, value_name = "LIST")]
+    tls: Option<String>,
 }
 
 fn main() {
+    let a = <Args as clap::Parser>::parse();
     let mut builder = ShardsBuilder::new();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--shards" => {
-                let n = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or_else(|| usage());
-                builder = builder.shard_count(n);
-            }
-            "--unpinned" => builder = builder.placement(Placement::Unpinned),
-            "--tls" => builder = builder.transports(&args.next().unwrap_or_else(|| usage())),
-            _ => usage(),
-        }
+    if let Some(n) = a.shards {
+        builder = builder.shard_count(n);
+    }
+    if a.unpinned {
+        builder = builder.placement(Placement::Unpinned);
+    }
+    if let Some(tls) = &a.tls {
+        builder = builder.transports(tls);
     }
     println!("{}", shardcx::ucx::version());
     let reports = builder.run(|ctx: Rc<ShardCtx>| async move {

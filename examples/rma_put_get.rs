@@ -50,6 +50,9 @@ use shardcx::rma::{
 };
 use shardcx::{AmId, AmMsg, Error, Node, NodeId, OwnedAmMsg, Peer, ShardId};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 const KEY: &[u8] = b"rma_put_get example pre-shared key";
 /// Client → server: send me the descriptor of your region on shard `want`.
 const ASK: AmId = AmId::new(1);
@@ -85,48 +88,6 @@ struct Opts {
     trusted: bool,
 }
 
-fn opts() -> Opts {
-    let mut o = Opts {
-        listen: None,
-        connect: None,
-        serve_for: Duration::from_secs(60),
-        count: 10_000,
-        size: 8,
-        shards: 2,
-        tls: String::new(),
-        sizes: Vec::new(),
-        trusted: false,
-    };
-    let (mut count, mut size, mut tls) = (None, None, None);
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut v = || args.next().unwrap_or_else(|| usage());
-        match a.as_str() {
-            "--listen" => o.listen = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--for" => o.serve_for = Duration::from_secs(v().parse().unwrap_or_else(|_| usage())),
-            "--count" => count = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--size" => size = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
-            "--tls" => tls = Some(v()),
-            "--trusted" => o.trusted = true,
-            _ => usage(),
-        }
-    }
-    o.count = count.unwrap_or(if o.trusted { 1000 } else { 10_000 });
-    o.tls = tls.unwrap_or_else(|| if o.trusted { "sm,tcp" } else { "tcp" }.into());
-    o.size = size.unwrap_or(8);
-    o.sizes = match size {
-        None if o.trusted => vec![8, LARGE],
-        _ => vec![o.size],
-    };
-    if o.shards == 0 || o.size == 0 || o.size > 16 << 20 {
-        eprintln!("--size must be within 1..=16 MiB, --shards at least 1");
-        usage();
-    }
-    o
-}
-
 /// Bytes of each server region: room for every client shard's largest access. Both sides of
 /// a two-process run compute it from the same options, and the client checks the descriptors.
 fn region_len(o: &Opts) -> usize {
@@ -134,12 +95,59 @@ fn region_len(o: &Opts) -> usize {
     REGION_LEN.max(largest.saturating_mul(o.shards))
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: rma_put_get [--listen ADDR [--for SECS] | --connect ADDR] [--count N] \
-         [--size B] [--shards N] [--tls LIST] [--trusted]"
-    );
-    std::process::exit(2)
+/// Remote memory put/get between two nodes, checked by default (`--trusted`: native).
+#[derive(clap::Parser)]
+#[command(name = "rma_put_get")]
+struct Args {
+    #[command(flatten)]
+    role: cli::Role,
+    /// How long the server (--listen) serves, in seconds.
+    #[arg(long = "for", value_name = "SECS", default_value = "60", value_parser = cli::seconds)]
+    serve_for: Duration,
+    /// Operations per client shard (default 10000; 1000 with --trusted).
+    #[arg(long, value_name = "N")]
+    count: Option<u32>,
+    /// Access size, 1 B to 16 MiB (default 8; with --trusted both 8 B and 1 MiB).
+    #[arg(long, value_name = "B", value_parser = cli::size)]
+    size: Option<usize>,
+    /// Shards per node.
+    #[arg(long, value_name = "N", default_value = "2", value_parser = cli::positive)]
+    shards: usize,
+    /// UCX transports (default tcp; sm,tcp with --trusted).
+    #[arg(long, value_name = "LIST")]
+    tls: Option<String>,
+    /// Trusted mode: native UCX RMA with packed remote keys.
+    #[arg(long)]
+    trusted: bool,
+}
+
+fn opts() -> Opts {
+    let a = <Args as clap::Parser>::parse();
+    if a.size.is_some_and(|s| s == 0 || s > 16 << 20) {
+        <Args as clap::CommandFactory>::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                "--size must be within 1 B..=16 MiB",
+            )
+            .exit();
+    }
+    let size = a.size.unwrap_or(8);
+    Opts {
+        listen: a.role.listen,
+        connect: a.role.connect,
+        serve_for: a.serve_for,
+        count: a.count.unwrap_or(if a.trusted { 1000 } else { 10_000 }),
+        size,
+        shards: a.shards,
+        tls: a
+            .tls
+            .unwrap_or_else(|| if a.trusted { "sm,tcp" } else { "tcp" }.into()),
+        sizes: match a.size {
+            None if a.trusted => vec![8, LARGE],
+            _ => vec![size],
+        },
+        trusted: a.trusted,
+    }
 }
 
 fn node(o: &Opts, id: u64) -> shardcx::NodeBuilder {
@@ -629,6 +637,6 @@ fn main() {
                 stop.store(true, Ordering::Release);
             });
         }
-        _ => usage(),
+        (Some(_), Some(_)) => unreachable!("clap refuses --listen with --connect"),
     }
 }

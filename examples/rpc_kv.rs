@@ -66,6 +66,9 @@ use shardcx::rpc::{Describe, RpcContext, RpcError, RpcFunction};
 use shardcx::shards::DriverConfig;
 use shardcx::{rpc_function, Node, NodeBuilder, Peer, Rpc, ShardId};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 const PSK: &[u8] = b"rpc_kv example pre-shared key";
 /// Deadline of every call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -554,45 +557,38 @@ struct Opts {
     setup: Setup,
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: rpc_kv [--listen ADDR | --connect ADDR] [--shards N] [--keys N] [--tls LIST] \
-         [--spin-us N]"
-    );
-    std::process::exit(2)
+/// A sharded key-value service over typed RPC.
+#[derive(clap::Parser)]
+#[command(name = "rpc_kv")]
+struct Args {
+    #[command(flatten)]
+    role: cli::Role,
+    /// Server shards.
+    #[arg(long, value_name = "N", default_value = "2", value_parser = cli::positive)]
+    shards: usize,
+    /// Keys of the workload.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    keys: usize,
+    /// UCX transports (listening and connecting need tcp in UCX 1.12).
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    tls: String,
+    /// The shards' spin window before they sleep, in microseconds (default: the runtime's).
+    #[arg(long, value_name = "N")]
+    spin_us: Option<u64>,
 }
 
 fn opts() -> Opts {
-    let mut o = Opts {
-        listen: None,
-        connect: None,
-        shards: 2,
-        keys: 10_000,
+    let a = <Args as clap::Parser>::parse();
+    Opts {
+        listen: a.role.listen,
+        connect: a.role.connect,
+        shards: a.shards,
+        keys: a.keys,
         setup: Setup {
-            tls: "tcp".into(),
-            spin: None,
+            tls: a.tls,
+            spin: a.spin_us.map(Duration::from_micros),
         },
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut v = || args.next().unwrap_or_else(|| usage());
-        match a.as_str() {
-            "--listen" => o.listen = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
-            "--keys" => o.keys = v().parse().unwrap_or_else(|_| usage()),
-            "--tls" => o.setup.tls = v(),
-            "--spin-us" => {
-                let us = v().parse().unwrap_or_else(|_| usage());
-                o.setup.spin = Some(Duration::from_micros(us));
-            }
-            _ => usage(),
-        }
     }
-    if o.shards == 0 || (o.listen.is_some() && o.connect.is_some()) {
-        usage();
-    }
-    o
 }
 
 fn report(f: &Figures, keys: usize) {
@@ -660,7 +656,7 @@ fn main() {
                 (r, s) => r.and(s).map(drop),
             }
         }
-        _ => usage(),
+        (Some(_), Some(_)) => unreachable!("clap refuses --listen with --connect"),
     };
     if let Err(e) = result {
         eprintln!("rpc_kv failed: {e}");

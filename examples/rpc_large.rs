@@ -52,6 +52,9 @@ use shardcx::shards::ucx::AlignedBuf;
 use shardcx::shards::Placement;
 use shardcx::{rpc_function, Node, NodeBuilder, NodeId, Peer};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 const KEY: &[u8] = b"rpc_large example pre-shared key";
 const SERVER: NodeId = NodeId::new(2);
 const CLIENT: NodeId = NodeId::new(1);
@@ -97,23 +100,6 @@ struct Opts {
     tls: String,
 }
 
-fn usage() -> ! {
-    eprintln!("usage: rpc_large [--sizes 64k,1m,4m] [--iters N] [--secs S] [--tls LIST]");
-    std::process::exit(2)
-}
-
-fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim().to_ascii_lowercase();
-    let (num, shift) = match s.strip_suffix('k') {
-        Some(n) => (n, 10),
-        None => match s.strip_suffix('m') {
-            Some(n) => (n, 20),
-            None => (s.as_str(), 0),
-        },
-    };
-    num.parse::<usize>().ok()?.checked_mul(1 << shift)
-}
-
 fn format_size(n: usize) -> String {
     if n >= 1 << 20 && n % (1 << 20) == 0 {
         format!("{}M", n >> 20)
@@ -124,34 +110,41 @@ fn format_size(n: usize) -> String {
     }
 }
 
+/// Large RPC arguments and replies: in the call, into a buffer the server chose, by get, by put.
+#[derive(clap::Parser)]
+#[command(name = "rpc_large")]
+struct Args {
+    /// Sizes, 8 B to 15 MiB, e.g. 64k,1m,4m.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "64k,1m,4m",
+          value_parser = cli::size)]
+    sizes: Vec<usize>,
+    /// Calls per size and way (at most).
+    #[arg(long, value_name = "N", default_value_t = 200)]
+    iters: u32,
+    /// Seconds per size and way (at most).
+    #[arg(long, value_name = "S", default_value = "10", value_parser = cli::seconds)]
+    secs: Duration,
+    /// UCX transports.
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    tls: String,
+}
+
 fn opts() -> Opts {
-    let mut o = Opts {
-        sizes: vec![64 << 10, 1 << 20, 4 << 20],
-        iters: 200,
-        secs: Duration::from_secs(10),
-        tls: "tcp".into(),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut v = || args.next().unwrap_or_else(|| usage());
-        match a.as_str() {
-            "--sizes" => {
-                o.sizes = v()
-                    .split(',')
-                    .map(|s| parse_size(s).unwrap_or_else(|| usage()))
-                    .collect()
-            }
-            "--iters" => o.iters = v().parse().unwrap_or_else(|_| usage()),
-            "--secs" => o.secs = Duration::from_secs(v().parse().unwrap_or_else(|_| usage())),
-            "--tls" => o.tls = v(),
-            _ => usage(),
-        }
+    let a = <Args as clap::Parser>::parse();
+    if a.sizes.iter().any(|s| !(8..=MAX_SIZE).contains(s)) || a.iters == 0 {
+        <Args as clap::CommandFactory>::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                "sizes must be within 8 B..=15 MiB, --iters at least 1",
+            )
+            .exit();
     }
-    if o.sizes.is_empty() || o.sizes.iter().any(|s| !(8..=MAX_SIZE).contains(s)) || o.iters == 0 {
-        eprintln!("sizes must be within 8 B..=15 MiB, --iters at least 1");
-        usage();
+    Opts {
+        sizes: a.sizes,
+        iters: a.iters,
+        secs: a.secs,
+        tls: a.tls,
     }
-    o
 }
 
 /// A checksum fast enough not to hide the transfer (8 bytes a step; tail bytes one by one).

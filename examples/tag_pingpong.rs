@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use shardcx::{Error, Node, NodeId, Peer, ShardId, TAG_MASK_EXACT};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 const KEY: &[u8] = b"tag_pingpong example pre-shared key";
 const CLIENT: NodeId = NodeId::new(0x7A6C);
 const SERVER: NodeId = NodeId::new(0x7A65);
@@ -46,42 +49,49 @@ struct Opts {
     tls: String,
 }
 
-fn opts() -> Opts {
-    let mut o = Opts {
-        listen: None,
-        connect: None,
-        serve_for: Duration::from_secs(60),
-        count: 20_000,
-        size: 8,
-        shards: 2,
-        tls: "tcp".into(),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut v = || args.next().unwrap_or_else(|| usage());
-        match a.as_str() {
-            "--listen" => o.listen = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--connect" => o.connect = Some(v().parse().unwrap_or_else(|_| usage())),
-            "--for" => o.serve_for = Duration::from_secs(v().parse().unwrap_or_else(|_| usage())),
-            "--count" => o.count = v().parse().unwrap_or_else(|_| usage()),
-            "--size" => o.size = v().parse().unwrap_or_else(|_| usage()),
-            "--shards" => o.shards = v().parse().unwrap_or_else(|_| usage()),
-            "--tls" => o.tls = v(),
-            _ => usage(),
-        }
-    }
-    if o.shards == 0 || o.shards > usize::from(STREAM_MASK as u16) {
-        usage();
-    }
-    o
+/// Tag send/recv ping-pong between two nodes.
+#[derive(clap::Parser)]
+#[command(name = "tag_pingpong")]
+struct Args {
+    #[command(flatten)]
+    role: cli::Role,
+    /// How long the server (--listen) serves, in seconds.
+    #[arg(long = "for", value_name = "SECS", default_value = "60", value_parser = cli::seconds)]
+    serve_for: Duration,
+    /// Messages per client shard.
+    #[arg(long, value_name = "N", default_value_t = 20_000)]
+    count: u32,
+    /// Payload bytes (e.g. 8, 4k).
+    #[arg(long, value_name = "B", default_value = "8", value_parser = cli::size)]
+    size: usize,
+    /// Shards per node.
+    #[arg(long, value_name = "N", default_value = "2", value_parser = cli::positive)]
+    shards: usize,
+    /// UCX transports (listening and connecting need tcp in UCX 1.12).
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    tls: String,
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: tag_pingpong [--listen ADDR [--for SECS] | --connect ADDR] [--count N] \
-         [--size B] [--shards N] [--tls LIST]"
-    );
-    std::process::exit(2)
+fn opts() -> Opts {
+    let a = <Args as clap::Parser>::parse();
+    let o = Opts {
+        listen: a.role.listen,
+        connect: a.role.connect,
+        serve_for: a.serve_for,
+        count: a.count,
+        size: a.size,
+        shards: a.shards,
+        tls: a.tls,
+    };
+    if o.shards > usize::from(STREAM_MASK as u16) {
+        <Args as clap::CommandFactory>::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                format!("--shards: at most {}", STREAM_MASK),
+            )
+            .exit();
+    }
+    o
 }
 
 fn node(o: &Opts, id: NodeId) -> shardcx::NodeBuilder {
@@ -243,6 +253,6 @@ fn main() {
                 client(o, addr);
             });
         }
-        _ => usage(),
+        (Some(_), Some(_)) => unreachable!("clap refuses --listen with --connect"),
     }
 }

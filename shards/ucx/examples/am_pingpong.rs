@@ -223,24 +223,40 @@ fn client(tls: &str, sizes: &[usize], iters: usize) -> Vec<Row> {
     rows
 }
 
+/// Active-message ping-pong between two workers on two pinned threads.
+#[derive(clap::Parser)]
+#[command(name = "am_pingpong")]
+struct Args {
+    /// UCX transports, each run in turn (sm, tcp, or any UCX_TLS value).
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "sm,tcp"
+    )]
+    tls: Vec<String>,
+    /// Message sizes in bytes.
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "8,64,4096,65536,1048576,16777216"
+    )]
+    sizes: Vec<usize>,
+    /// Round trips per size.
+    #[arg(long, value_name = "N", default_value_t = 20_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    iters: u64,
+}
+
 fn main() {
     CORES.get_or_init(|| core_affinity::get_core_ids().unwrap_or_default());
-    let mut tls_list = vec!["sm".to_string(), "tcp".to_string()];
-    let mut sizes = vec![8usize, 64, 4096, 65536, 1 << 20, 16 << 20];
-    let mut iters = 20_000usize;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let v = args.next().unwrap_or_default();
-        match a.as_str() {
-            "--tls" => tls_list = v.split(',').map(str::to_string).collect(),
-            "--sizes" => sizes = v.split(',').filter_map(|s| s.parse().ok()).collect(),
-            "--iters" => iters = v.parse().unwrap_or(iters),
-            _ => {
-                eprintln!("usage: am_pingpong [--tls sm,tcp] [--sizes 8,4096] [--iters N]");
-                std::process::exit(2);
-            }
-        }
-    }
+    let a = <Args as clap::Parser>::parse();
+    let (tls_list, sizes, iters) = (
+        a.tls,
+        a.sizes,
+        usize::try_from(a.iters).unwrap_or(usize::MAX),
+    );
     println!("{}", shardcx_ucx::version());
     println!(
         "{:<5} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>12} {:>10}",
