@@ -366,18 +366,20 @@ fn net_types_cross_threads() {
 /// A listener that hands out a directory whose only worker never answers: the connect
 /// bootstraps, then sends its Hello into silence.
 fn silent_listener(stop: Arc<AtomicBool>) -> (SocketAddr, std::thread::JoinHandle<usize>) {
-    use shardcx_shards::net::{Directory, DIRECTORY_AM};
+    use shardcx_shards::net::bootstrap::BOOTSTRAP_REQUEST;
+    use shardcx_shards::net::Directory;
     use shardcx_shards::proto::Incarnation;
-    use shardcx_shards::ucx::{block_on, Config, Context, Features, Listener, Worker};
+    use shardcx_shards::ucx::{Config, Context, Features, Worker};
+    use std::io::{Read, Write};
     let (tx, rx) = mpsc::channel();
     let h = std::thread::spawn(move || {
         let mut cfg = Config::from_env().unwrap();
         cfg.set("TLS", "tcp").unwrap();
         let ctx = Context::new(&cfg, Features::messaging()).unwrap();
-        let front = Worker::new(&ctx).unwrap();
         // Never progressed, and without a frame handler anyway.
         let silent = Worker::new(&ctx).unwrap();
-        let listener = Listener::bind(&front, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
         tx.send(listener.local_addr().unwrap()).unwrap();
         let dir = Directory {
             node_id: NodeId::new(0x5113),
@@ -385,27 +387,21 @@ fn silent_listener(stop: Arc<AtomicBool>) -> (SocketAddr, std::thread::JoinHandl
             workers: vec![silent.address().unwrap()],
         }
         .encode();
-        let mut eps = Vec::new();
+        let mut served = 0;
         let deadline = Instant::now() + LIMIT;
         while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
-            front.progress();
-            if let Some(req) = listener.try_accept() {
-                let opts = EpOptions {
-                    error_mode: ErrorMode::Peer,
-                };
-                let ep = Endpoint::accept(&front, req, opts).unwrap();
-                let (r, _) = block_on(
-                    &[&front],
-                    ep.am_send(DIRECTORY_AM, &[], dir.clone(), AmProto::Eager),
-                );
-                r.unwrap();
-                eps.push(ep);
+            if let Ok((mut s, _)) = listener.accept() {
+                s.set_nonblocking(false).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut req = [0u8; 8];
+                s.read_exact(&mut req).unwrap();
+                assert_eq!(req, BOOTSTRAP_REQUEST);
+                s.write_all(&(dir.len() as u32).to_le_bytes()).unwrap();
+                s.write_all(&dir).unwrap();
+                served += 1;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        let served = eps.len();
-        drop(eps);
-        drop(listener);
         served
     });
     (rx.recv_timeout(LIMIT).expect("listener did not start"), h)

@@ -19,7 +19,7 @@ use common::{
     ShardReport, A, B, LIMIT,
 };
 use shardcx_shards::net::{
-    frame_am_header, Dest, Directory, Frame, DATA_AM, DIRECTORY_AM, FRAME_AM,
+    bootstrap::fetch_directory_blocking, frame_am_header, Dest, Directory, Frame, DATA_AM, FRAME_AM,
 };
 use shardcx_shards::proto::handshake::{HandshakeMessage, RejectReason, SESSION_SECRET_LEN};
 use shardcx_shards::proto::wire::{decode_frame, MAX_WIRE_VERSION};
@@ -460,15 +460,6 @@ fn intrude(addr: SocketAddr, forgeries: Vec<Forgery>) -> Answers {
         cfg.set("TLS", "tcp").unwrap();
         let ctx = Context::new(&cfg, UcxFeatures::messaging()).unwrap();
         let worker = Worker::new(&ctx).unwrap();
-        let dirs: Rc<std::cell::RefCell<Vec<Vec<u8>>>> = Rc::default();
-        let d = dirs.clone();
-        worker
-            .set_am_handler(DIRECTORY_AM, move |_, p| {
-                if let AmPayload::Data(data) = p {
-                    d.borrow_mut().push(data.into_vec());
-                }
-            })
-            .unwrap();
         let got: Rc<std::cell::RefCell<Answers>> = Rc::default();
         let g = got.clone();
         worker
@@ -495,10 +486,7 @@ fn intrude(addr: SocketAddr, forgeries: Vec<Forgery>) -> Answers {
                 std::thread::sleep(Duration::from_micros(200));
             }
         };
-        let boot = Endpoint::connect(&worker, addr, opts).unwrap();
-        progress_for(Duration::from_secs(5), &|| !dirs.borrow().is_empty());
-        let dir = Directory::decode(&dirs.borrow()[0]).expect("a directory");
-        drop(boot);
+        let dir = fetch_directory_blocking(addr, Duration::from_secs(5)).expect("a directory");
         let me = worker.address().unwrap().as_bytes().to_vec();
         let mut eps: HashMap<ShardId, Endpoint> = HashMap::new();
         for f in forgeries {
