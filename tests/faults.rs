@@ -156,3 +156,59 @@ fn garbage_tcp_connections_leak_no_fds() {
     std::thread::sleep(Duration::from_millis(500));
     assert!(node.fds() <= before + 1, "fds {before} -> {}", node.fds());
 }
+
+/// Defect "bench hang on SIGSTOPped peer": a `shardcx bench --connect` client whose node was
+/// stopped with SIGSTOP hung until the bench's own 30 s answer timeout, although heartbeats
+/// declared the node dead after about a second. Now the bench says the server is gone and
+/// exits with a failure within a few seconds of the stop.
+#[test]
+fn bench_fails_promptly_when_its_peer_is_stopped() {
+    let node = NodeProc::start();
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_shardcx"))
+        .args(["bench", "--connect", &node.addr.to_string()])
+        .args(["--test", "am-lat", "--size", "8", "--duration", "20"])
+        .args(["--shards", "1", "--transport", "tcp"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Let it connect and measure for a while.
+    std::thread::sleep(Duration::from_millis(2000));
+    assert!(
+        bench.try_wait().unwrap().is_none(),
+        "the bench ended before the stop"
+    );
+    node.signal("-STOP");
+    let stopped = Instant::now();
+    let ended = wait_for(Duration::from_secs(15), || {
+        bench.try_wait().unwrap().is_some()
+    });
+    let took = stopped.elapsed();
+    if !ended {
+        let _ = bench.kill();
+    }
+    let status = bench.wait().unwrap();
+    let mut out = String::new();
+    bench
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    bench
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    eprintln!("the bench ended {took:?} after the stop: {status}");
+    assert!(
+        ended,
+        "the bench still ran 15 s after its peer was stopped:\n{out}"
+    );
+    assert!(!status.success(), "{status}\n{out}");
+    assert!(out.contains("is gone"), "no word of the peer:\n{out}");
+    assert!(took < Duration::from_secs(5), "took {took:?}:\n{out}");
+    node.signal("-CONT");
+}
