@@ -170,7 +170,8 @@ async fn gather_directory(ctx: &Rc<ShardCtx>) -> Result<Rc<Vec<u8>>, crate::Boot
 
 /// How one bootstrap connection ended, on the listening side.
 enum Served {
-    Directory,
+    /// The client closed it (after its directory, if it was answered).
+    Closed,
     /// Its first bytes were not [`BOOTSTRAP_REQUEST`]: a foreign client, or garbage.
     Refused,
     /// No request within [`NetConfig::accept_timeout`](super::NetConfig::accept_timeout).
@@ -207,16 +208,24 @@ async fn accept_loop(ctx: Weak<ShardCtx>, listener: TcpListener, reply: Rc<Vec<u
         let (weak, live, reply) = (ctx.clone(), live.clone(), reply.clone());
         drop(c);
         glommio::spawn_local(async move {
-            let outcome = future::or(serve_one(stream, &reply), async {
+            let mut stream = stream;
+            let answered = Cell::new(false);
+            let outcome = future::or(serve_one(&mut stream, &reply, &answered), async {
                 sleep(deadline).await;
                 Served::TimedOut
             })
             .await;
+            if !matches!(outcome, Served::Closed) {
+                // This side closes first: with a reset, so that no TIME_WAIT holds the port
+                // (a node restarting on it could not bind it for a minute).
+                let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+            }
+            drop(stream);
             live.set(live.get() - 1);
             if let Some(c) = weak.upgrade() {
                 c.net().count(|s| match outcome {
-                    Served::Directory => s.bootstraps_served += 1,
-                    Served::Refused => s.bootstraps_refused += 1,
+                    _ if answered.get() => s.bootstraps_served += 1,
+                    Served::Refused | Served::Closed => s.bootstraps_refused += 1,
                     Served::TimedOut => s.bootstraps_timed_out += 1,
                 });
             }
@@ -225,10 +234,9 @@ async fn accept_loop(ctx: Weak<ShardCtx>, listener: TcpListener, reply: Rc<Vec<u
     }
 }
 
-/// Reads the client's request and answers it with the directory. The stream is closed when
-/// it is dropped, after the reply (the request was read whole, so the close is an orderly one
-/// that cannot overtake the reply).
-async fn serve_one(mut stream: TcpStream, reply: &[u8]) -> Served {
+/// Reads the client's request, answers it with the directory (then sets `answered`), and
+/// waits for the client to close first.
+async fn serve_one(stream: &mut TcpStream, reply: &[u8], answered: &Cell<bool>) -> Served {
     let mut request = [0u8; BOOTSTRAP_REQUEST.len()];
     if stream.read_exact(&mut request).await.is_err() || request != BOOTSTRAP_REQUEST {
         return Served::Refused;
@@ -236,8 +244,15 @@ async fn serve_one(mut stream: TcpStream, reply: &[u8]) -> Served {
     if stream.write_all(reply).await.is_err() || stream.flush().await.is_err() {
         return Served::Refused;
     }
-    let _ = stream.shutdown(std::net::Shutdown::Write).await;
-    Served::Directory
+    answered.set(true);
+    let mut rest = [0u8; 64];
+    loop {
+        match stream.read(&mut rest).await {
+            Ok(0) | Err(_) => return Served::Closed,
+            // Nothing more is expected: whatever comes is read and dropped.
+            Ok(_) => {}
+        }
+    }
 }
 
 impl ShardCtx {
