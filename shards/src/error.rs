@@ -159,14 +159,14 @@ pub enum NetError {
         /// The step that timed out.
         what: &'static str,
     },
-    /// Nothing answers at the address (the UCX endpoint failed).
-    #[error("cannot reach {addr}: {source}")]
+    /// Nothing answers at the address, or the bootstrap connection broke before the directory
+    /// came.
+    #[error("cannot reach {addr}: {kind}")]
     Unreachable {
         /// The address dialled.
         addr: SocketAddr,
-        /// The UCX error.
-        #[source]
-        source: crate::ucx::Error,
+        /// What the socket said.
+        kind: std::io::ErrorKind,
     },
     /// The peer stopped answering heartbeats.
     #[error("node {node} is dead")]

@@ -63,13 +63,23 @@ fn start_b(
     Arc<AtomicBool>,
     std::thread::JoinHandle<Vec<Report>>,
 ) {
+    start_b_from(node(B, key))
+}
+
+/// [`start_b`] with B built by `b`.
+fn start_b_from(
+    b: ShardsBuilder,
+) -> (
+    SocketAddr,
+    Arc<AtomicBool>,
+    std::thread::JoinHandle<Vec<Report>>,
+) {
     let (tx, rx) = mpsc::channel();
     let done = Arc::new(AtomicBool::new(false));
     let done2 = done.clone();
     let tx = Arc::new(Mutex::new(tx));
     let h = std::thread::spawn(move || {
-        node(B, key)
-            .listen("127.0.0.1:0".parse().unwrap())
+        b.listen("127.0.0.1:0".parse().unwrap())
             .run(move |ctx: Rc<ShardCtx>| {
                 let done = done2.clone();
                 let tx = tx.clone();
@@ -366,18 +376,20 @@ fn net_types_cross_threads() {
 /// A listener that hands out a directory whose only worker never answers: the connect
 /// bootstraps, then sends its Hello into silence.
 fn silent_listener(stop: Arc<AtomicBool>) -> (SocketAddr, std::thread::JoinHandle<usize>) {
-    use shardcx_shards::net::{Directory, DIRECTORY_AM};
+    use shardcx_shards::net::bootstrap::BOOTSTRAP_REQUEST;
+    use shardcx_shards::net::Directory;
     use shardcx_shards::proto::Incarnation;
-    use shardcx_shards::ucx::{block_on, Config, Context, Features, Listener, Worker};
+    use shardcx_shards::ucx::{Config, Context, Features, Worker};
+    use std::io::{Read, Write};
     let (tx, rx) = mpsc::channel();
     let h = std::thread::spawn(move || {
         let mut cfg = Config::from_env().unwrap();
         cfg.set("TLS", "tcp").unwrap();
         let ctx = Context::new(&cfg, Features::messaging()).unwrap();
-        let front = Worker::new(&ctx).unwrap();
         // Never progressed, and without a frame handler anyway.
         let silent = Worker::new(&ctx).unwrap();
-        let listener = Listener::bind(&front, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
         tx.send(listener.local_addr().unwrap()).unwrap();
         let dir = Directory {
             node_id: NodeId::new(0x5113),
@@ -385,27 +397,21 @@ fn silent_listener(stop: Arc<AtomicBool>) -> (SocketAddr, std::thread::JoinHandl
             workers: vec![silent.address().unwrap()],
         }
         .encode();
-        let mut eps = Vec::new();
+        let mut served = 0;
         let deadline = Instant::now() + LIMIT;
         while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
-            front.progress();
-            if let Some(req) = listener.try_accept() {
-                let opts = EpOptions {
-                    error_mode: ErrorMode::Peer,
-                };
-                let ep = Endpoint::accept(&front, req, opts).unwrap();
-                let (r, _) = block_on(
-                    &[&front],
-                    ep.am_send(DIRECTORY_AM, &[], dir.clone(), AmProto::Eager),
-                );
-                r.unwrap();
-                eps.push(ep);
+            if let Ok((mut s, _)) = listener.accept() {
+                s.set_nonblocking(false).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut req = [0u8; 8];
+                s.read_exact(&mut req).unwrap();
+                assert_eq!(req, BOOTSTRAP_REQUEST);
+                s.write_all(&(dir.len() as u32).to_le_bytes()).unwrap();
+                s.write_all(&dir).unwrap();
+                served += 1;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        let served = eps.len();
-        drop(eps);
-        drop(listener);
         served
     });
     (rx.recv_timeout(LIMIT).expect("listener did not start"), h)
@@ -430,4 +436,103 @@ fn an_unanswered_hello_fails_at_the_handshake_deadline() {
         took >= Duration::from_millis(2900) && took < Duration::from_secs(5),
         "took {took:?}"
     );
+}
+
+/// Whether the node closed `s` (end of file or reset) within `limit`; `Err` if it sent
+/// something instead.
+fn closed_within(s: &mut std::net::TcpStream, limit: Duration) -> Result<bool, String> {
+    use std::io::Read;
+    s.set_read_timeout(Some(limit)).unwrap();
+    let mut b = [0u8; 64];
+    match s.read(&mut b) {
+        Ok(0) => Ok(true),
+        Ok(n) => Err(format!("{n} bytes from the node")),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Ok(false)
+        }
+        Err(_) => Ok(true),
+    }
+}
+
+/// Defect "foreign UCX clients": a UCX client that is not shardcx (here a plain endpoint of
+/// the ucx crate dialling the node's address, as `ucx_perftest` would) used to be accepted by
+/// the node's UCX listener and hang until its own timeout. Now it is refused at once; a
+/// client that connects and says nothing is closed at the accept deadline; beyond
+/// `max_half_open` connections being served, a new one is closed at once; every case is
+/// counted, and a real node connects afterwards.
+#[test]
+fn foreign_ucx_clients_are_refused_and_half_open_connections_capped() {
+    use shardcx_shards::ucx::{Config, Context, Features, Worker};
+    let _g = serial();
+    let accept_timeout = Duration::from_secs(1);
+    let b = node(B, KEY).net(NetConfig {
+        accept_timeout,
+        max_half_open: 3,
+        linger: Duration::from_millis(200),
+        ..NetConfig::default()
+    });
+    let (addr, done, h) = start_b_from(b);
+    // A raw UCX client: no bootstrap request, no handshake.
+    let ucx_client = std::thread::spawn(move || {
+        let mut cfg = Config::from_env().unwrap();
+        cfg.set("TLS", "tcp").unwrap();
+        let ctx = Context::new(&cfg, Features::messaging()).unwrap();
+        let worker = Worker::new(&ctx).unwrap();
+        let opts = EpOptions {
+            error_mode: ErrorMode::Peer,
+        };
+        let t0 = Instant::now();
+        let ep = Endpoint::connect(&worker, addr, opts).unwrap();
+        while ep.error().is_none() && t0.elapsed() < Duration::from_secs(10) {
+            worker.progress();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        (ep.error(), t0.elapsed())
+    });
+    let (err, took) = ucx_client.join().expect("UCX client panicked");
+    eprintln!("the raw UCX client's endpoint failed after {took:?}: {err:?}");
+    assert!(
+        err.is_some(),
+        "the raw UCX client's endpoint is still up after {took:?}"
+    );
+    assert!(
+        took < accept_timeout + Duration::from_millis(500),
+        "{took:?}"
+    );
+    // Three silent clients fill the cap; two more are closed at once.
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    let mut silent: Vec<_> = (0..3)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    for i in 0..2 {
+        let mut extra = std::net::TcpStream::connect(addr).unwrap();
+        let closed = closed_within(&mut extra, Duration::from_millis(500));
+        assert_eq!(closed, Ok(true), "connection {i} over the cap");
+    }
+    for (i, s) in silent.iter_mut().enumerate() {
+        let closed = closed_within(s, Duration::from_secs(3));
+        let at = t0.elapsed();
+        assert_eq!(closed, Ok(true), "silent connection {i}");
+        assert!(
+            at >= accept_timeout - Duration::from_millis(100)
+                && at < accept_timeout + Duration::from_millis(900),
+            "silent connection {i} closed after {at:?}"
+        );
+    }
+    // A node still gets in.
+    let (r, _) = timed_connect_from_shard_0(KEY, addr);
+    assert!(r.is_ok(), "{r:?}");
+    let reports = finish_b(&done, h);
+    let st = reports[0].stats;
+    assert_eq!(st.bootstraps_refused, 1, "{st:?}");
+    assert_eq!(st.bootstraps_timed_out, 3, "{st:?}");
+    assert_eq!(st.bootstraps_over_cap, 2, "{st:?}");
+    assert_eq!(st.bootstraps_served, 1, "{st:?}");
 }

@@ -19,7 +19,8 @@ use common::{
     ShardReport, A, B, LIMIT,
 };
 use shardcx_shards::net::{
-    frame_am_header, Dest, Directory, Frame, DATA_AM, DIRECTORY_AM, FRAME_AM,
+    bootstrap::fetch_directory_blocking, frame_am_header, Dest, Directory, Frame, NetConfig,
+    DATA_AM, FRAME_AM,
 };
 use shardcx_shards::proto::handshake::{HandshakeMessage, RejectReason, SESSION_SECRET_LEN};
 use shardcx_shards::proto::wire::{decode_frame, MAX_WIRE_VERSION};
@@ -460,15 +461,6 @@ fn intrude(addr: SocketAddr, forgeries: Vec<Forgery>) -> Answers {
         cfg.set("TLS", "tcp").unwrap();
         let ctx = Context::new(&cfg, UcxFeatures::messaging()).unwrap();
         let worker = Worker::new(&ctx).unwrap();
-        let dirs: Rc<std::cell::RefCell<Vec<Vec<u8>>>> = Rc::default();
-        let d = dirs.clone();
-        worker
-            .set_am_handler(DIRECTORY_AM, move |_, p| {
-                if let AmPayload::Data(data) = p {
-                    d.borrow_mut().push(data.into_vec());
-                }
-            })
-            .unwrap();
         let got: Rc<std::cell::RefCell<Answers>> = Rc::default();
         let g = got.clone();
         worker
@@ -495,10 +487,7 @@ fn intrude(addr: SocketAddr, forgeries: Vec<Forgery>) -> Answers {
                 std::thread::sleep(Duration::from_micros(200));
             }
         };
-        let boot = Endpoint::connect(&worker, addr, opts).unwrap();
-        progress_for(Duration::from_secs(5), &|| !dirs.borrow().is_empty());
-        let dir = Directory::decode(&dirs.borrow()[0]).expect("a directory");
-        drop(boot);
+        let dir = fetch_directory_blocking(addr, Duration::from_secs(5)).expect("a directory");
         let me = worker.address().unwrap().as_bytes().to_vec();
         let mut eps: HashMap<ShardId, Endpoint> = HashMap::new();
         for f in forgeries {
@@ -840,6 +829,58 @@ fn a_forged_hello_leaves_the_authenticated_rail_alone() {
             "shard {s}: {st:?}"
         );
     }
+}
+
+/// Defect "foreign UCX clients", on the rails: `Hello`s from made-up nodes (an endpoint that
+/// cannot finish a handshake) open at most `max_half_open` rails per shard; the rest are
+/// dropped unanswered, and the rails they opened are closed at the handshake deadline, all
+/// counted.
+#[test]
+fn hellos_from_made_up_nodes_are_capped_per_shard_and_expire() {
+    let _g = serial();
+    // Shorter than the half second the intruder keeps its endpoints: the rails it opened
+    // end at their deadline, not because its endpoints went.
+    let handshake_timeout = Duration::from_millis(250);
+    let b = echo_server(B, 2, &Hits::default()).net(NetConfig {
+        handshake_timeout,
+        max_half_open: 2,
+        ..common::net_config()
+    });
+    let b = Server::start(b);
+    let made_up = |k: u64, dst: u16| Forgery::Hello {
+        claim: NodeId::new(0xF00D + k),
+        inc: Incarnation::new(1),
+        src: ShardId::new(dst),
+        dst: ShardId::new(dst),
+    };
+    // Five to shard 0 (three over the cap of two), one to shard 1.
+    let mut f: Vec<Forgery> = (0..5).map(|k| made_up(k, 0)).collect();
+    f.push(made_up(9, 1));
+    let t0 = Instant::now();
+    let answers = intrude(b.addr, f);
+    eprintln!("the intruder got back {answers:?}");
+    let welcomed = |s: u16| {
+        answers
+            .iter()
+            .filter(|a| a.0 == FrameKind::Welcome && a.1 == ShardId::new(s))
+            .count()
+    };
+    assert_eq!((welcomed(0), welcomed(1)), (2, 1), "{answers:?}");
+    // Past the handshake deadline (and a timer round).
+    let wait = (handshake_timeout + Duration::from_millis(400)).saturating_sub(t0.elapsed());
+    std::thread::sleep(wait);
+    let reports = b.stop();
+    let (s0, s1) = (reports[0].stats, reports[1].stats);
+    assert_eq!(
+        (s0.openings_over_cap, s0.handshakes_expired),
+        (3, 2),
+        "shard 0: {s0:?}"
+    );
+    assert_eq!(
+        (s1.openings_over_cap, s1.handshakes_expired),
+        (0, 1),
+        "shard 1: {s1:?}"
+    );
 }
 
 /// A node with another pre-shared key, connecting while A is connected, is refused; none of

@@ -30,8 +30,8 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
-use shardcx_shards::proto::ShardId;
-use shardcx_shards::{Placement, RemoteRegion, ShardCtx};
+use shardcx_shards::proto::{NodeId, ShardId};
+use shardcx_shards::{NetError, Placement, RemoteRegion, ShardCtx};
 
 use super::server::{TAG_PING, TAG_PONG, TAG_STOP, TAG_STREAM};
 use super::{
@@ -118,6 +118,9 @@ struct Waits {
     answered: Cell<u64>,
     /// Set by the watchdog: an answer is [`DEADLINE`] overdue, and every wait fails.
     overdue: Cell<bool>,
+    /// Set when this shard's connection to the server ends (see [`ShardCtx::on_peer_lost`]):
+    /// every wait fails with [`BenchError::PeerGone`].
+    lost: RefCell<Option<(NodeId, NetError)>>,
 }
 
 /// The `am-lat` ping-pong, driven by the echo-answer handler ([`on_echo_reply`]).
@@ -256,7 +259,7 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
             if r.is_err() {
                 gate.failed.store(true, Ordering::Release);
             }
-            r.map_err(|e| e.to_string())
+            r
         }
     })?;
     let mut per_shard: Vec<Vec<ShardFigures>> = Vec::with_capacity(cfg.shards);
@@ -264,13 +267,15 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
     for r in results {
         match r {
             Ok(v) => per_shard.push(v),
+            // A server that is gone explains the other shards' failures.
+            Err(e @ BenchError::PeerGone { .. }) => first_err = Some(e),
             Err(e) => {
                 first_err.get_or_insert(e);
             }
         }
     }
     if let Some(e) = first_err {
-        return Err(BenchError::Protocol(e));
+        return Err(e);
     }
     for (k, (test, size)) in plan.into_iter().enumerate() {
         let per_shard = per_shard.iter().filter_map(|v| v.get(k).cloned()).collect();
@@ -397,10 +402,37 @@ async fn shard_main(
     plan: &[(Test, usize)],
     gate: &Gate,
 ) -> Result<Vec<ShardFigures>, BenchError> {
-    let me = node.shard();
     let waits = WAITS.with(Rc::clone);
     waits.reset();
     let peer = node.connect_within(cfg.addr, DEADLINE).await?;
+    // A server that dies (or is stopped) fails what waits on it at once: the answers awaited
+    // here, and, through the shard's own failure of its requests, calls, receives and remote
+    // memory operations.
+    let (w, server) = (waits.clone(), peer.node_id());
+    node.shard_ctx().on_peer_lost(move |n, e| {
+        if n == Some(server) {
+            w.lost.borrow_mut().get_or_insert((server, e.clone()));
+            w.wake();
+        }
+    });
+    let r = shard_tests(node, cfg, plan, gate, peer, waits.clone()).await;
+    // Whatever failed first, a server that is gone is the reason.
+    match (r, waits.gone()) {
+        (Err(_), Some(gone)) => Err(gone),
+        (r, _) => r,
+    }
+}
+
+/// The tests of one shard, connected to the server `peer`.
+async fn shard_tests(
+    node: Node,
+    cfg: &ClientConfig,
+    plan: &[(Test, usize)],
+    gate: &Gate,
+    peer: Peer,
+    waits: Rc<Waits>,
+) -> Result<Vec<ShardFigures>, BenchError> {
+    let me = node.shard();
     let remote = node
         .shard_ctx()
         .session(peer.node_id())
@@ -487,6 +519,16 @@ impl Waits {
         self.waiting.set(false);
         self.answered.set(0);
         self.overdue.set(false);
+        self.lost.borrow_mut().take();
+    }
+
+    /// The error of a shard whose server is gone, if it is.
+    fn gone(&self) -> Option<BenchError> {
+        let lost = self.lost.borrow();
+        lost.as_ref().map(|(node, reason)| BenchError::PeerGone {
+            node: *node,
+            reason: reason.clone(),
+        })
     }
 
     /// Wakes the test task, if it waits.
@@ -508,6 +550,9 @@ impl Waits {
     async fn until(&self, what: &str, ready: impl Fn(&Waits) -> bool) -> Result<(), BenchError> {
         self.waiting.set(true);
         let r = poll_fn(|cx| {
+            if let Some(e) = self.gone() {
+                return Poll::Ready(Err(e));
+            }
             if let Some(e) = self.error.borrow_mut().take() {
                 return Poll::Ready(Err(BenchError::Protocol(e)));
             }

@@ -183,6 +183,15 @@ pub enum BenchError {
     /// The other side answered something unexpected, or nothing in time.
     #[error("{0}")]
     Protocol(String),
+    /// The server node went away (its heartbeats stopped, it closed, or its endpoint failed)
+    /// while the benchmark waited on it.
+    #[error("the server node {node} is gone: {reason}")]
+    PeerGone {
+        /// The server node.
+        node: shardcx_shards::proto::NodeId,
+        /// How its connection ended.
+        reason: shardcx_shards::NetError,
+    },
     /// Bad settings.
     #[error("{0}")]
     Config(String),

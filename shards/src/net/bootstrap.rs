@@ -1,15 +1,47 @@
 //! Bootstrap: the listener, the directory it serves, and connecting to a node by address.
+//!
+//! The listener is a plain TCP socket on shard 0, not a UCX listener: UCX 1.12's TCP
+//! connection manager trusts the length in the first bytes a client sends, and a connection
+//! whose bytes announce more than its buffer holds is never read again nor closed (its
+//! socket stays in `CLOSE_WAIT` for the worker's lifetime: any port scanner or confused client
+//! leaked one file descriptor per connection). Nothing from an unauthenticated client reaches
+//! UCX here until it connects to a worker by the address the directory gives.
+//!
+//! On the wire: the client sends [`BOOTSTRAP_REQUEST`] (8 bytes); the listener answers with
+//! the directory's length (`u32`, little-endian) and the directory ([`Directory::encode`]),
+//! and closes. A connection whose first bytes are anything else is closed at once
+//! ([`NetStats::bootstraps_refused`]); one that sends nothing within
+//! [`NetConfig::accept_timeout`] is closed then ([`NetStats::bootstraps_timed_out`]); while
+//! [`NetConfig::max_half_open`] connections are being served, a new one is closed as soon as
+//! it is accepted ([`NetStats::bootstraps_over_cap`]).
+//!
+//! [`NetStats::bootstraps_refused`]: super::NetStats::bootstraps_refused
+//! [`NetStats::bootstraps_timed_out`]: super::NetStats::bootstraps_timed_out
+//! [`NetStats::bootstraps_over_cap`]: super::NetStats::bootstraps_over_cap
+//! [`NetConfig::accept_timeout`]: super::NetConfig::accept_timeout
+//! [`NetConfig::max_half_open`]: super::NetConfig::max_half_open
 
+use std::cell::Cell;
 use std::net::SocketAddr;
 use std::rc::{Rc, Weak};
+use std::time::{Duration, Instant};
 
-use futures_lite::future;
+use futures_lite::{future, AsyncReadExt, AsyncWriteExt};
+use glommio::net::{TcpListener, TcpStream};
 use glommio::timer::sleep;
 
-use super::{session, NetError, Reader, RemoteNode, DIRECTORY_AM, MAX_ADDR_LEN};
+use super::{session, NetError, Reader, RemoteNode, MAX_ADDR_LEN};
 use crate::boot::ShardCtx;
 use crate::proto::{Incarnation, NodeId, ShardId};
-use crate::ucx::{AmProto, Endpoint, EpOptions, ErrorMode, Listener, WorkerAddress};
+use crate::ucx::WorkerAddress;
+
+/// What a client sends first on a bootstrap connection: magic and version.
+pub const BOOTSTRAP_REQUEST: [u8; 8] = *b"SCXB\x01\0\0\0";
+/// Longest directory a client accepts (a directory of [`MAX_SHARDS`] workers with addresses of
+/// 1 KiB fits).
+///
+/// [`MAX_SHARDS`]: crate::proto::shard_map::MAX_SHARDS
+pub const MAX_DIRECTORY_LEN: usize = 8 << 20;
 
 const DIRECTORY_MAGIC: u32 = u32::from_le_bytes(*b"SCXD");
 
@@ -25,7 +57,7 @@ pub struct Directory {
 }
 
 impl Directory {
-    /// The directory as bytes (the payload of [`DIRECTORY_AM`]).
+    /// The directory as bytes (the listener's reply, after its length).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         out.extend_from_slice(&DIRECTORY_MAGIC.to_le_bytes());
@@ -79,13 +111,24 @@ impl Directory {
 /// On shard 0 of a listening node: gathers the directory and starts the listener.
 pub(super) async fn listen(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
     let shard = ctx.id().index();
-    let ucx = |source| crate::BootError::Ucx { shard, source };
     let net = ctx.net();
     if shard == 0 {
         if let Some(addr) = net.settings.listen {
             let dir = gather_directory(ctx).await?;
-            let listener = Listener::bind(ctx.worker(), addr).map_err(ucx)?;
-            let local = listener.local_addr().map_err(ucx)?;
+            fn failed(addr: SocketAddr) -> impl Fn(&dyn std::fmt::Display) -> crate::BootError {
+                move |e| crate::BootError::Listen {
+                    shard: 0,
+                    reason: format!("cannot listen on {addr}: {e}"),
+                }
+            }
+            // glommio binds with SO_REUSEPORT, which would let a second node share a port by
+            // mistake: a plain bind first refuses a port that is taken. (A node racing this
+            // one to the same port between the two binds is not caught.)
+            if addr.port() != 0 {
+                drop(std::net::TcpListener::bind(addr).map_err(|e| failed(addr)(&e))?);
+            }
+            let listener = TcpListener::bind(addr).map_err(|e| failed(addr)(&e))?;
+            let local = listener.local_addr().map_err(|e| failed(addr)(&e))?;
             let _ = net.settings.listen_addr.set(local);
             let task = glommio::spawn_local(accept_loop(Rc::downgrade(ctx), listener, dir));
             *net.acceptor.borrow_mut() = Some(task);
@@ -115,48 +158,100 @@ async fn gather_directory(ctx: &Rc<ShardCtx>) -> Result<Rc<Vec<u8>>, crate::Boot
         node_id: ctx.node_id(),
         incarnation: ctx.incarnation(),
         workers,
-    };
-    Ok(Rc::new(dir.encode()))
+    }
+    .encode();
+    // The reply as sent: its length, then the directory.
+    let len = u32::try_from(dir.len()).unwrap_or(u32::MAX);
+    let mut reply = Vec::with_capacity(4 + dir.len());
+    reply.extend_from_slice(&len.to_le_bytes());
+    reply.extend_from_slice(&dir);
+    Ok(Rc::new(reply))
 }
 
-async fn accept_loop(ctx: Weak<ShardCtx>, listener: Listener, dir: Rc<Vec<u8>>) {
+/// How one bootstrap connection ended, on the listening side.
+enum Served {
+    /// The client closed it (after its directory, if it was answered).
+    Closed,
+    /// Its first bytes were not [`BOOTSTRAP_REQUEST`]: a foreign client, or garbage.
+    Refused,
+    /// No request within [`NetConfig::accept_timeout`](super::NetConfig::accept_timeout).
+    TimedOut,
+}
+
+/// How long the accept loop pauses after a failed `accept` (out of file descriptors, say),
+/// so that it does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+async fn accept_loop(ctx: Weak<ShardCtx>, listener: TcpListener, reply: Rc<Vec<u8>>) {
+    // Bootstrap connections being served (half-open: no directory sent yet).
+    let live = Rc::new(Cell::new(0usize));
     loop {
-        let request = listener.accept().await;
+        let accepted = listener.accept().await;
         let Some(c) = ctx.upgrade() else { return };
-        let linger = c.net().settings.cfg.connect_timeout;
-        let opts = EpOptions {
-            error_mode: ErrorMode::Peer,
+        let stream = match accepted {
+            Ok(s) => s,
+            Err(_) => {
+                drop(c);
+                sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
         };
-        let Ok(ep) = Endpoint::accept(c.worker(), request, opts) else {
+        let net = c.net();
+        if live.get() >= net.settings.cfg.max_half_open {
+            // Closed at once, before anything is read.
+            net.count(|s| s.bootstraps_over_cap += 1);
+            drop(stream);
             continue;
-        };
-        let payload = dir.as_ref().clone();
-        let weak = ctx.clone();
+        }
+        live.set(live.get() + 1);
+        let deadline = net.settings.cfg.accept_timeout;
+        let (weak, live, reply) = (ctx.clone(), live.clone(), reply.clone());
         drop(c);
         glommio::spawn_local(async move {
-            let send = ep.am_send(DIRECTORY_AM, &[], payload, AmProto::Eager);
-            if let Some(c) = weak.upgrade() {
-                c.wake_driver();
+            let mut stream = stream;
+            let answered = Cell::new(false);
+            let outcome = future::or(serve_one(&mut stream, &reply, &answered), async {
+                sleep(deadline).await;
+                Served::TimedOut
+            })
+            .await;
+            if !matches!(outcome, Served::Closed) {
+                // This side closes first: with a reset, so that no TIME_WAIT holds the port
+                // (a node restarting on it could not bind it for a minute).
+                let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
             }
-            let (res, _payload) = send.await;
-            if res.is_ok() {
-                let _ = future::or(ep.flush(), async {
-                    sleep(linger).await;
-                    Ok(())
-                })
-                .await;
-                // Keep the endpoint until the client leaves (or the timeout), so that a close
-                // from this side cannot overtake the directory.
-                future::or(
-                    async {
-                        ep.failed().await;
-                    },
-                    sleep(linger),
-                )
-                .await;
+            drop(stream);
+            live.set(live.get() - 1);
+            if let Some(c) = weak.upgrade() {
+                c.net().count(|s| match outcome {
+                    _ if answered.get() => s.bootstraps_served += 1,
+                    Served::Refused | Served::Closed => s.bootstraps_refused += 1,
+                    Served::TimedOut => s.bootstraps_timed_out += 1,
+                });
             }
         })
         .detach();
+    }
+}
+
+/// Reads the client's request, answers it with the directory (then sets `answered`), and
+/// waits for the client to close first.
+async fn serve_one(stream: &mut TcpStream, reply: &[u8], answered: &Cell<bool>) -> Served {
+    let mut request = [0u8; BOOTSTRAP_REQUEST.len()];
+    if stream.read_exact(&mut request).await.is_err() || request != BOOTSTRAP_REQUEST {
+        return Served::Refused;
+    }
+    if stream.write_all(reply).await.is_err() || stream.flush().await.is_err() {
+        return Served::Refused;
+    }
+    answered.set(true);
+    let mut rest = [0u8; 64];
+    loop {
+        match stream.read(&mut rest).await {
+            Ok(0) | Err(_) => return Served::Closed,
+            // Nothing more is expected: whatever comes is read and dropped.
+            Ok(_) => {}
+        }
     }
 }
 
@@ -166,42 +261,12 @@ impl ShardCtx {
     ///
     /// [`NetConfig::connect_timeout`]: super::NetConfig::connect_timeout
     pub async fn bootstrap(&self, addr: SocketAddr) -> Result<Directory, NetError> {
-        let net = self.net();
-        let _permit = net
-            .bootstrap_lock
-            .acquire_permit(1)
-            .await
-            .map_err(|_| NetError::ShuttingDown)?;
-        while net.directories.try_next().is_some() {}
-        let opts = EpOptions {
-            error_mode: ErrorMode::Peer,
-        };
-        let ep = Endpoint::connect(self.worker(), addr, opts)
-            .map_err(|source| NetError::Unreachable { addr, source })?;
-        self.wake_driver();
-        enum Outcome {
-            Dir(Option<Vec<u8>>),
-            Failed(crate::ucx::Error),
-            Timeout,
-        }
-        let timeout = net.settings.cfg.connect_timeout;
-        let outcome = future::or(
-            async { Outcome::Dir(net.directories.next().await) },
-            future::or(async { Outcome::Failed(ep.failed().await) }, async {
-                sleep(timeout).await;
-                Outcome::Timeout
-            }),
-        )
-        .await;
-        drop(ep);
-        match outcome {
-            Outcome::Dir(Some(bytes)) => {
-                Directory::decode(&bytes).ok_or(NetError::BadDirectory { addr })
-            }
-            Outcome::Dir(None) => Err(NetError::ShuttingDown),
-            Outcome::Failed(source) => Err(NetError::Unreachable { addr, source }),
-            Outcome::Timeout => Err(NetError::TimedOut { what: "bootstrap" }),
-        }
+        let timeout = self.net().settings.cfg.connect_timeout;
+        future::or(fetch(addr), async {
+            sleep(timeout).await;
+            Err(NetError::TimedOut { what: "bootstrap" })
+        })
+        .await
     }
 
     /// Connects this node to the node listening at `addr`, from any shard: bootstraps from this
@@ -238,6 +303,68 @@ impl ShardCtx {
         }
         self.session(node).ok_or(NetError::NotConnected { node })
     }
+}
+
+/// One bootstrap from this shard (unbounded in time: [`ShardCtx::bootstrap`] bounds it).
+async fn fetch(addr: SocketAddr) -> Result<Directory, NetError> {
+    let unreachable = |e: std::io::Error| NetError::Unreachable {
+        addr,
+        kind: e.kind(),
+    };
+    let mut stream = TcpStream::connect(addr)
+        .await
+        .map_err(|e| unreachable(e.into()))?;
+    stream
+        .write_all(&BOOTSTRAP_REQUEST)
+        .await
+        .map_err(unreachable)?;
+    stream.flush().await.map_err(unreachable)?;
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await.map_err(unreachable)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_DIRECTORY_LEN {
+        return Err(NetError::BadDirectory { addr });
+    }
+    let mut bytes = vec![0u8; len];
+    stream.read_exact(&mut bytes).await.map_err(unreachable)?;
+    Directory::decode(&bytes).ok_or(NetError::BadDirectory { addr })
+}
+
+/// Fetches the directory of the node listening at `addr` with blocking socket calls, within
+/// `timeout` (for tools and tests outside a shard: the node does the same from a shard with
+/// [`ShardCtx::bootstrap`]).
+pub fn fetch_directory_blocking(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<Directory, NetError> {
+    use std::io::{Read, Write};
+    let deadline = Instant::now() + timeout;
+    let unreachable = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            NetError::TimedOut { what: "bootstrap" }
+        }
+        kind => NetError::Unreachable { addr, kind },
+    };
+    let left = || {
+        deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or(NetError::TimedOut { what: "bootstrap" })
+    };
+    let mut s = std::net::TcpStream::connect_timeout(&addr, left()?).map_err(unreachable)?;
+    s.set_write_timeout(Some(left()?)).map_err(unreachable)?;
+    s.write_all(&BOOTSTRAP_REQUEST).map_err(unreachable)?;
+    let mut len = [0u8; 4];
+    s.set_read_timeout(Some(left()?)).map_err(unreachable)?;
+    s.read_exact(&mut len).map_err(unreachable)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_DIRECTORY_LEN {
+        return Err(NetError::BadDirectory { addr });
+    }
+    let mut bytes = vec![0u8; len];
+    s.set_read_timeout(Some(left()?)).map_err(unreachable)?;
+    s.read_exact(&mut bytes).map_err(unreachable)?;
+    Directory::decode(&bytes).ok_or(NetError::BadDirectory { addr })
 }
 
 #[cfg(test)]

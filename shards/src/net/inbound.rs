@@ -13,8 +13,8 @@ use super::buffers::{recv_vec, RecycledBuf};
 use super::request::{is_reply_kind, is_request_kind, reply_fits};
 use super::session::{self, accept_opening};
 use super::{
-    parse_am_header, NetError, NetState, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, DIRECTORY_AM,
-    FRAME_AM, MAX_ADDR_LEN, MAX_USER_HEADER,
+    parse_am_header, NetError, NetState, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, FRAME_AM,
+    MAX_ADDR_LEN, MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
 use crate::driver::{DispatchHook, Dispatched};
@@ -341,14 +341,6 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
                 Err(_) => Inbound::Malformed,
             };
             inbox.borrow_mut().push_back(item);
-        })
-        .map_err(ucx)?;
-    let dirs = net.directories.clone();
-    ctx.worker()
-        .set_am_handler(DIRECTORY_AM, move |_header, payload| {
-            if let AmPayload::Data(d) = payload {
-                dirs.push(d.into_vec());
-            }
         })
         .map_err(ucx)?;
     Ok(())

@@ -23,17 +23,16 @@
 //!
 //! ## Connecting
 //!
-//! 1. **Bootstrap.** Shard 0 of a node built with [`crate::ShardsBuilder::listen`] binds a UCX
-//!    [`Listener`](crate::ucx::Listener) (this needs the `tcp` transport in UCX 1.12). Before
-//!    the user future starts it gathers every shard's worker address (one forward per shard)
-//!    into a [`Directory`] (node id, incarnation, shard count, worker addresses). On every
-//!    accepted connection it sends the directory as active message [`DIRECTORY_AM`], flushes,
-//!    and drops the endpoint when the client goes or after the connect timeout.
-//!    [`ShardCtx::bootstrap`] opens an endpoint to the listener from the calling shard and
-//!    waits, within [`NetConfig::connect_timeout`], for the directory, for the endpoint's error
-//!    ([`NetError::Unreachable`]) or for the deadline ([`NetError::TimedOut`]). UCX AM handlers
-//!    do not say which endpoint a message came from, so bootstraps are serialised per shard
-//!    (one in flight at a time) and the reply is unambiguous.
+//! 1. **Bootstrap.** Shard 0 of a node built with [`crate::ShardsBuilder::listen`] listens on a
+//!    plain TCP socket (not a UCX listener: see [`bootstrap`] for why). Before the user future
+//!    starts it gathers every shard's worker address (one forward per shard) into a
+//!    [`Directory`] (node id, incarnation, shard count, worker addresses). A client sends
+//!    [`bootstrap::BOOTSTRAP_REQUEST`] and gets the directory back; anything else, or nothing
+//!    within [`NetConfig::accept_timeout`], gets the connection closed (and counted), and at
+//!    most [`NetConfig::max_half_open`] bootstrap connections are served at once.
+//!    [`ShardCtx::bootstrap`] fetches a directory from the calling shard within
+//!    [`NetConfig::connect_timeout`] ([`NetError::Unreachable`] when nothing answers,
+//!    [`NetError::TimedOut`] at the deadline).
 //! 2. **Rails.** [`ShardCtx::connect`] asks local shard 0 to establish the node pair: a
 //!    primary handshake on its default rail, then a join on every other shard's rails. Each
 //!    rail's client connects to the remote shard by worker address and runs a client
@@ -146,7 +145,7 @@
 //! UCX 1.12's shared-memory transports cannot detect a failed peer, so endpoints use
 //! [`ErrorMode::Peer`] when the transport list contains `tcp` (or is not set) and
 //! [`ErrorMode::None`] otherwise; heartbeats detect dead peers in both cases. The bootstrap
-//! endpoints always use [`ErrorMode::Peer`]: a socket-address connect needs `tcp` anyway.
+//! is a plain TCP exchange outside UCX, so any transport list can connect.
 //!
 //! ## Limits (what is not here yet)
 //!
@@ -168,7 +167,9 @@
 //!   (UCX may still write it; it is dropped once UCX lets go).
 //! - Rendezvous data arrives in order of its headers, but a rendezvous handler's `on_data`
 //!   may run after handlers of frames that arrived later.
-//! - Half-open handshakes from unauthenticated nodes are not capped in number.
+//! - Half-open handshakes are capped per shard ([`NetConfig::max_half_open`]): a flood of
+//!   `Hello`s from made-up nodes can keep a legitimate new node out until their handshake
+//!   deadline passes, but cannot exhaust the shard's endpoints.
 //! - UCX 1.12 takes no memory handle per operation (`UCP_OP_ATTR_FIELD_MEMH` came later):
 //!   registered buffers are found by UCX's registration cache.
 
@@ -194,7 +195,6 @@ use std::rc::Rc;
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-use glommio::sync::Semaphore;
 use glommio::timer::sleep;
 use glommio::Task;
 
@@ -215,8 +215,6 @@ use inbound::{FrameHandler, Inbound, RndvHandler};
 use request::Pending;
 use session::PeerRails;
 
-/// UCX active-message id of the bootstrap directory (listener → client).
-pub const DIRECTORY_AM: AmIdRaw = 0x5C00;
 /// UCX active-message id of control frames between connected nodes (see the module docs).
 pub const FRAME_AM: AmIdRaw = 0x5C01;
 /// UCX active-message id of application frames, eager or rendezvous (see the module docs).
@@ -243,6 +241,14 @@ const MAX_ADDR_LEN: usize = 64 << 10;
 pub struct NetConfig {
     /// Time allowed for a bootstrap (listener connect and directory), default 5 s.
     pub connect_timeout: Duration,
+    /// Time a client connected to the listener has to send its bootstrap request before the
+    /// listener closes the connection ([`NetStats::bootstraps_timed_out`]), default 3 s.
+    pub accept_timeout: Duration,
+    /// Most half-open connections per shard: bootstrap connections the listener is serving,
+    /// and, on each shard, rails opened by a `Hello` whose handshake is not complete. Beyond
+    /// it a new bootstrap connection is closed at once ([`NetStats::bootstraps_over_cap`])
+    /// and a new `Hello` is dropped unanswered ([`NetStats::openings_over_cap`]). Default 64.
+    pub max_half_open: usize,
     /// Time allowed for the handshake, default 5 s.
     pub handshake_timeout: Duration,
     /// Heartbeat interval on ready connections, default 100 ms.
@@ -376,6 +382,23 @@ pub struct NetStats {
     pub rndv_recycled: u64,
     /// ... into a vector allocated for it (the cache had none of its size class idle).
     pub rndv_allocated: u64,
+    /// Bootstrap connections answered with the directory (on the listening shard).
+    pub bootstraps_served: u64,
+    /// Bootstrap connections closed because their first bytes were not a bootstrap request
+    /// (a foreign client, a UCX client dialling the port, garbage).
+    pub bootstraps_refused: u64,
+    /// Bootstrap connections closed because no request came within
+    /// [`NetConfig::accept_timeout`].
+    pub bootstraps_timed_out: u64,
+    /// Bootstrap connections closed as soon as accepted: [`NetConfig::max_half_open`] were
+    /// being served.
+    pub bootstraps_over_cap: u64,
+    /// `Hello`s dropped unanswered (no endpoint made) because this shard had
+    /// [`NetConfig::max_half_open`] rails whose server handshake was not complete.
+    pub openings_over_cap: u64,
+    /// Rails opened by a peer whose handshake did not complete within
+    /// [`NetConfig::handshake_timeout`]; their endpoints were closed.
+    pub handshakes_expired: u64,
 }
 
 /// Node identity and settings, resolved once in [`crate::ShardsBuilder::run`]; `Send`.
@@ -419,8 +442,6 @@ pub(crate) struct NetState {
     /// What UCX's callbacks (and the sender tasks) recorded, in arrival order, for the
     /// driver's dispatch ([`inbound`]).
     inbox: Rc<RefCell<VecDeque<Inbound>>>,
-    directories: Rc<Queue<Vec<u8>>>,
-    bootstrap_lock: Semaphore,
     // Looked up once per frame: hashed with proto's keyed multiply-fold hash rather than
     // SipHash (keys from the network; one random key per shard, see `DedupHasher`).
     peers: RefCell<HashMap<NodeId, PeerRails, DedupHasher>>,
@@ -479,6 +500,8 @@ impl Default for NetConfig {
     fn default() -> Self {
         Self {
             connect_timeout: Duration::from_secs(5),
+            accept_timeout: Duration::from_secs(3),
+            max_half_open: 64,
             handshake_timeout: Duration::from_secs(5),
             heartbeat_interval: Duration::from_millis(100),
             suspect_after: 3,
@@ -638,8 +661,6 @@ impl NetState {
             epoch: Instant::now(),
             my_address: worker.address()?.as_bytes().to_vec(),
             inbox: Rc::new(RefCell::new(VecDeque::new())),
-            directories: Queue::new(),
-            bootstrap_lock: Semaphore::new(1),
             limits,
             peers: RefCell::new(HashMap::with_hasher(hasher.clone())),
             establishing: RefCell::new(HashMap::new()),

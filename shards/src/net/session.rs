@@ -167,6 +167,14 @@ pub(super) fn accept_opening(
         net.count(|s| s.dropped_unauthenticated += 1);
         return false;
     };
+    if matches!(msg, HandshakeMessage::Hello(_)) && half_open(net) >= net.settings.cfg.max_half_open
+    {
+        // No endpoint is made for it and nothing is answered: whoever sends `Hello`s from
+        // made-up nodes holds at most `max_half_open` endpoints of this shard, each until its
+        // handshake deadline.
+        net.count(|s| s.openings_over_cap += 1);
+        return false;
+    }
     let Ok(seeds) = seeds() else {
         return false;
     };
@@ -220,6 +228,16 @@ pub(super) fn accept_opening(
     insert_rail(ctx, net, node, count, header.src_shard, conn, ep);
     net.rearm();
     true
+}
+
+/// Rails of this shard opened by a peer's `Hello` whose handshake is not complete.
+fn half_open(net: &NetState) -> usize {
+    net.peers
+        .borrow()
+        .values()
+        .flat_map(|p| p.rails.iter())
+        .filter(|r| r.conn.role() == Role::Server && r.conn.state() == State::Connecting)
+        .count()
 }
 
 /// Sends a refusal on an endpoint of its own, then drops it.
@@ -340,7 +358,7 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
         };
         r.out.push(Outbound::Control(header, payload));
     }
-    let (mut handshakes, mut joins) = (0, 0);
+    let (mut handshakes, mut joins, mut expired) = (0, 0, 0);
     // Why the requests pending on this rail are lost, if they are.
     let mut lost = None;
     while let Some(ev) = r.conn.poll_event() {
@@ -370,6 +388,11 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
                 }
             }
             Event::Failed { reason } => {
+                if r.conn.role() == Role::Server
+                    && matches!(reason, FailReason::Handshake(HandshakeError::Timeout))
+                {
+                    expired += 1;
+                }
                 let err = fail_error(node, reason);
                 tracing::warn!(node = %node, remote_shard = remote.get(), error = %err, "rail failed");
                 for w in r.waiters.drain(..) {
@@ -402,10 +425,11 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
         None
     };
     drop(peers);
-    if handshakes + joins > 0 {
+    if handshakes + joins + expired > 0 {
         net.count(|s| {
             s.handshakes += handshakes;
             s.joins += joins;
+            s.handshakes_expired += expired;
         });
     }
     if !gone && due.is_some_and(|t| t < net.timer_at.get()) {
