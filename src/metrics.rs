@@ -16,6 +16,8 @@
 //! | `shardcx_rendezvous_received` | counter | frames received by rendezvous, by `into` (`pool`, `recycled`, `allocated`, `declined`) |
 //! | `shardcx_handler_panics` | counter | handler calls that panicked |
 //! | `shardcx_handshakes`, `shardcx_rail_joins`, `shardcx_rail_join_retries` | counter | sessions and rails formed |
+//! | `shardcx_bootstraps` | counter | connections to the listener's port, by `outcome` (`served`, `refused`, `timed_out`, `over_cap`) |
+//! | `shardcx_openings_over_cap`, `shardcx_handshakes_expired` | counter | half-open handshakes refused at the cap, and expired |
 //! | `shardcx_rpc_calls` | counter | RPC requests served, by `outcome` |
 //! | `shardcx_rpc_cancels_sent` | counter | cancel frames sent for calls given up |
 //! | `shardcx_mesh_taken` | counter | cross-shard lane messages, by `by` (`driver`, `task`) |
@@ -250,6 +252,35 @@ impl Collector for ShardsCollector {
             "Rails that joined a session.",
             Counter,
             &one(|s| s.net.joins),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_bootstraps",
+            "Connections to the listener's port (on the listening shard), by outcome: served the directory, refused (not a bootstrap request: garbage, a foreign client), timed out (silent), over the half-open cap.",
+            Counter,
+            &per(&|s| {
+                let n = &s.net;
+                vec![
+                    (Some(("outcome", "served")), n.bootstraps_served),
+                    (Some(("outcome", "refused")), n.bootstraps_refused),
+                    (Some(("outcome", "timed_out")), n.bootstraps_timed_out),
+                    (Some(("outcome", "over_cap")), n.bootstraps_over_cap),
+                ]
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_openings_over_cap",
+            "Hellos dropped unanswered: the shard had max_half_open handshakes under way.",
+            Counter,
+            &one(|s| s.net.openings_over_cap),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_handshakes_expired",
+            "Rails opened by a peer whose handshake did not complete in time (endpoint closed).",
+            Counter,
+            &one(|s| s.net.handshakes_expired),
         )?;
         family(
             &mut encoder,

@@ -302,8 +302,17 @@ fn a_node_logs_sessions_and_refused_handshakes() {
     let refused = bench(&["--psk-file", key.to_str().unwrap()]);
     let _ = std::fs::remove_file(&key);
     assert!(!refused.status.success());
+    // Garbage on the listener's port: refused, and reported (rate-limited) within a second.
+    {
+        use std::io::Write as _;
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let _ = s.write_all(&[0x5a; 64]);
+    }
     let until = Instant::now() + Duration::from_secs(10);
-    while !log.lock().unwrap().contains("BadProof") && Instant::now() < until {
+    while !(log.lock().unwrap().contains("BadProof")
+        && log.lock().unwrap().contains("bootstraps_refused=1"))
+        && Instant::now() < until
+    {
         std::thread::sleep(Duration::from_millis(50));
     }
     drop(child.stdin.take());
@@ -320,6 +329,12 @@ fn a_node_logs_sessions_and_refused_handshakes() {
         log.lines().any(|l| l.contains(" WARN shard{id=")
             && l.contains("rail failed")
             && l.contains("BadProof")),
+        "{log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains(" WARN shard{id=0}")
+            && l.contains("frames dropped or refused")
+            && l.contains("bootstraps_refused=1")),
         "{log}"
     );
     assert!(

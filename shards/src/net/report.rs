@@ -14,7 +14,7 @@ use crate::boot::ShardCtx;
 pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(1);
 
 /// The counters reported, with their names in the log line.
-fn problems(s: &NetStats) -> [(&'static str, u64); 11] {
+fn problems(s: &NetStats) -> [(&'static str, u64); 15] {
     [
         ("unauthenticated", s.dropped_unauthenticated),
         ("malformed", s.dropped_malformed),
@@ -27,6 +27,10 @@ fn problems(s: &NetStats) -> [(&'static str, u64); 11] {
         ("declined", s.declined),
         ("handler_panics", s.handler_panics),
         ("dispatch_budget_hits", s.dispatch_budget_hits),
+        ("bootstraps_refused", s.bootstraps_refused),
+        ("bootstraps_timed_out", s.bootstraps_timed_out),
+        ("bootstraps_over_cap", s.bootstraps_over_cap),
+        ("openings_over_cap", s.openings_over_cap),
     ]
 }
 
