@@ -33,8 +33,7 @@ const ECHO: AmId = AmId::new(1);
 const REPLY: AmId = AmId::new(2);
 
 struct Opts {
-    listen: Option<SocketAddr>,
-    connect: Option<SocketAddr>,
+    role: cli::Role,
     serve_for: Duration,
     count: u32,
     size: usize,
@@ -68,8 +67,7 @@ struct Args {
 fn opts() -> Opts {
     let a = <Args as clap::Parser>::parse();
     Opts {
-        listen: a.role.listen,
-        connect: a.role.connect,
+        role: a.role,
         serve_for: a.serve_for,
         count: a.count,
         size: a.size,
@@ -208,32 +206,10 @@ fn client(o: &Opts, addr: SocketAddr) {
 
 fn main() {
     let o = opts();
-    match (o.listen, o.connect) {
-        (Some(addr), None) => {
-            let (tx, rx) = mpsc::channel();
-            let stop = Arc::new(AtomicBool::new(false));
-            std::thread::scope(|s| {
-                s.spawn(|| serve(&o, addr, tx, stop.clone()));
-                if let Ok(a) = rx.recv_timeout(Duration::from_secs(30)) {
-                    println!("listening on {a} for {:?}", o.serve_for);
-                }
-            });
-        }
-        (None, Some(addr)) => client(&o, addr),
-        (None, None) => {
-            let (tx, rx) = mpsc::channel();
-            let stop = Arc::new(AtomicBool::new(false));
-            std::thread::scope(|s| {
-                let server_stop = stop.clone();
-                let o = &o;
-                s.spawn(move || serve(o, "127.0.0.1:0".parse().unwrap(), tx, server_stop));
-                let addr = rx
-                    .recv_timeout(Duration::from_secs(30))
-                    .expect("server did not start");
-                client(o, addr);
-                stop.store(true, Ordering::Release);
-            });
-        }
-        (Some(_), Some(_)) => unreachable!("clap refuses --listen with --connect"),
-    }
+    cli::run_role(
+        &o.role,
+        o.serve_for,
+        |addr, bound, stop| serve(&o, addr, bound, stop),
+        |addr| client(&o, addr),
+    );
 }

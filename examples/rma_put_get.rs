@@ -76,8 +76,7 @@ const LARGE: usize = 64 << 10;
 const ANSWER_LIMIT: Duration = Duration::from_secs(5);
 
 struct Opts {
-    listen: Option<SocketAddr>,
-    connect: Option<SocketAddr>,
+    role: cli::Role,
     serve_for: Duration,
     count: u32,
     size: usize,
@@ -133,8 +132,7 @@ fn opts() -> Opts {
     }
     let size = a.size.unwrap_or(8);
     Opts {
-        listen: a.role.listen,
-        connect: a.role.connect,
+        role: a.role,
         serve_for: a.serve_for,
         count: a.count.unwrap_or(if a.trusted { 1000 } else { 10_000 }),
         size,
@@ -611,32 +609,10 @@ async fn refusals(peer: Peer, rx: &LocalReceiver<OwnedAmMsg>, me: ShardId, old: 
 
 fn main() {
     let o = opts();
-    match (o.listen, o.connect) {
-        (Some(addr), None) => {
-            let (tx, rx) = mpsc::channel();
-            let stop = Arc::new(AtomicBool::new(false));
-            std::thread::scope(|s| {
-                s.spawn(|| serve(&o, addr, tx, stop.clone()));
-                if let Ok(a) = rx.recv_timeout(Duration::from_secs(30)) {
-                    println!("listening on {a} for {:?}", o.serve_for);
-                }
-            });
-        }
-        (None, Some(addr)) => client(&o, addr),
-        (None, None) => {
-            let (tx, rx) = mpsc::channel();
-            let stop = Arc::new(AtomicBool::new(false));
-            std::thread::scope(|s| {
-                let server_stop = stop.clone();
-                let o = &o;
-                s.spawn(move || serve(o, "127.0.0.1:0".parse().unwrap(), tx, server_stop));
-                let addr = rx
-                    .recv_timeout(Duration::from_secs(30))
-                    .expect("server did not start");
-                client(o, addr);
-                stop.store(true, Ordering::Release);
-            });
-        }
-        (Some(_), Some(_)) => unreachable!("clap refuses --listen with --connect"),
-    }
+    cli::run_role(
+        &o.role,
+        o.serve_for,
+        |addr, bound, stop| serve(&o, addr, bound, stop),
+        |addr| client(&o, addr),
+    );
 }

@@ -40,8 +40,7 @@ const STOP: u64 = 3 << 12;
 const STREAM_MASK: u64 = 0xFFF;
 
 struct Opts {
-    listen: Option<SocketAddr>,
-    connect: Option<SocketAddr>,
+    role: cli::Role,
     serve_for: Duration,
     count: u32,
     size: usize,
@@ -75,8 +74,7 @@ struct Args {
 fn opts() -> Opts {
     let a = <Args as clap::Parser>::parse();
     let o = Opts {
-        listen: a.role.listen,
-        connect: a.role.connect,
+        role: a.role,
         serve_for: a.serve_for,
         count: a.count,
         size: a.size,
@@ -231,28 +229,11 @@ fn client(o: &Opts, addr: SocketAddr) {
 
 fn main() {
     let o = opts();
-    match (o.listen, o.connect) {
-        (Some(addr), None) => {
-            let (tx, rx) = mpsc::channel();
-            std::thread::scope(|s| {
-                s.spawn(|| serve(&o, addr, tx));
-                if let Ok(a) = rx.recv_timeout(Duration::from_secs(30)) {
-                    println!("listening on {a} for {:?}", o.serve_for);
-                }
-            });
-        }
-        (None, Some(addr)) => client(&o, addr),
-        (None, None) => {
-            let (tx, rx) = mpsc::channel();
-            std::thread::scope(|s| {
-                let o = &o;
-                s.spawn(move || serve(o, "127.0.0.1:0".parse().unwrap(), tx));
-                let addr = rx
-                    .recv_timeout(Duration::from_secs(30))
-                    .expect("server did not start");
-                client(o, addr);
-            });
-        }
-        (Some(_), Some(_)) => unreachable!("clap refuses --listen with --connect"),
-    }
+    // The server ends by itself once the client has said so.
+    cli::run_role(
+        &o.role,
+        o.serve_for,
+        |addr, bound, _stop| serve(&o, addr, bound),
+        |addr| client(&o, addr),
+    );
 }

@@ -5,6 +5,8 @@
 #![allow(dead_code)] // Each example uses the parts it needs.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 /// Where the example runs: both nodes in this process (neither flag), the server alone
@@ -37,5 +39,39 @@ pub(crate) fn positive(s: &str) -> Result<usize, String> {
         Ok(n) if n >= 1 => Ok(n),
         Ok(_) => Err("must be at least 1".into()),
         Err(_) => Err(format!("{s:?} is not a count")),
+    }
+}
+
+/// Runs an example in its role. Server alone (`--listen`): `serve` on a thread, its bound
+/// address printed once it listens (for `serve_for`), until `serve` returns. Client alone
+/// (`--connect`): `client`. Neither: both here, the server on port 0, stopped (its flag set)
+/// once the client is done. `serve(addr, bound, stop)` sends the address it listens on to
+/// `bound` and returns once `stop` is set or its time is up.
+pub(crate) fn run_role<S, C>(role: &Role, serve_for: Duration, serve: S, client: C)
+where
+    S: Fn(SocketAddr, mpsc::Sender<SocketAddr>, Arc<AtomicBool>) + Sync,
+    C: Fn(SocketAddr),
+{
+    let (tx, rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    match (role.listen, role.connect) {
+        (Some(addr), None) => std::thread::scope(|s| {
+            s.spawn(|| serve(addr, tx, stop.clone()));
+            if let Ok(a) = rx.recv_timeout(Duration::from_secs(30)) {
+                println!("listening on {a} for {serve_for:?}");
+            }
+        }),
+        (None, Some(addr)) => client(addr),
+        (None, None) => std::thread::scope(|s| {
+            let server_stop = stop.clone();
+            let serve = &serve;
+            s.spawn(move || serve(SocketAddr::from(([127, 0, 0, 1], 0)), tx, server_stop));
+            match rx.recv_timeout(Duration::from_secs(30)) {
+                Ok(addr) => client(addr),
+                Err(_) => eprintln!("the server did not start within 30 s"),
+            }
+            stop.store(true, Ordering::Release);
+        }),
+        (Some(_), Some(_)) => unreachable!("clap refuses --listen with --connect"),
     }
 }
