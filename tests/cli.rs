@@ -3,14 +3,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-fn shardcx() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_shardcx"))
-}
+mod common;
+use common::{shardcx, NodeProc};
 
 #[test]
 fn info_reports_ucx_memlock_cores_and_no_cuda() {
@@ -114,53 +110,10 @@ fn a_tiny_bench_writes_the_documented_json() {
 
 #[test]
 fn a_node_prints_its_address_and_stops_when_asked() {
-    let mut child = shardcx()
-        .args([
-            "node",
-            "--listen",
-            "127.0.0.1:0",
-            "--shards",
-            "2",
-            "--transport",
-            "tcp",
-        ])
-        .arg("--stop-on-stdin-eof")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Read on a thread, so that a node that prints nothing fails the test instead of hanging it.
-    let stdout = child.stdout.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let mut next_line = || match lines.recv_timeout(Duration::from_secs(30)) {
-        Ok(line) => line,
-        Err(e) => {
-            let _ = child.kill();
-            panic!("no line from the node within 30 s: {e}");
-        }
-    };
-    let first = next_line();
-    let addr = first.strip_prefix("listening ").expect("listening ADDR");
-    assert!(addr.parse::<std::net::SocketAddr>().is_ok(), "{first}");
-    assert_eq!(next_line(), "shards 2");
-    drop(child.stdin.take());
-    let until = Instant::now() + Duration::from_secs(15);
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(status.success(), "{status}");
-            break;
-        }
-        assert!(Instant::now() < until, "the node did not stop");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // `start` checks `listening ADDR` (an address) and `shards 2`.
+    let node = NodeProc::start(2, &[], false);
+    let (status, _) = node.stop(Duration::from_secs(15));
+    assert!(status.success(), "{status}");
 }
 
 /// Outside cargo, from another directory, with no library path: the build's run path finds
@@ -260,34 +213,8 @@ fn bad_input_is_a_clear_error_not_a_panic() {
 /// terminal.
 #[test]
 fn a_node_logs_sessions_and_refused_handshakes() {
-    let mut child = shardcx()
-        .args(["node", "--listen", "127.0.0.1:0", "--shards", "2"])
-        .args(["--transport", "tcp", "--stop-on-stdin-eof"])
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let stderr = child.stderr.take().unwrap();
-    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let sink = log.clone();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let mut l = sink.lock().unwrap();
-            l.push_str(&line);
-            l.push('\n');
-        }
-    });
-    let first = lines.recv_timeout(Duration::from_secs(30)).unwrap();
-    let addr = first.strip_prefix("listening ").unwrap().to_string();
+    let node = NodeProc::start(2, &[], true);
+    let addr = node.addr.to_string();
     let bench = |extra: &[&str]| {
         shardcx()
             .args(["bench", "--connect", &addr, "--transport", "tcp"])
@@ -305,21 +232,14 @@ fn a_node_logs_sessions_and_refused_handshakes() {
     // Garbage on the listener's port: refused, and reported (rate-limited) within a second.
     {
         use std::io::Write as _;
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let mut s = std::net::TcpStream::connect(node.addr).unwrap();
         let _ = s.write_all(&[0x5a; 64]);
     }
-    let until = Instant::now() + Duration::from_secs(10);
-    while !(log.lock().unwrap().contains("BadProof")
-        && log.lock().unwrap().contains("bootstraps_refused=1"))
-        && Instant::now() < until
-    {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    drop(child.stdin.take());
-    let status = child.wait().unwrap();
-    reader.join().unwrap();
+    node.wait_for_log(Duration::from_secs(10), |l| {
+        l.contains("BadProof") && l.contains("bootstraps_refused=1")
+    });
+    let (status, log) = node.stop(Duration::from_secs(15));
     assert!(status.success(), "{status}");
-    let log = log.lock().unwrap().clone();
     assert!(
         log.lines()
             .any(|l| l.contains(" INFO shard{id=") && l.contains("session up: authenticated")),

@@ -4,59 +4,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::io::Write;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-/// A `shardcx node` process, killed on drop.
-struct NodeProc {
-    child: Child,
-    addr: String,
-    metrics: String,
-}
-
-impl Drop for NodeProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_node() -> NodeProc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_shardcx"))
-        .args(["node", "--listen", "127.0.0.1:0", "--shards", "2"])
-        .args(["--metrics", "127.0.0.1:0", "--transport", "tcp"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut addr = None;
-    let mut metrics = None;
-    while metrics.is_none() {
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the node did not print its addresses within 30 s");
-        if let Some(a) = line.strip_prefix("listening ") {
-            addr = Some(a.to_string());
-        }
-        if let Some(m) = line.strip_prefix("metrics ") {
-            metrics = Some(m.to_string());
-        }
-    }
-    NodeProc {
-        child,
-        addr: addr.expect("no `listening` line before `metrics`"),
-        metrics: metrics.unwrap(),
-    }
-}
+mod common;
+use common::{shardcx, NodeProc};
 
 fn scrape(addr: &str) -> String {
     let r = ureq::get(&format!("http://{addr}/metrics"))
@@ -100,8 +53,9 @@ fn promtool_check(text: &str) {
 
 #[test]
 fn a_node_serves_metrics_that_promtool_accepts_and_that_move() {
-    let node = start_node();
-    let before = scrape(&node.metrics);
+    let node = NodeProc::start(2, &["--metrics", "127.0.0.1:0"], false);
+    let metrics = node.metrics.unwrap().to_string();
+    let before = scrape(&metrics);
     promtool_check(&before);
     for family in [
         "shardcx_frames_delivered_total",
@@ -120,8 +74,14 @@ fn a_node_serves_metrics_that_promtool_accepts_and_that_move() {
     assert_eq!(total(&before, "shardcx_frames_delivered_total"), 0);
 
     // A short bench from another process: every client shard on its own rail.
-    let out = Command::new(env!("CARGO_BIN_EXE_shardcx"))
-        .args(["bench", "--connect", &node.addr, "--transport", "tcp"])
+    let out = shardcx()
+        .args([
+            "bench",
+            "--connect",
+            &node.addr.to_string(),
+            "--transport",
+            "tcp",
+        ])
         .args([
             "--test",
             "am-lat,rpc-lat",
@@ -139,7 +99,7 @@ fn a_node_serves_metrics_that_promtool_accepts_and_that_move() {
     let mut after = String::new();
     for _ in 0..40 {
         std::thread::sleep(Duration::from_millis(100));
-        after = scrape(&node.metrics);
+        after = scrape(&metrics);
         if total(&after, "shardcx_frames_delivered_total") >= 2 * 2 * 200 {
             break;
         }
@@ -176,8 +136,6 @@ fn a_node_serves_metrics_that_promtool_accepts_and_that_move() {
     }
 
     // Anything but /metrics: 404.
-    let err = ureq::get(&format!("http://{}/", node.metrics))
-        .call()
-        .unwrap_err();
+    let err = ureq::get(&format!("http://{metrics}/")).call().unwrap_err();
     assert!(matches!(err, ureq::Error::Status(404, _)), "{err}");
 }

@@ -5,7 +5,7 @@
 use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use glommio::channels::local_channel::{self, LocalSender};
@@ -13,6 +13,7 @@ use glommio::timer::sleep;
 use shardcx::shards::{NetError, Placement};
 use shardcx::{AmId, AmMsg, Error, Node, NodeBuilder, NodeId, Peer, ShardId};
 
+mod common;
 /// Longest any one test may run.
 const LIMIT: Duration = Duration::from_secs(60);
 const KEY: &[u8] = b"facade test key, 16+ bytes";
@@ -23,20 +24,10 @@ const PER_SHARD: u32 = 5_000;
 /// Messages in flight per client shard.
 const WINDOW: u32 = 64;
 
-/// Two nodes of two shards each must fit the 8 MiB locked-memory limit: one test at a time.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use common::serial;
 
 fn node(id: u64, key: &[u8]) -> NodeBuilder {
-    Node::builder()
-        .shards(2)
-        .placement(Placement::Unpinned)
-        .transports("tcp")
-        .io_memory(1 << 20)
-        .node_id(NodeId::new(id))
-        .psk(key)
+    common::two_shard_node(NodeId::new(id), key)
 }
 
 /// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
@@ -20,9 +20,10 @@ use shardcx::rma::{
     DescriptorError, Permissions, Region, RemoteRegion, RmaErrorCode, RmaOpError, RmaStats,
     TrustedDescriptor, TrustedRegion, TrustedStats,
 };
-use shardcx::shards::{NetError, Placement};
+use shardcx::shards::NetError;
 use shardcx::{Error, Node, NodeBuilder, NodeId, Peer, ShardId};
 
+mod common;
 /// Longest any one test may run.
 const LIMIT: Duration = Duration::from_secs(60);
 /// Longest a client waits for the server to answer a control command.
@@ -33,20 +34,10 @@ const SERVER: NodeId = NodeId::new(2);
 /// A node that is neither, for grants to someone else.
 const STRANGER: NodeId = NodeId::new(99);
 
-/// Two nodes of two shards each must fit the 8 MiB locked-memory limit: one test at a time.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use common::serial;
 
 fn node(id: NodeId) -> NodeBuilder {
-    Node::builder()
-        .shards(2)
-        .placement(Placement::Unpinned)
-        .transports("tcp")
-        .io_memory(1 << 20)
-        .node_id(id)
-        .psk(KEY)
+    common::two_shard_node(id, KEY)
 }
 
 /// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.

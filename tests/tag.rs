@@ -6,13 +6,14 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
 use shardcx::shards::{NetError, Placement};
 use shardcx::{Error, Node, NodeBuilder, NodeId, Peer, MAX_USER_TAG, TAG_MASK_ANY, TAG_MASK_EXACT};
 
+mod common;
 /// Longest any one test may run.
 const LIMIT: Duration = Duration::from_secs(60);
 const KEY: &[u8] = b"facade tag test key, 16+ bytes";
@@ -21,20 +22,10 @@ const B: NodeId = NodeId::new(0xB);
 /// Messages per shard and stream.
 const N: u32 = 50;
 
-/// Two nodes of two shards each must fit the 8 MiB locked-memory limit: one test at a time.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use common::serial;
 
 fn node(id: NodeId) -> NodeBuilder {
-    Node::builder()
-        .shards(2)
-        .placement(Placement::Unpinned)
-        .transports("tcp")
-        .io_memory(1 << 20)
-        .node_id(id)
-        .psk(KEY)
+    common::two_shard_node(id, KEY)
 }
 
 /// Waits until every shard of the node has started its closure (the node's start hook

@@ -18,9 +18,10 @@ use shardcx::proto::rpc::{decode_error, request_prefix, CallFlags, RpcErrorCode}
 use shardcx::proto::{FrameKind, ReqId};
 use shardcx::registry::{NodeRecord, Registry};
 use shardcx::rpc::{ClusterRegistry, Discover, RpcConfig, RpcContext, RpcError, RpcFunction};
-use shardcx::shards::Placement;
 use shardcx::{rpc_function, Node, NodeBuilder, NodeId, Peer, RpcStats};
 
+#[path = "../common/mod.rs"]
+mod common;
 /// Longest any one test may run.
 const LIMIT: Duration = Duration::from_secs(60);
 const KEY: &[u8] = b"facade rpc test key, 16+ bytes";
@@ -100,13 +101,7 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn node(id: NodeId) -> NodeBuilder {
-    Node::builder()
-        .shards(2)
-        .placement(Placement::Unpinned)
-        .transports("tcp")
-        .io_memory(1 << 20)
-        .node_id(id)
-        .psk(KEY)
+    common::two_shard_node(id, KEY)
 }
 
 /// The server: every test function registered.

@@ -1,0 +1,205 @@
+//! Set-up the root crate's test binaries share: the `shardcx` command, a `shardcx node` child
+//! process, and in-process node builders. Each test file includes it with `mod common;`.
+
+#![allow(dead_code)] // Each test binary uses the parts it needs.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use shardcx::shards::Placement;
+use shardcx::{Node, NodeBuilder, NodeId};
+
+/// The `shardcx` command built with these tests.
+pub(crate) fn shardcx() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_shardcx"))
+}
+
+/// A node of two shards on tcp, unpinned, with 1 MiB of io memory per shard (two such nodes fit
+/// the 8 MiB locked-memory limit), `id` and key `key`.
+pub(crate) fn two_shard_node(id: NodeId, key: &[u8]) -> NodeBuilder {
+    Node::builder()
+        .shards(2)
+        .placement(Placement::Unpinned)
+        .transports("tcp")
+        .io_memory(1 << 20)
+        .node_id(id)
+        .psk(key)
+}
+
+/// One test at a time in this binary (two nodes of two shards each fill the locked-memory
+/// limit).
+pub(crate) fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Waits (at most `limit`, looking every 50 ms) until `ok` holds; returns whether it did.
+pub(crate) fn wait_for(limit: Duration, mut ok: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + limit;
+    loop {
+        if ok() {
+            return true;
+        }
+        if Instant::now() > until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Longest wait for a line from a node process.
+pub(crate) const LINE_LIMIT: Duration = Duration::from_secs(30);
+
+/// A `shardcx node --listen 127.0.0.1:0 --transport tcp --stop-on-stdin-eof` child process:
+/// its address (and metrics address, if it serves them) read from its first lines, its
+/// standard error kept when asked for. Continued (if stopped) and killed when dropped.
+pub(crate) struct NodeProc {
+    pub(crate) child: Child,
+    pub(crate) addr: SocketAddr,
+    pub(crate) metrics: Option<SocketAddr>,
+    stdin: Option<ChildStdin>,
+    stderr: Option<(Arc<Mutex<String>>, std::thread::JoinHandle<()>)>,
+}
+
+impl NodeProc {
+    /// Starts a node with `shards` shards and the extra arguments `extra`; waits (at most
+    /// [`LINE_LIMIT`]) for its address, its shard count, and its metrics address when
+    /// `--metrics` is among `extra`. `keep_stderr`: collect its standard error (else it goes
+    /// nowhere).
+    pub(crate) fn start(shards: usize, extra: &[&str], keep_stderr: bool) -> NodeProc {
+        let mut child = shardcx()
+            .args(["node", "--listen", "127.0.0.1:0", "--transport", "tcp"])
+            .args(["--shards", &shards.to_string(), "--stop-on-stdin-eof"])
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(if keep_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let stderr = child.stderr.take().map(|e| {
+            let log = Arc::new(Mutex::new(String::new()));
+            let sink = log.clone();
+            let reader = std::thread::spawn(move || {
+                for line in BufReader::new(e).lines().map_while(Result::ok) {
+                    let mut l = sink.lock().unwrap();
+                    l.push_str(&line);
+                    l.push('\n');
+                }
+            });
+            (log, reader)
+        });
+        let stdin = child.stdin.take();
+        let mut node = NodeProc {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            metrics: None,
+            stdin,
+            stderr,
+        };
+        let next = || {
+            lines
+                .recv_timeout(LINE_LIMIT)
+                .unwrap_or_else(|e| panic!("no line from the node within {LINE_LIMIT:?}: {e}"))
+        };
+        let first = next();
+        node.addr = first
+            .strip_prefix("listening ")
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("not `listening ADDR`: {first}"));
+        assert_eq!(next(), format!("shards {shards}"));
+        if extra.contains(&"--metrics") {
+            let line = next();
+            node.metrics = Some(
+                line.strip_prefix("metrics ")
+                    .and_then(|a| a.parse().ok())
+                    .unwrap_or_else(|| panic!("not `metrics ADDR`: {line}")),
+            );
+        }
+        node
+    }
+
+    pub(crate) fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).unwrap()
+    }
+
+    /// Sends signal `sig` (`-STOP`, `-CONT`, `-INT`, ...) with `kill`.
+    pub(crate) fn signal(&self, sig: &str) {
+        let st = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success(), "kill {sig}");
+    }
+
+    /// What the node has written to its standard error so far (if kept).
+    pub(crate) fn log(&self) -> String {
+        self.stderr
+            .as_ref()
+            .map(|(l, _)| l.lock().unwrap().clone())
+            .unwrap_or_default()
+    }
+
+    /// Waits at most `limit` for `ok(log)`; whether it came.
+    pub(crate) fn wait_for_log(&self, limit: Duration, ok: impl Fn(&str) -> bool) -> bool {
+        wait_for(limit, || ok(&self.log()))
+    }
+
+    /// Closes its standard input (it then shuts down) and waits at most `limit` for it to
+    /// exit; its exit status, and its whole standard error (if kept).
+    pub(crate) fn stop(mut self, limit: Duration) -> (std::process::ExitStatus, String) {
+        drop(self.stdin.take());
+        let until = Instant::now() + limit;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < until,
+                "the node did not stop within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let log = self
+            .stderr
+            .take()
+            .map(|(log, reader)| {
+                reader.join().unwrap();
+                let text = log.lock().unwrap().clone();
+                text
+            })
+            .unwrap_or_default();
+        (status, log)
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // A stopped node must run again to die.
+            let _ = Command::new("kill")
+                .args(["-CONT", &self.child.id().to_string()])
+                .stderr(Stdio::null())
+                .status();
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
