@@ -32,48 +32,18 @@ const KEY: &[u8] = b"am_echo example pre-shared key";
 const ECHO: AmId = AmId::new(1);
 const REPLY: AmId = AmId::new(2);
 
-struct Opts {
-    role: cli::Role,
-    serve_for: Duration,
-    count: u32,
-    size: usize,
-    shards: usize,
-    tls: String,
-}
+use cli::Exchange as Opts;
 
 /// Active-message echo between two nodes, with per-shard round-trip percentiles.
 #[derive(clap::Parser)]
 #[command(name = "am_echo")]
 struct Args {
     #[command(flatten)]
-    role: cli::Role,
-    /// How long the server (--listen) serves, in seconds.
-    #[arg(long = "for", value_name = "SECS", default_value = "60", value_parser = cli::seconds)]
-    serve_for: Duration,
-    /// Messages per client shard.
-    #[arg(long, value_name = "N", default_value_t = 20_000)]
-    count: u32,
-    /// Payload bytes (e.g. 8, 4k).
-    #[arg(long, value_name = "B", default_value = "8", value_parser = cli::size)]
-    size: usize,
-    /// Shards per node.
-    #[arg(long, value_name = "N", default_value = "2", value_parser = cli::positive)]
-    shards: usize,
-    /// UCX transports (listening and connecting need tcp in UCX 1.12).
-    #[arg(long, value_name = "LIST", default_value = "tcp")]
-    tls: String,
+    opts: Opts,
 }
 
 fn opts() -> Opts {
-    let a = <Args as clap::Parser>::parse();
-    Opts {
-        role: a.role,
-        serve_for: a.serve_for,
-        count: a.count,
-        size: a.size,
-        shards: a.shards,
-        tls: a.tls,
-    }
+    <Args as clap::Parser>::parse().opts
 }
 
 fn node(o: &Opts, id: u64) -> shardcx::NodeBuilder {

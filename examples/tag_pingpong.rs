@@ -39,48 +39,18 @@ const PONG: u64 = 2 << 12;
 const STOP: u64 = 3 << 12;
 const STREAM_MASK: u64 = 0xFFF;
 
-struct Opts {
-    role: cli::Role,
-    serve_for: Duration,
-    count: u32,
-    size: usize,
-    shards: usize,
-    tls: String,
-}
+use cli::Exchange as Opts;
 
 /// Tag send/recv ping-pong between two nodes.
 #[derive(clap::Parser)]
 #[command(name = "tag_pingpong")]
 struct Args {
     #[command(flatten)]
-    role: cli::Role,
-    /// How long the server (--listen) serves, in seconds.
-    #[arg(long = "for", value_name = "SECS", default_value = "60", value_parser = cli::seconds)]
-    serve_for: Duration,
-    /// Messages per client shard.
-    #[arg(long, value_name = "N", default_value_t = 20_000)]
-    count: u32,
-    /// Payload bytes (e.g. 8, 4k).
-    #[arg(long, value_name = "B", default_value = "8", value_parser = cli::size)]
-    size: usize,
-    /// Shards per node.
-    #[arg(long, value_name = "N", default_value = "2", value_parser = cli::positive)]
-    shards: usize,
-    /// UCX transports (listening and connecting need tcp in UCX 1.12).
-    #[arg(long, value_name = "LIST", default_value = "tcp")]
-    tls: String,
+    opts: Opts,
 }
 
 fn opts() -> Opts {
-    let a = <Args as clap::Parser>::parse();
-    let o = Opts {
-        role: a.role,
-        serve_for: a.serve_for,
-        count: a.count,
-        size: a.size,
-        shards: a.shards,
-        tls: a.tls,
-    };
+    let o = <Args as clap::Parser>::parse().opts;
     if o.shards > usize::from(STREAM_MASK as u16) {
         <Args as clap::CommandFactory>::command()
             .error(

@@ -21,6 +21,29 @@ pub(crate) struct Role {
     pub(crate) connect: Option<SocketAddr>,
 }
 
+/// The options of the exchange examples (`am_echo`, `tag_pingpong`): a role, then the
+/// workload of each client shard and the nodes' shape.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct Exchange {
+    #[command(flatten)]
+    pub(crate) role: Role,
+    /// How long the server (--listen) serves, in seconds.
+    #[arg(long = "for", value_name = "SECS", default_value = "60", value_parser = seconds)]
+    pub(crate) serve_for: Duration,
+    /// Messages per client shard.
+    #[arg(long, value_name = "N", default_value_t = 20_000)]
+    pub(crate) count: u32,
+    /// Payload bytes (e.g. 8, 4k).
+    #[arg(long, value_name = "B", default_value = "8", value_parser = size)]
+    pub(crate) size: usize,
+    /// Shards per node.
+    #[arg(long, value_name = "N", default_value = "2", value_parser = positive)]
+    pub(crate) shards: usize,
+    /// UCX transports (listening and connecting need tcp in UCX 1.12).
+    #[arg(long, value_name = "LIST", default_value = "tcp")]
+    pub(crate) tls: String,
+}
+
 /// Whole seconds, e.g. `60`.
 pub(crate) fn seconds(s: &str) -> Result<Duration, String> {
     s.parse::<u64>()
