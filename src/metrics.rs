@@ -1,7 +1,7 @@
 //! Prometheus metrics of a running node ([`NodeBuilder::metrics`](crate::NodeBuilder::metrics),
 //! `shardcx node --metrics ADDR`).
 //!
-//! Off the hot path: every shard copies its counters into the node's [`Board`] every
+//! Off the hot path: every shard copies its counters into the node's board every
 //! [`PUBLISH_INTERVAL`] (a timer task; the counters themselves are the plain per-shard ones the
 //! shards keep anyway), and a small server thread answers `GET /metrics` from the board with
 //! the `prometheus-client` text encoding (OpenMetrics). Each series carries a `shard` label.
