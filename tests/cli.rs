@@ -108,7 +108,48 @@ fn a_tiny_bench_writes_the_documented_json() {
         let hop = line.contains("\"test\": \"hop\"");
         assert_eq!(line.contains("\"route\": \"hop\""), hop, "{line}");
     }
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("<polyline"));
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("<polyline"),
+        "{svg}"
+    );
+    assert!(svg.contains("am-lat tcp ×2") && svg.contains("message size (bytes)"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--plot FILE.png` draws a bitmap (text with the compiled-in font, so no system fonts are
+/// needed); another extension is a usage error before anything runs.
+#[test]
+fn plot_writes_png_by_extension_and_refuses_others() {
+    let dir = std::env::temp_dir().join(format!("shardcx-cli-png-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let png = dir.join("b.png");
+    let out = shardcx()
+        .args([
+            "bench", "--test", "am-lat", "--size", "8,4k", "--iters", "50",
+        ])
+        .args(["--warmup", "5", "--transport", "tcp", "--plot"])
+        .arg(&png)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "bench failed: {out:?}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    // A blank picture of that size is a few KiB; axes, labels and lines make tens.
+    assert!(bytes.len() > 20_000, "{} bytes", bytes.len());
+    let started = Instant::now();
+    let out = shardcx()
+        .args(["bench", "--plot"])
+        .arg(dir.join("b.jpg"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(".svg or .png"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "it ran the suite first"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

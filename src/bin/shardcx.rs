@@ -134,8 +134,9 @@ struct BenchArgs {
     /// Write the results as JSON (schema: the `shardcx::bench` docs).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
-    /// Write latency and bandwidth against size as SVG.
-    #[arg(long, value_name = "FILE")]
+    /// Plot latency and bandwidth against size into FILE: SVG or PNG, by its extension
+    /// (.svg, .png).
+    #[arg(long, value_parser = plot_file, value_name = "FILE")]
     plot: Option<PathBuf>,
     /// Pre-shared key file (default: the built-in bench key).
     #[arg(long, env = "SHARDCX_PSK_FILE", value_name = "FILE")]
@@ -537,7 +538,7 @@ fn bench(a: BenchArgs) -> Result<(), Failure> {
         eprintln!("shardcx bench: wrote {}", f.display());
     }
     if let Some(f) = &o.plot {
-        write_file(f, &plot::svg(&results))?;
+        plot::write(f, &results).map_err(|e| Failure(e.to_string()))?;
         eprintln!("shardcx bench: wrote {}", f.display());
     }
     Ok(())
@@ -720,6 +721,14 @@ fn core_split(s: &str) -> Result<CoreSplit, String> {
         client: cpu_ids(c)?,
         server: srv.map(cpu_ids).transpose()?,
     })
+}
+
+/// `--plot FILE`: checked before the run, so that a bad extension costs no benchmark.
+fn plot_file(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    plot::PlotFormat::of(&path)
+        .map(|_| path)
+        .map_err(|e| e.to_string())
 }
 
 fn psk_file(path: &str) -> Result<Vec<u8>, Failure> {
