@@ -141,6 +141,10 @@ struct BenchArgs {
     /// Pre-shared key file (default: the built-in bench key).
     #[arg(long, env = "SHARDCX_PSK_FILE", value_name = "FILE")]
     psk_file: Option<String>,
+    /// No progress bars on stderr (they are drawn only to a terminal, for tests that run
+    /// longer than a second).
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 /// `--cores C[/S]`: client CPUs, and the local peer's if given.
@@ -520,7 +524,7 @@ fn bench(a: BenchArgs) -> Result<(), Failure> {
                 window,
                 cores: Some(client_cores.clone()),
                 psk: psk.clone(),
-                progress: true,
+                progress: !o.quiet,
                 io_memory: None,
             };
             results.extend(client::run(&cfg)?);
