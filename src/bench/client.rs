@@ -293,6 +293,7 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
             transport: cfg.transport,
             per_shard,
             skipped: None,
+            perftest: None,
         });
     }
     out.sort_by_key(|m| (cfg.tests.iter().position(|t| *t == m.test), m.size));
@@ -307,6 +308,7 @@ fn skipped(cfg: &ClientConfig, test: Test, size: usize, why: &str) -> Measuremen
         transport: cfg.transport,
         per_shard: Vec::new(),
         skipped: Some(why.into()),
+        perftest: None,
     }
 }
 

@@ -7,6 +7,11 @@
 //! one colour per (test, transport, shard count), merged figures. `hop` (no size) and skipped
 //! combinations are left out; a panel with nothing to show says "no data".
 //!
+//! With `--vs-perftest`, `ucx_perftest`'s figures are thin lines with triangles in the colour of
+//! the shardcx test they match, labelled `ucx_perftest TEST (vs TEST TLS)`: its p50 round trip
+//! on the left (for `am-lat`, `tag-lat`), its MB/s on the right (for `am-rate`, `am-bw`,
+//! `put-bw`; see [`super::perftest`]).
+//!
 //! Text is laid out and drawn with `ab_glyph` from a font compiled into the program
 //! (`epaint_default_fonts`' Ubuntu Light), so a PNG renders the same on a machine with no fonts
 //! installed; an SVG names the `sans-serif` family and leaves the glyphs to its viewer.
@@ -17,6 +22,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
+use super::perftest::{counterpart, Metric, PerftestFigures};
 use super::{format_size, Measurement, Test};
 
 /// Width of the whole picture, in pixels (each panel gets half).
@@ -80,6 +86,8 @@ enum Stroke {
     Dashed,
     /// Dotted, no legend entry.
     Dotted,
+    /// ucx_perftest's figures: thin, with triangles, and a legend entry.
+    Perftest,
 }
 
 /// One line of a panel: its label, colour, stroke and points (size, value), values > 0 only.
@@ -177,6 +185,42 @@ fn series(results: &[Measurement]) -> (Vec<Series>, Vec<Series>) {
             stroke: Stroke::Solid,
             points: points(&|f| f.mb_per_s()),
         });
+        // perftest's line: once per (test, transport), with the first shard count's colour.
+        if keys[..i].iter().any(|k| (k.0, k.1) == (test, tls)) {
+            continue;
+        }
+        let mut theirs: Vec<(f64, PerftestFigures)> = results
+            .iter()
+            .filter(shown)
+            .filter(|m| (m.test, m.transport.name()) == (test, tls))
+            .filter_map(|m| {
+                let f = m.perftest.as_ref()?.outcome.as_ref().ok()?;
+                Some((m.size.max(1) as f64, *f))
+            })
+            .collect();
+        theirs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        theirs.dedup_by(|a, b| a.0 == b.0);
+        let Some(c) = counterpart(test).filter(|_| !theirs.is_empty()) else {
+            continue;
+        };
+        let label = format!("ucx_perftest {} (vs {test} {tls})", c.test);
+        let line = |value: &dyn Fn(&PerftestFigures) -> f64| Series {
+            label: label.clone(),
+            colour,
+            stroke: Stroke::Perftest,
+            points: theirs
+                .iter()
+                .map(|(s, f)| (*s, value(f)))
+                .filter(|p| p.1 > 0.0 && p.1.is_finite())
+                .collect(),
+        };
+        // perftest's latency tests count one-way bytes per half round trip: their MB/s is not
+        // comparable to shardcx's (per round trip), so only the p50 is drawn for them.
+        if c.metric == Metric::P50Us {
+            lat.push(line(&|f| f.p50_us));
+        } else {
+            bw.push(line(&|f| f.mb_per_s));
+        }
     }
     (lat, bw)
 }
@@ -279,6 +323,25 @@ fn panel<DB: DrawingBackend>(
                     style.stroke_width(1),
                 ))?;
             }
+            Stroke::Perftest => {
+                let colour = s.colour;
+                chart
+                    .draw_series(LineSeries::new(
+                        s.points.iter().copied(),
+                        s.colour.stroke_width(1),
+                    ))?
+                    .label(&s.label)
+                    .legend(move |(x, y)| {
+                        EmptyElement::at((x, y))
+                            + PathElement::new(vec![(0, 0), (20, 0)], colour.stroke_width(1))
+                            + TriangleMarker::new((10, 0), 4, colour.filled())
+                    });
+                chart.draw_series(
+                    s.points
+                        .iter()
+                        .map(|&p| TriangleMarker::new(p, 5, s.colour.filled())),
+                )?;
+            }
             Stroke::Dotted => {
                 chart.draw_series(DashedLineSeries::new(
                     s.points.iter().copied(),
@@ -302,6 +365,7 @@ fn panel<DB: DrawingBackend>(
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
+    use crate::bench::perftest::Perftest;
     use crate::bench::{Figures, Route, ShardFigures, Transport};
     use shardcx_shards::proto::ShardId;
     use std::time::Duration;
@@ -323,6 +387,7 @@ mod tests {
                 figures: f,
             }],
             skipped: None,
+            perftest: None,
         }
     }
 
@@ -355,6 +420,36 @@ mod tests {
         // am-lat: three percentiles; both tests a bandwidth line.
         assert_eq!(lat.len(), 3);
         assert_eq!(bw.len(), 2);
+        // With perftest's figures: its p50 on the left, its MB/s on the right for am-bw only
+        // (a latency test's MB/s is not comparable).
+        let mut compared = results.clone();
+        for m in &mut compared {
+            let c = counterpart(m.test).unwrap();
+            m.perftest = Some(Perftest {
+                counterpart: c,
+                iters: 1,
+                outcome: Ok(PerftestFigures {
+                    p50_us: 3.0,
+                    msgs_per_s: 1e6,
+                    mb_per_s: 100.0,
+                }),
+            });
+        }
+        let (lat_vs, bw_vs) = series(&compared);
+        assert_eq!(lat_vs.len(), 4);
+        assert_eq!(lat_vs[3].label, "ucx_perftest ucp_am_lat (vs am-lat shm)");
+        assert_eq!(lat_vs[3].points, vec![(8.0, 3.0), (4096.0, 3.0)]);
+        assert_eq!(bw_vs.len(), 3);
+        assert_eq!(bw_vs[2].label, "ucx_perftest ucp_am_bw (vs am-bw shm)");
+        assert_eq!(
+            bw_vs[2].points,
+            vec![(1048576.0, 100.0), (4194304.0, 100.0)]
+        );
+        let path_vs = tmp("vs.svg");
+        write(&path_vs, &compared).unwrap();
+        let s = std::fs::read_to_string(&path_vs).unwrap();
+        assert!(s.contains("ucx_perftest ucp_am_bw (vs am-bw shm)"), "{s}");
+        let _ = std::fs::remove_file(&path_vs);
         assert_eq!(lat[1].points, vec![(8.0, 9.007), (4096.0, 9.007)]);
         let path = tmp("a.svg");
         write(&path, &results).unwrap();
