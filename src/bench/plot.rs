@@ -315,11 +315,16 @@ fn panel<DB: DrawingBackend>(
                         .map(|&p| Circle::new(p, 3, s.colour.filled())),
                 )?;
             }
-            Stroke::Dashed => {
+            Stroke::Dashed | Stroke::Dotted => {
+                let (dash, gap) = if s.stroke == Stroke::Dashed {
+                    (8, 5)
+                } else {
+                    (2, 4)
+                };
                 chart.draw_series(DashedLineSeries::new(
                     s.points.iter().copied(),
-                    8,
-                    5,
+                    dash,
+                    gap,
                     style.stroke_width(1),
                 ))?;
             }
@@ -341,14 +346,6 @@ fn panel<DB: DrawingBackend>(
                         .iter()
                         .map(|&p| TriangleMarker::new(p, 5, s.colour.filled())),
                 )?;
-            }
-            Stroke::Dotted => {
-                chart.draw_series(DashedLineSeries::new(
-                    s.points.iter().copied(),
-                    2,
-                    4,
-                    style.stroke_width(1),
-                ))?;
             }
         }
     }
