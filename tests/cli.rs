@@ -3,7 +3,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
 
-use std::time::Duration;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 mod common;
 use common::{shardcx, NodeProc};
@@ -104,7 +105,48 @@ fn a_tiny_bench_writes_the_documented_json() {
         let hop = line.contains("\"test\": \"hop\"");
         assert_eq!(line.contains("\"route\": \"hop\""), hop, "{line}");
     }
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("<polyline"));
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("<polyline"),
+        "{svg}"
+    );
+    assert!(svg.contains("am-lat tcp ×2") && svg.contains("message size (bytes)"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--plot FILE.png` draws a bitmap (text with the compiled-in font, so no system fonts are
+/// needed); another extension is a usage error before anything runs.
+#[test]
+fn plot_writes_png_by_extension_and_refuses_others() {
+    let dir = std::env::temp_dir().join(format!("shardcx-cli-png-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let png = dir.join("b.png");
+    let out = shardcx()
+        .args([
+            "bench", "--test", "am-lat", "--size", "8,4k", "--iters", "50",
+        ])
+        .args(["--warmup", "5", "--transport", "tcp", "--plot"])
+        .arg(&png)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "bench failed: {out:?}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    // A blank picture of that size is a few KiB; axes, labels and lines make tens.
+    assert!(bytes.len() > 20_000, "{} bytes", bytes.len());
+    let started = Instant::now();
+    let out = shardcx()
+        .args(["bench", "--plot"])
+        .arg(dir.join("b.jpg"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(".svg or .png"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "it ran the suite first"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -261,4 +303,91 @@ fn a_node_logs_sessions_and_refused_handshakes() {
         !log.contains('\u{1b}'),
         "colour codes in a log that is not a terminal:\n{log}"
     );
+}
+
+/// `--vs-perftest`: a tiny am-lat and am-rate run beside ucx_perftest (from the loaded UCX's
+/// build, else PATH) puts perftest's figures and the ratio in the table and the JSON, within a
+/// bounded time; with `--connect` it is a usage error.
+#[test]
+fn vs_perftest_puts_perftest_figures_in_the_table_and_the_json() {
+    let out = shardcx()
+        .args(["bench", "--vs-perftest", "--connect", "127.0.0.1:1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
+
+    let lib = shardcx::ucx::version()
+        .library_path
+        .map(std::path::PathBuf::from);
+    let beside = lib.and_then(|l| Some(l.parent()?.join("../bin/ucx_perftest")));
+    if !beside.as_ref().is_some_and(|p| p.is_file()) {
+        eprintln!("SKIPPED: no ucx_perftest beside the loaded UCX ({beside:?})");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("shardcx-cli-vs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("vs.json");
+    let mut child = shardcx()
+        .args([
+            "bench",
+            "--vs-perftest",
+            "--test",
+            "am-lat,am-rate",
+            "--size",
+            "8",
+        ])
+        .args(["--iters", "200", "--warmup", "20", "--window", "8"])
+        .args(["--transport", "tcp", "--quiet", "--json"])
+        .arg(&json)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("bench --vs-perftest did not finish within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(status.success(), "bench failed:\n{stdout}\n{stderr}");
+    for want in [
+        "ucx_perftest ucp_am_lat on client shard 0's row",
+        "ucx_perftest ucp_am_bw on client shard 0's row",
+    ] {
+        assert!(stdout.contains(want), "{want:?} missing from\n{stdout}");
+    }
+    assert_eq!(
+        stdout
+            .lines()
+            .filter(|l| l.trim_end().ends_with("perftest  ratio"))
+            .count(),
+        2,
+        "{stdout}"
+    );
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = j.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{j}");
+    for (row, (test, metric)) in rows
+        .iter()
+        .zip([("ucp_am_lat", "p50_us"), ("ucp_am_bw", "msgs_per_s")])
+    {
+        let p = &row["perftest"];
+        assert_eq!(p["test"], test, "{j}");
+        assert_eq!(p["metric"], metric, "{j}");
+        assert!(p.get("error").is_none(), "perftest failed: {p}\n{stderr}");
+        assert!(p[metric].as_f64().unwrap() > 0.0, "{p}");
+        assert!(p["ratio"].as_f64().unwrap() > 0.0, "{p}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

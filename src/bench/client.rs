@@ -20,7 +20,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -30,6 +30,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use shardcx_shards::proto::{NodeId, ShardId};
 use shardcx_shards::{NetError, Placement, RemoteRegion, ShardCtx};
 
@@ -55,6 +56,13 @@ const BW_IN_FLIGHT: usize = 8 << 20;
 const GATE_POLL: Duration = Duration::from_micros(50);
 /// Runs longer than this show progress on stderr (when it is a terminal).
 const PROGRESS_AFTER: Duration = Duration::from_secs(1);
+/// The progress bar is updated at most this often (indicatif redraws at most 20 times a second
+/// anyway).
+const PROGRESS_EVERY: Duration = Duration::from_millis(50);
+/// Iterations between two looks at the clock for the progress bar: the `am-lat` handler runs
+/// on the shard's driver once per round trip, and pays a division and a compare per iteration,
+/// nothing more.
+const PROGRESS_CHECK_EVERY: u64 = 64;
 
 /// Settings of [`run`].
 #[derive(Debug, Clone)]
@@ -79,7 +87,8 @@ pub struct ClientConfig {
     pub cores: Option<Vec<usize>>,
     /// The pre-shared key.
     pub psk: Vec<u8>,
-    /// Show progress on stderr for tests longer than a second.
+    /// Show a progress bar on stderr for tests longer than a second (only when stderr is a
+    /// terminal).
     pub progress: bool,
     /// glommio io memory per client shard (`None`: sized to the memlock limit; set it when the
     /// server runs in the same process).
@@ -167,13 +176,16 @@ enum RmaOp {
     PutTrusted,
 }
 
-/// Shows a test's progress on stderr after [`PROGRESS_AFTER`].
+/// A test's progress bar (indicatif) on stderr, drawn once the test has run
+/// [`PROGRESS_AFTER`], on client shard 0 only, and only when stderr is a terminal.
 struct Progress {
     on: bool,
     label: String,
     start: Instant,
+    /// When the bar was last updated.
     last: Cell<Instant>,
-    shown: Cell<bool>,
+    /// Made at the first update.
+    bar: RefCell<Option<ProgressBar>>,
 }
 
 /// Runs the planned tests and returns one [`Measurement`] per (test, size), skipped ones
@@ -286,6 +298,7 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
             transport: cfg.transport,
             per_shard,
             skipped: None,
+            perftest: None,
         });
     }
     out.sort_by_key(|m| (cfg.tests.iter().position(|t| *t == m.test), m.size));
@@ -300,6 +313,7 @@ fn skipped(cfg: &ClientConfig, test: Test, size: usize, why: &str) -> Measuremen
         transport: cfg.transport,
         per_shard: Vec::new(),
         skipped: Some(why.into()),
+        perftest: None,
     }
 }
 
@@ -897,7 +911,7 @@ impl Session {
         window: usize,
         budget: Budget,
         warmup: u64,
-        progress: &Progress,
+        progress: &Rc<Progress>,
     ) -> Result<Figures, BenchError> {
         let missing = || BenchError::Protocol("no region for the remote-memory test".into());
         let checked = match kind {
@@ -944,8 +958,13 @@ impl Session {
         let t0 = Instant::now();
         let tasks: Vec<_> = (0..window)
             .map(|_| {
-                let (figures, done, data, op) =
-                    (figures.clone(), done.clone(), data.clone(), op.clone());
+                let (figures, done, data, op, progress) = (
+                    figures.clone(),
+                    done.clone(),
+                    data.clone(),
+                    op.clone(),
+                    progress.clone(),
+                );
                 glommio::spawn_local(async move {
                     while more(budget, done.get(), t0) {
                         done.set(done.get() + 1);
@@ -954,6 +973,7 @@ impl Session {
                         let mut f = figures.borrow_mut();
                         record(&mut f, s.elapsed());
                         f.msgs += 1;
+                        progress.tick(budget, f.msgs, t0);
                     }
                     Ok::<(), BenchError>(())
                 })
@@ -964,7 +984,6 @@ impl Session {
             if let Err(e) = t.await {
                 first_err.get_or_insert(e);
             }
-            progress.tick(budget, done.get(), t0);
         }
         let elapsed = t0.elapsed();
         if let Some(e) = first_err {
@@ -1171,43 +1190,69 @@ impl Progress {
             label,
             start: now,
             last: Cell::new(now),
-            shown: Cell::new(false),
+            bar: RefCell::new(None),
         }
     }
 
+    /// Called after each measured iteration (by the `am-lat` handler on the driver, by the
+    /// test tasks otherwise): cheap until the bar is due. Only every [`PROGRESS_CHECK_EVERY`]-th
+    /// call reads the clock, and the bar is updated at most every [`PROGRESS_EVERY`].
     fn tick(&self, budget: Budget, done: u64, t0: Instant) {
-        if !self.on || done % 64 != 0 {
+        if !self.on || done % PROGRESS_CHECK_EVERY != 0 {
             return;
         }
         let now = Instant::now();
-        if now - self.start < PROGRESS_AFTER || now - self.last.get() < Duration::from_millis(200) {
+        if now - self.start < PROGRESS_AFTER || now - self.last.get() < PROGRESS_EVERY {
             return;
         }
         self.last.set(now);
-        self.shown.set(true);
-        let frac = match budget {
-            Budget::Iters(n) => done as f64 / n.max(1) as f64,
-            Budget::Duration(d) => t0.elapsed().as_secs_f64() / d.as_secs_f64().max(1e-9),
+        let position = match budget {
+            Budget::Iters(n) => done.min(n),
+            Budget::Duration(d) => {
+                let ms = |t: Duration| u64::try_from(t.as_millis()).unwrap_or(u64::MAX);
+                ms(now - t0).min(ms(d))
+            }
+        };
+        let mut slot = self.bar.borrow_mut();
+        match slot.as_ref() {
+            Some(bar) => bar.set_position(position),
+            None => *slot = Some(self.bar_for(budget, position)),
         }
-        .clamp(0.0, 1.0);
-        let filled = (frac * 30.0) as usize;
-        let mut e = std::io::stderr().lock();
-        let _ = write!(
-            e,
-            "\r{} [{}{}] {:3.0}%",
-            self.label,
-            "#".repeat(filled),
-            " ".repeat(30 - filled),
-            frac * 100.0
-        );
-        let _ = e.flush();
     }
 
+    /// The bar, first drawn when the test has run [`PROGRESS_AFTER`]: iterations (messages
+    /// for the windowed tests) out of the budget, or milliseconds out of `--duration`.
+    fn bar_for(&self, budget: Budget, position: u64) -> ProgressBar {
+        let (len, template) = match budget {
+            Budget::Iters(n) => (
+                n,
+                "{prefix} [{wide_bar}] {percent:>3}% {human_pos}/{human_len} in {elapsed}",
+            ),
+            Budget::Duration(d) => (
+                u64::try_from(d.as_millis()).unwrap_or(u64::MAX),
+                "{prefix} [{wide_bar}] {percent:>3}% {elapsed} of {len} ms",
+            ),
+        };
+        let style = ProgressStyle::with_template(template)
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("#>-");
+        // Set up hidden, then shown: its first picture is already at `position`.
+        // indicatif's rate and time estimates start with the bar: it starts late, so its rate
+        // would be wrong at first; only the elapsed time (set here) is shown.
+        let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden())
+            .with_elapsed(self.start.elapsed());
+        bar.set_style(style);
+        bar.set_prefix(self.label.clone());
+        bar.set_position(position);
+        bar.set_draw_target(ProgressDrawTarget::stderr());
+        bar.tick();
+        bar
+    }
+
+    /// The test is over: its bar, if it was drawn, is cleared.
     fn done(&self) {
-        if self.shown.get() {
-            let mut e = std::io::stderr().lock();
-            let _ = write!(e, "\r{}\r", " ".repeat(self.label.len() + 40));
-            let _ = e.flush();
+        if let Some(bar) = self.bar.borrow_mut().take() {
+            bar.finish_and_clear();
         }
     }
 }

@@ -72,7 +72,7 @@
 //!
 //! Latencies are **round trips**, in microseconds, from hdrhistogram (3 significant digits),
 //! recorded after the warm-up. ucx_perftest's latency tests print half a round trip;
-//! `scripts/compare-perftest` doubles them. `msgs/s` counts the iterations' messages over the
+//! `scripts/compare-perftest` and `--vs-perftest` double them. `msgs/s` counts the iterations' messages over the
 //! measured time: one per iteration (a call counts as one, its reply included), `window` per
 //! window for the windowed tests (`am-rate`, `am-bw`, `rpc-rate`, `rpc-notify`). `MB/s` is
 //! `msgs/s × size / 10^6` (one direction). The merged row adds the shards' histograms and counts,
@@ -120,10 +120,38 @@
 //! }
 //! ```
 //!
+//! With `--vs-perftest`, an element whose test has a `ucx_perftest` counterpart (`am-lat`,
+//! `am-rate`, `am-bw`, `tag-lat`, `put-bw`; see [`perftest`]) also has, after `per_shard`:
+//!
+//! ```text
+//!   "perftest": {
+//!     "test": "ucp_am_lat",    // perftest's test (-t)
+//!     "iters": 40000,          // its iterations (-n): client shard 0's measured messages
+//!     "metric": "p50_us",      // what is compared: p50_us (am-lat, tag-lat), msgs_per_s
+//!                              // (am-rate) or mb_per_s (am-bw, put-bw)
+//!     "p50_us": 3.9,           // latency tests: perftest's median, doubled (a round trip)
+//!     "msgs_per_s": 510000.0,  // the others: perftest's overall message rate and
+//!     "mb_per_s": 4.08,        // bandwidth (its MiB/s in 10^6 bytes per second)
+//!     "ratio": 1.05,           // client shard 0's figure / perftest's, on "metric"
+//!                              // (client shard 0 and perftest's client are pinned alike)
+//!     "error": "..."           // instead of the figures and ratio: why perftest has none
+//!                              // (it failed or timed out)
+//!   }
+//! ```
+//!
+//! The other fields are the same with or without it.
+//!
 //! A skipped combination (e.g. `hop` with one shard, `put-trusted-bw` over tcp) is not in the
 //! file; the table says why.
+//!
+//! ## Plots and progress
+//!
+//! `--plot FILE` draws latency and bandwidth against size as SVG or PNG ([`plot`]).
+//! A test that runs longer than a second shows a progress bar on stderr when it is a terminal
+//! (`--quiet` turns it off); it costs the measuring loops a counter test per iteration.
 
 pub mod client;
+pub mod perftest;
 pub mod plot;
 pub mod report;
 pub mod server;
@@ -300,6 +328,9 @@ pub struct Measurement {
     pub per_shard: Vec<ShardFigures>,
     /// Why the combination was skipped, if it was.
     pub skipped: Option<String>,
+    /// What `ucx_perftest` measured for the same (test, size, transport) (`--vs-perftest`,
+    /// tests with a counterpart only).
+    pub perftest: Option<perftest::Perftest>,
 }
 
 impl Test {

@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use super::perftest::{Metric, Perftest};
 use super::{format_size, Figures, Measurement, Test};
 
 /// The results as tables, one per test, in the order the tests first appear in `results`.
@@ -14,12 +15,26 @@ pub fn table(results: &[Measurement]) -> String {
         }
     }
     for test in tests {
-        let _ = writeln!(
+        // The perftest columns, when this test was compared (`--vs-perftest`).
+        let compared = results
+            .iter()
+            .filter(|m| m.test == test)
+            .find_map(|m| m.perftest.as_ref().map(|p| p.counterpart));
+        let _ = write!(
             out,
             "\n{test}: latency in µs ({}), hdrhistogram",
             test.sample()
         );
-        let _ = writeln!(
+        let _ = match compared {
+            Some(c) => writeln!(
+                out,
+                "; ucx_perftest {} on client shard 0's row ({}), ratio shardcx/perftest",
+                c.test,
+                c.metric.unit()
+            ),
+            None => writeln!(out),
+        };
+        let _ = write!(
             out,
             "{:>6} {:<5} {:>6} {:<5} {:<9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>12} {:>10}",
             "size",
@@ -35,6 +50,10 @@ pub fn table(results: &[Measurement]) -> String {
             "msgs/s",
             "MB/s"
         );
+        let _ = match compared {
+            Some(_) => writeln!(out, " {:>12} {:>6}", "perftest", "ratio"),
+            None => writeln!(out),
+        };
         for m in results.iter().filter(|m| m.test == test) {
             let lead = format!(
                 "{:>6} {:<5} {:>6}",
@@ -54,17 +73,23 @@ pub fn table(results: &[Measurement]) -> String {
                     s.route.name(),
                     &s.figures,
                 );
+                match &m.perftest {
+                    Some(p) if s.shard.index() == 0 => perftest_cells(&mut out, p, &s.figures),
+                    _ => out.push('\n'),
+                }
             }
             if m.per_shard.len() > 1 {
                 row(&mut out, &lead, "all", "", &m.merged());
+                out.push('\n');
             }
         }
     }
     out
 }
 
+/// One row of figures, without its line end (perftest's cells may follow).
 fn row(out: &mut String, lead: &str, shard: &str, route: &str, f: &Figures) {
-    let _ = writeln!(
+    let _ = write!(
         out,
         "{lead} {shard:<5} {route:<9} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>12.0} {:>10.1}",
         f.iters(),
@@ -75,6 +100,29 @@ fn row(out: &mut String, lead: &str, shard: &str, route: &str, f: &Figures) {
         f.msgs_per_s(),
         f.mb_per_s()
     );
+}
+
+/// perftest's figure and the ratio, or why there are none, and the line end.
+fn perftest_cells(out: &mut String, p: &Perftest, ours: &Figures) {
+    let metric = p.counterpart.metric;
+    let _ = match (&p.outcome, p.ratio(ours)) {
+        (Ok(f), ratio) => writeln!(
+            out,
+            " {:>12} {:>6}",
+            figure(metric, metric.of_perftest(f)),
+            ratio.map_or("-".into(), |r| format!("{r:.2}"))
+        ),
+        (Err(why), _) => writeln!(out, " perftest: {why}"),
+    };
+}
+
+/// A value as the table shows it in `metric`'s column.
+fn figure(metric: Metric, v: f64) -> String {
+    match metric {
+        Metric::P50Us => format!("{v:.2}"),
+        Metric::MsgsPerS => format!("{v:.0}"),
+        Metric::MbPerS => format!("{v:.1}"),
+    }
 }
 
 /// The results as the JSON array documented in [`crate::bench`] (skipped ones left out).
@@ -107,7 +155,12 @@ pub fn json(results: &[Measurement]) -> String {
                 fields(&s.figures)
             );
         }
-        out.push_str("]}");
+        out.push(']');
+        if let Some(p) = &m.perftest {
+            let shard0 = m.per_shard.first().map(|s| &s.figures);
+            let _ = write!(out, ", \"perftest\": {}", perftest_json(p, shard0));
+        }
+        out.push('}');
     }
     out.push_str("\n]\n");
     out
@@ -125,6 +178,43 @@ fn fields(f: &Figures) -> String {
         num(f.msgs_per_s()),
         num(f.mb_per_s())
     )
+}
+
+/// The `perftest` object (schema in [`crate::bench`]).
+fn perftest_json(p: &Perftest, shard0: Option<&Figures>) -> String {
+    let c = p.counterpart;
+    let mut o = format!(
+        "{{\"test\": {}, \"iters\": {}, \"metric\": \"{}\"",
+        json_string(c.test),
+        p.iters,
+        c.metric.name()
+    );
+    match &p.outcome {
+        Ok(f) => {
+            let _ = match c.metric {
+                Metric::P50Us => write!(o, ", \"p50_us\": {}", num(f.p50_us)),
+                Metric::MsgsPerS | Metric::MbPerS => write!(
+                    o,
+                    ", \"msgs_per_s\": {}, \"mb_per_s\": {}",
+                    num(f.msgs_per_s),
+                    num(f.mb_per_s)
+                ),
+            };
+            if let Some(r) = shard0.and_then(|s| p.ratio(s)) {
+                let _ = write!(o, ", \"ratio\": {}", num(r));
+            }
+        }
+        Err(why) => {
+            let _ = write!(o, ", \"error\": {}", json_string(why));
+        }
+    }
+    o.push('}');
+    o
+}
+
+/// A JSON string (quotes and escapes by serde_json, which cannot fail on a `&str`).
+fn json_string(s: &str) -> String {
+    serde_json::Value::from(s).to_string()
 }
 
 /// A JSON number (finite; 3 decimals are more than the histogram's precision).
@@ -170,6 +260,7 @@ mod tests {
                     },
                 ],
                 skipped: None,
+                perftest: None,
             },
             Measurement {
                 test: Test::Hop,
@@ -178,6 +269,7 @@ mod tests {
                 transport: Transport::Shm,
                 per_shard: vec![],
                 skipped: Some("needs --shards 2 or more".into()),
+                perftest: None,
             },
         ]
     }
@@ -189,6 +281,57 @@ mod tests {
         assert_eq!(t.lines().filter(|l| l.contains(" shm ")).count(), 4);
         assert!(t.contains(" all "));
         assert!(t.contains("skipped: needs --shards 2 or more"));
+    }
+
+    /// `--vs-perftest`: the perftest and ratio columns on shard 0's row, why on a failed one,
+    /// and the `perftest` object in the JSON.
+    #[test]
+    fn perftest_figures_reach_the_table_and_the_json() {
+        use crate::bench::perftest::{counterpart, PerftestFigures};
+        let mut results = sample();
+        let mut failed = results[0].clone();
+        failed.size = 4096;
+        results[0].perftest = Some(Perftest {
+            counterpart: counterpart(Test::AmLat).unwrap(),
+            iters: 4,
+            outcome: Ok(PerftestFigures {
+                p50_us: 1.0,
+                msgs_per_s: 1.0,
+                mb_per_s: 1.0,
+            }),
+        });
+        failed.perftest = Some(Perftest {
+            counterpart: counterpart(Test::AmLat).unwrap(),
+            iters: 4,
+            outcome: Err("ucx_perftest -t ucp_am_lat timed out after 30s (killed)".into()),
+        });
+        results.insert(1, failed);
+        let t = table(&results);
+        assert!(t.contains("ucx_perftest ucp_am_lat"), "{t}");
+        let heading = t.lines().find(|l| l.contains("msgs/s")).unwrap();
+        assert!(heading.ends_with("perftest  ratio"), "{heading}");
+        // Shard 0's p50 is 2.00 µs (the histogram's 2000 ns), perftest's 1.00: ratio 2.00.
+        let row0 = t.lines().find(|l| l.contains(" 0     rail")).unwrap();
+        assert!(row0.ends_with("1.00   2.00"), "{row0}");
+        assert!(
+            t.contains("perftest: ucx_perftest -t ucp_am_lat timed out"),
+            "{t}"
+        );
+        let j = json(&results);
+        for field in [
+            "\"perftest\": {\"test\": \"ucp_am_lat\", \"iters\": 4, \"metric\": \"p50_us\", \
+             \"p50_us\": 1.000, \"ratio\": 2.000}",
+            "\"error\": \"ucx_perftest -t ucp_am_lat timed out after 30s (killed)\"",
+        ] {
+            assert!(j.contains(field), "{field} missing in {j}");
+        }
+        let parsed: serde_json::Value = serde_json::from_str(&j).unwrap();
+        assert_eq!(parsed.as_array().unwrap().len(), 2, "{j}");
+        assert_eq!(parsed[0]["perftest"]["ratio"], 2.0);
+        assert!(parsed[1]["perftest"]["error"].is_string(), "{j}");
+        assert!(parsed[1]["perftest"].get("ratio").is_none(), "{j}");
+        // Without --vs-perftest, no perftest key at all.
+        assert!(!json(&sample()).contains("perftest"));
     }
 
     #[test]

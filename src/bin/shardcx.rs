@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::{CommandFactory, Parser, Subcommand};
 use shardcx::bench::client::{self, ClientConfig};
+use shardcx::bench::perftest::{self, Perftest};
 use shardcx::bench::server::{self, ServeConfig};
 use shardcx::bench::{
     parse_size, plot, report, BenchError, Budget, Measurement, Test, Transport, DEFAULT_PSK,
@@ -134,12 +135,23 @@ struct BenchArgs {
     /// Write the results as JSON (schema: the `shardcx::bench` docs).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
-    /// Write latency and bandwidth against size as SVG.
-    #[arg(long, value_name = "FILE")]
+    /// Plot latency and bandwidth against size into FILE: SVG or PNG, by its extension
+    /// (.svg, .png).
+    #[arg(long, value_parser = plot_file, value_name = "FILE")]
     plot: Option<PathBuf>,
     /// Pre-shared key file (default: the built-in bench key).
     #[arg(long, env = "SHARDCX_PSK_FILE", value_name = "FILE")]
     psk_file: Option<String>,
+    /// Also run UCX's ucx_perftest (from the loaded UCX's build, else PATH) for the tests that
+    /// have a counterpart (am-lat, am-rate, am-bw, tag-lat, put-bw), on the same transport,
+    /// CPUs, sizes and iterations, after each transport's shardcx runs: its figures and the
+    /// ratio shardcx/perftest go in the table, the JSON and the plot (local peer only).
+    #[arg(long, conflicts_with = "connect")]
+    vs_perftest: bool,
+    /// No progress bars on stderr (they are drawn only to a terminal, for tests that run
+    /// longer than a second).
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 /// `--cores C[/S]`: client CPUs, and the local peer's if given.
@@ -481,6 +493,17 @@ fn bench(a: BenchArgs) -> Result<(), Failure> {
     });
     let max_shards = o.shards.iter().copied().max().unwrap_or(1);
     let v = shardcx::ucx::version();
+    // Found before anything runs: a missing perftest costs no benchmark.
+    let perftest_bin = if o.vs_perftest {
+        let b = perftest::find(v.library_path.as_deref()).map_err(Failure)?;
+        if let Some(w) = &b.warning {
+            eprintln!("shardcx bench: WARNING: {w}");
+        }
+        println!("shardcx bench: comparing with {}", b.path.display());
+        Some(b)
+    } else {
+        None
+    };
     println!(
         "shardcx bench: UCX {}.{}.{}, {} CPU(s) {:?}, client shard i on CPU {:?}[i], {}",
         v.loaded.0,
@@ -537,13 +560,20 @@ fn bench(a: BenchArgs) -> Result<(), Failure> {
                 window,
                 cores: Some(client_cores.clone()),
                 psk: psk.clone(),
-                progress: true,
+                progress: !o.quiet,
                 io_memory: None,
             };
             results.extend(client::run(&cfg)?);
         }
         if let Some(p) = local {
             p.stop();
+        }
+        if let Some(binary) = &perftest_bin {
+            let cpus = PerftestCpus {
+                server: server_cores.first().copied(),
+                client: client_cores.first().copied(),
+            };
+            compare_with_perftest(&mut results, transport, binary, cpus, o.warmup, o.quiet);
         }
     }
     // Grouped by test in `--test` order; within a test, in run order (a stable sort).
@@ -555,10 +585,80 @@ fn bench(a: BenchArgs) -> Result<(), Failure> {
         eprintln!("shardcx bench: wrote {}", f.display());
     }
     if let Some(f) = &o.plot {
-        write_file(f, &plot::svg(&results))?;
+        plot::write(f, &results).map_err(|e| Failure(e.to_string()))?;
         eprintln!("shardcx bench: wrote {}", f.display());
     }
     Ok(())
+}
+
+/// Where the perftest server and client run: like the local peer's shard 0 and client shard 0.
+#[derive(Clone, Copy)]
+struct PerftestCpus {
+    server: Option<usize>,
+    client: Option<usize>,
+}
+
+/// Runs `ucx_perftest` for every measured (test, size) of `transport` that has a counterpart,
+/// once per (perftest test, size, iterations), and attaches its figures (or why there are none)
+/// to the measurements. Iterations: client shard 0's measured messages.
+fn compare_with_perftest(
+    results: &mut [Measurement],
+    transport: Transport,
+    binary: &perftest::Binary,
+    cpus: PerftestCpus,
+    warmup: Option<u64>,
+    quiet: bool,
+) {
+    type Key = (&'static str, usize, u64, u64);
+    let mut ran: Vec<(Key, Result<perftest::PerftestFigures, String>)> = Vec::new();
+    for m in results
+        .iter_mut()
+        .filter(|m| m.transport == transport && m.skipped.is_none())
+    {
+        let (Some(counterpart), Some(shard0)) =
+            (perftest::counterpart(m.test), m.per_shard.first())
+        else {
+            continue;
+        };
+        let iters = shard0.figures.msgs.max(1);
+        // As shardcx's own default: a tenth of the iterations, at most 1000.
+        let warmup = warmup.unwrap_or((iters / 10).min(1000));
+        let key = (counterpart.test, m.size, iters, warmup);
+        let outcome = match ran.iter().find(|(k, _)| *k == key) {
+            Some((_, outcome)) => outcome.clone(),
+            None => {
+                if !quiet {
+                    eprintln!(
+                        "shardcx bench: ucx_perftest -t {} -s {} -n {iters} ({transport}) ...",
+                        counterpart.test, m.size
+                    );
+                }
+                let outcome = perftest::run(&perftest::RunConfig {
+                    binary,
+                    transport,
+                    server_cpu: cpus.server,
+                    client_cpu: cpus.client,
+                    counterpart,
+                    size: m.size,
+                    iters,
+                    warmup,
+                    // Generous: perftest is about as fast as shardcx, plus its start-up.
+                    timeout: (shard0.figures.elapsed * 20)
+                        .clamp(Duration::from_secs(30), Duration::from_secs(300)),
+                });
+                if let Err(why) = &outcome {
+                    eprintln!("shardcx bench: {why}");
+                }
+                ran.push((key, outcome.clone()));
+                outcome
+            }
+        };
+        m.perftest = Some(Perftest {
+            counterpart,
+            iters,
+            outcome,
+        });
+    }
 }
 
 /// The local peer process: `shardcx node` started from this binary (one node, as many shards
@@ -738,6 +838,14 @@ fn core_split(s: &str) -> Result<CoreSplit, String> {
         client: cpu_ids(c)?,
         server: srv.map(cpu_ids).transpose()?,
     })
+}
+
+/// `--plot FILE`: checked before the run, so that a bad extension costs no benchmark.
+fn plot_file(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    plot::PlotFormat::of(&path)
+        .map(|_| path)
+        .map_err(|e| e.to_string())
 }
 
 fn psk_file(path: &str) -> Result<Vec<u8>, Failure> {
