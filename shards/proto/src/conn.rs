@@ -284,9 +284,10 @@ pub enum DropReason {
     /// The frame's shards are not this rail's: `dst_shard` is not the local shard, or
     /// `src_shard` is not the remote shard.
     Misrouted,
-    /// A `Hello` reached a `Ready` connection, which does not take it: an opening never resets
-    /// an authenticated session (see "Openings beside a ready connection" in the module docs).
-    /// The caller gives it a connection of its own, [`Connection::server_beside`].
+    /// A `Hello` reached a `Ready` connection (of either role), which does not take it: an
+    /// opening never resets an authenticated session (see "Openings beside a ready
+    /// connection" in the module docs). The caller gives it a connection of its own,
+    /// [`Connection::server_beside`].
     Opening,
 }
 
@@ -951,6 +952,9 @@ impl Connection {
     }
 
     fn on_hello(&mut self, now: Timestamp, header: &FrameHeader, hello: &Hello) -> Received {
+        if self.state == State::Ready {
+            return self.on_hello_while_ready(hello);
+        }
         if self.role != Role::Server {
             return self.drop_frame(DropReason::Unexpected);
         }
@@ -969,12 +973,6 @@ impl Connection {
             .is_some_and(|p| hello.incarnation < p.incarnation)
         {
             return self.drop_frame(DropReason::StaleIncarnation);
-        }
-        if self.state == State::Ready {
-            // Anyone who can reach the endpoint can send a `Hello` naming the peer: the
-            // session stays until another handshake has proved the key, on a connection of
-            // its own.
-            return self.drop_frame(DropReason::Opening);
         }
         self.adopt_remote_shard(header.src_shard);
         let msg = HandshakeMessage::Hello(*hello);
@@ -1013,6 +1011,20 @@ impl Connection {
         }
         self.after_attempt_input(now);
         Received::Consumed
+    }
+
+    /// A `Hello` to a ready connection, of either role: anyone who can reach the endpoint can
+    /// send one naming the peer, so the session stays until another handshake has proved the
+    /// key, on a connection of its own (see the module docs).
+    fn on_hello_while_ready(&mut self, hello: &Hello) -> Received {
+        if self.peer.is_some_and(|p| hello.incarnation < p.incarnation) {
+            return self.drop_frame(DropReason::StaleIncarnation);
+        }
+        if self.last_client_nonce == Some(hello.nonce) {
+            // A duplicate of the hello this session was made with.
+            return self.drop_frame(DropReason::Unexpected);
+        }
+        self.drop_frame(DropReason::Opening)
     }
 
     fn on_join(&mut self, now: Timestamp, header: &FrameHeader, join: &Join) -> Received {
