@@ -18,6 +18,7 @@
 //! | `shardcx_handshakes`, `shardcx_rail_joins`, `shardcx_rail_join_retries` | counter | sessions and rails formed |
 //! | `shardcx_bootstraps` | counter | connections to the listener's port, by `outcome` (`served`, `refused`, `timed_out`, `over_cap`) |
 //! | `shardcx_openings_over_cap`, `shardcx_handshakes_expired` | counter | half-open handshakes refused at the cap, and expired |
+//! | `shardcx_pending_openings`, `shardcx_pending_openings_closed` | counter | `Hello`s for a ready rail answered beside it, and those closed without replacing it, by `outcome` (`refused`, `expired`) |
 //! | `shardcx_rpc_calls` | counter | RPC requests served, by `outcome` |
 //! | `shardcx_rpc_cancels_sent` | counter | cancel frames sent for calls given up |
 //! | `shardcx_mesh_taken` | counter | cross-shard lane messages, by `by` (`driver`, `task`) |
@@ -281,6 +282,26 @@ impl Collector for ShardsCollector {
             "Rails opened by a peer whose handshake did not complete in time (endpoint closed).",
             Counter,
             &one(|s| s.net.handshakes_expired),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_pending_openings",
+            "Hellos for a ready rail, answered beside it: a peer's restart or reconnect, or anyone naming it (those that completed count as handshakes).",
+            Counter,
+            &one(|s| s.net.pending_openings),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_pending_openings_closed",
+            "Pending openings closed without replacing their rail, by outcome: refused (failed handshake, superseded), expired (at the handshake deadline).",
+            Counter,
+            &per(&|s| {
+                let n = &s.net;
+                vec![
+                    (Some(("outcome", "refused")), n.pending_refused),
+                    (Some(("outcome", "expired")), n.pending_expired),
+                ]
+            }),
         )?;
         family(
             &mut encoder,

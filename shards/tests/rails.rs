@@ -456,6 +456,17 @@ type Answers = Vec<(FrameKind, ShardId, Option<RejectReason>)>;
 /// directory's workers (its own address in each opening, as a node's would be), and collects
 /// what comes back for half a second.
 fn intrude(addr: SocketAddr, forgeries: Vec<Forgery>) -> Answers {
+    intrude_with(addr, forgeries, Duration::from_millis(500), None)
+}
+
+/// [`intrude`], collecting for `keep` (its endpoints stay up that long), and raising `sent`
+/// (when given) once the forgeries have been out for 50 ms.
+fn intrude_with(
+    addr: SocketAddr,
+    forgeries: Vec<Forgery>,
+    keep: Duration,
+    sent: Option<Arc<AtomicBool>>,
+) -> Answers {
     let h = std::thread::spawn(move || {
         let mut cfg = Config::from_env().unwrap();
         cfg.set("TLS", "tcp").unwrap();
@@ -531,7 +542,12 @@ fn intrude(addr: SocketAddr, forgeries: Vec<Forgery>) -> Answers {
             let (r, _) = worker.block_on(ep.am_send(id, &header, payload, AmProto::Eager));
             r.expect("intruder's send");
         }
-        progress_for(Duration::from_millis(500), &|| false);
+        let early = Duration::from_millis(50).min(keep);
+        progress_for(early, &|| false);
+        if let Some(sent) = sent {
+            sent.store(true, Ordering::Release);
+        }
+        progress_for(keep - early, &|| false);
         drop(eps);
         let answers = got.borrow().clone();
         answers
@@ -645,16 +661,30 @@ fn a_results(a: Vec<(Vec<String>, u64)>) -> (Vec<String>, Vec<u64>) {
 /// Runs B, A connected to it, and an intruder sending `forgeries(A's incarnation)` to B once
 /// A's rails are up; A probes its rails again after it.
 fn intrusion(forgeries: impl FnOnce(Incarnation) -> Vec<Forgery>) -> Intrusion {
+    intrusion_with(common::net_config(), None, forgeries)
+}
+
+/// [`intrusion`] with B on `net`; with `beside`, the intruder keeps its endpoints for that
+/// long, and A probes its rails again meanwhile (50 ms after the forgeries went out) rather
+/// than after it.
+fn intrusion_with(
+    net: NetConfig,
+    beside: Option<Duration>,
+    forgeries: impl FnOnce(Incarnation) -> Vec<Forgery>,
+) -> Intrusion {
     let _g = serial();
     let hits = Hits::default();
-    let b = Server::start(echo_server(B, 2, &hits));
+    let b = Server::start(echo_server(B, 2, &hits).net(net));
     let addr = b.addr;
     let (tx, rx) = mpsc::channel();
     let over = Arc::new(AtomicBool::new(false));
     let o = over.clone();
     let a = std::thread::spawn(move || a_around_intrusion(addr, tx, o));
     let a_inc = rx.recv_timeout(LIMIT).expect("A did not connect");
-    let answers = intrude(addr, forgeries(a_inc));
+    let answers = match beside {
+        Some(keep) => intrude_with(addr, forgeries(a_inc), keep, Some(over.clone())),
+        None => intrude(addr, forgeries(a_inc)),
+    };
     over.store(true, Ordering::Release);
     let (problems, a_join_retries) = a_results(join_bounded(a, "node A"));
     let reports = b.stop();
@@ -785,29 +815,75 @@ fn a_forged_join_leaves_the_authenticated_rail_alone() {
     }
 }
 
-/// A `Hello` claiming to be A (with A's incarnation) on each of A's rails, from an endpoint
-/// that cannot finish the handshake (it has no key), leaves A's authenticated rails alone.
-///
-/// Fails today: B hands the `Hello` to the connection of the rail it holds for A (an opening
-/// for an existing rail goes to its connection), and proto's `Connection::on_hello` on a
-/// `Ready` connection starts a new server handshake at once (`FailReason::SessionReplaced`:
-/// a `Hello` there is taken for the peer's restart). The rail stops delivering A's frames
-/// (not ready), its `Welcome` goes to A, which drops it, and the rail fails at the handshake
-/// deadline; A's side then finds its peer dead. So anyone who can reach B's workers and
-/// knows A's node id and incarnation can cut A off. Keeping the ready session until a new
-/// handshake completes (and answering the `Hello` on an endpoint to its own address) needs a
-/// change in proto's connection and in the net layer's opening path.
-#[test]
-#[ignore = "bug: a forged Hello naming an authenticated node replaces its ready rail before \
-            any proof; see the test's docs"]
-fn a_forged_hello_leaves_the_authenticated_rail_alone() {
+/// B's handshake deadline in the forged-`Hello` tests: A probes its rails from 50 ms after the
+/// forgeries went out, beside the pending openings they opened.
+const FORGED_HELLO_DEADLINE: Duration = Duration::from_millis(1000);
+
+/// Runs A, B and an intruder that sends `forgeries` and keeps its endpoints past B's
+/// handshake deadline ([`FORGED_HELLO_DEADLINE`]), and checks what every forged-`Hello` test
+/// expects: A's rails carried on (probed and pinged while the forged openings were pending,
+/// every ping from A), B made no new session nor rail, each B shard answered one forged
+/// `Hello` beside the rail it holds for A and closed that pending opening at its deadline,
+/// and the intruder got nothing but the `Welcome`s of those pending openings (no `Joined`,
+/// no application frame). Returns B's reports.
+fn forged_hellos(forgeries: impl FnOnce(Incarnation) -> Vec<Forgery>) -> Vec<ShardReport> {
+    let net = NetConfig {
+        handshake_timeout: FORGED_HELLO_DEADLINE,
+        ..common::net_config()
+    };
+    let keep = FORGED_HELLO_DEADLINE + Duration::from_millis(400);
     let Intrusion {
         problems,
         reports,
         hits,
         answers,
         ..
-    } = intrusion(|a_inc| {
+    } = intrusion_with(net, Some(keep), forgeries);
+    eprintln!("the intruder got back {answers:?}");
+    assert!(problems.is_empty(), "{problems:#?}");
+    assert_eq!(hits.len(), 10, "{hits:?}");
+    assert!(hits.iter().all(|h| h.from == A), "{hits:?}");
+    let mut welcomes: Vec<_> = answers.clone();
+    welcomes.sort_by_key(|a| a.1);
+    assert_eq!(
+        welcomes,
+        [0, 1]
+            .map(|s| (FrameKind::Welcome, ShardId::new(s), None))
+            .to_vec(),
+        "what the intruder got back"
+    );
+    for (s, r) in reports.iter().enumerate() {
+        let st = r.stats;
+        let (primary, joined) = if s == 0 { (1, 0) } else { (0, 1) };
+        assert_eq!(
+            (st.handshakes, st.joins),
+            (primary, joined),
+            "shard {s}: {st:?}"
+        );
+        assert_eq!(
+            (st.pending_openings, st.pending_refused, st.pending_expired),
+            (1, 0, 1),
+            "shard {s}: {st:?}"
+        );
+        assert_eq!(st.handshakes_expired, 0, "shard {s}: {st:?}");
+    }
+    reports
+}
+
+/// A `Hello` claiming to be A (with A's incarnation) on each of A's rails, from an endpoint
+/// that cannot finish the handshake (it has no key), leaves A's authenticated rails alone.
+///
+/// Regression: B handed the `Hello` to the connection of the rail it holds for A, and proto's
+/// `Connection::on_hello` on a `Ready` connection started a new server handshake at once
+/// (`FailReason::SessionReplaced`: a `Hello` there was taken for the peer's restart). The
+/// rail stopped delivering A's frames, its `Welcome` went to A, which dropped it, and the rail
+/// failed at the handshake deadline: anyone who could reach B's workers and knew A's node id
+/// and incarnation could cut A off. A ready connection now declines a `Hello`, which gets a
+/// pending opening of its own beside the rail (see "Openings beside a ready rail" in the
+/// session docs).
+#[test]
+fn a_forged_hello_leaves_the_authenticated_rail_alone() {
+    forged_hellos(|a_inc| {
         [0, 1]
             .map(|s| Forgery::Hello {
                 claim: A,
@@ -817,17 +893,37 @@ fn a_forged_hello_leaves_the_authenticated_rail_alone() {
             })
             .to_vec()
     });
-    eprintln!("the intruder got back {answers:?}");
-    assert!(problems.is_empty(), "{problems:#?}");
-    assert_eq!(hits.len(), 10, "{hits:?}");
-    for (s, r) in reports.iter().enumerate() {
-        let st = r.stats;
-        let (primary, joined) = if s == 0 { (1, 0) } else { (0, 1) };
-        assert_eq!(
-            (st.handshakes, st.joins),
-            (primary, joined),
-            "shard {s}: {st:?}"
+}
+
+/// The same with a `Hello` from another incarnation of A (as if A had restarted): it too is
+/// answered beside A's ready rail, which it does not replace, since the intruder cannot finish
+/// the handshake. A `Hello` from an older incarnation than A's is dropped as stale, with no
+/// answer and no pending opening.
+///
+/// Regression: an opening from another incarnation than the rail's peer made a new rail on an
+/// endpoint of its own at once (`accept_opening`, `insert_rail`), retiring A's ready rail
+/// before any proof.
+#[test]
+fn a_forged_hello_from_another_incarnation_leaves_the_authenticated_rail_alone() {
+    let reports = forged_hellos(|a_inc| {
+        let (newer, older) = (
+            Incarnation::new(a_inc.get() + 1_000),
+            Incarnation::new(a_inc.get() - 1),
         );
+        [0, 1]
+            .into_iter()
+            .flat_map(|s| {
+                [newer, older].map(|inc| Forgery::Hello {
+                    claim: A,
+                    inc,
+                    src: ShardId::new(s),
+                    dst: ShardId::new(s),
+                })
+            })
+            .collect()
+    });
+    for (s, r) in reports.iter().enumerate() {
+        assert_eq!(r.stats.dropped_other, 1, "shard {s}: {:?}", r.stats);
     }
 }
 
@@ -1074,6 +1170,17 @@ fn a_restarted_client_node_gets_every_rail_back_before_its_peer_noticed() {
         vec![(2, 0), (0, 2)],
         "{reports:?}"
     );
+    // The new B's `Hello` met the old B's ready rail on A's shard 0: it was answered beside
+    // that rail, which it replaced once its handshake completed. (On shard 1 the new B's
+    // `Join`, checked against the new session, replaced the old rail at once.)
+    let pending: Vec<_> = reports
+        .iter()
+        .map(|r| {
+            let s = r.stats;
+            (s.pending_openings, s.pending_refused, s.pending_expired)
+        })
+        .collect();
+    assert_eq!(pending, vec![(1, 0, 0), (0, 0, 0)], "{reports:?}");
 }
 
 /// Node A connects to B, uses every rail; B stops and a new B (new incarnation) listens at the

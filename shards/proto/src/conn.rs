@@ -54,14 +54,29 @@
 //! `[d/2, d]` with `d = min(backoff_max, backoff_initial · 2^k)` ("equal jitter"), using the
 //! connection's own [`Rng`] seeded by the caller.
 //!
-//! A server connection answers every new `Hello` (with a pre-shared-key handshake) and every
-//! new `Join` (checked against the session given to [`Connection::join_server`]; a connection
-//! made with [`Connection::server`] has none and refuses joins with
-//! [`RejectReason::UnknownSession`]). A new opening that succeeds while `Ready` replaces the
-//! session ([`Event::Failed`] with [`FailReason::SessionReplaced`], then [`Event::Connected`]).
-//! A refused `Join` ends the connection (`Failed`) only if it was not `Ready`: an
+//! A server connection that is not `Ready` answers every new `Hello` (with a pre-shared-key
+//! handshake). Every server connection answers every new `Join` (checked against the session
+//! given to [`Connection::join_server`]; a connection made with [`Connection::server`] has
+//! none and refuses joins with [`RejectReason::UnknownSession`]); a join that verifies while
+//! `Ready` replaces the session at once ([`Event::Failed`] with
+//! [`FailReason::SessionReplaced`], then [`Event::Connected`]): its proof shows it holds the
+//! session. A refused `Join` ends the connection (`Failed`) only if it was not `Ready`: an
 //! unauthenticated join never ends an authenticated rail. A duplicate of an opening already
 //! processed (same nonce) is ignored.
+//!
+//! # Openings beside a ready connection
+//!
+//! A `Hello` proves nothing (anyone who can reach the endpoint can send one naming the peer),
+//! so a `Ready` connection never takes one: [`Connection::handle_frame`] drops it with
+//! [`DropReason::Opening`], and the session, its heartbeats and its application frames carry
+//! on. The caller answers it with a *pending opening*: a [`Connection::server_beside`] of its
+//! own (with its own endpoint, to the address the `Hello` came from), fed the `Hello` and the
+//! rest of that handshake. Only when the pending opening reaches `Ready` (the other side
+//! proved the key) does the caller let it replace the ready connection, and report that one
+//! ended ([`FailReason::SessionReplaced`]); a pending opening that fails or reaches its
+//! handshake deadline is dropped, and the ready connection never noticed. The net layer's
+//! `session` module (and [`crate::sim`]) routes frames between the two: the rest of a
+//! handshake (`Confirm`) to the pending opening, everything else to the ready connection.
 //!
 //! # Liveness
 //!
@@ -79,10 +94,10 @@
 //! Every frame header carries its sender's incarnation. Once connected, frames whose incarnation
 //! differs from the one learned in the handshake are dropped and counted
 //! ([`ConnStats::dropped_stale`]); a `Hello` from an older incarnation is dropped the same way. A
-//! `Hello` from a newer incarnation (the peer restarted) replaces the session:
-//! [`Event::Failed`] with [`FailReason::SessionReplaced`] (so in-flight work fails), then
-//! [`Event::PeerRestarted`] and [`Event::Connected`] once the new handshake completes. A `Join`
-//! must name exactly the incarnations of its session.
+//! `Hello` from a newer incarnation (the peer restarted) is a `Hello` like any other: a ready
+//! connection leaves it to a pending opening (above), which reports [`Event::PeerRestarted`]
+//! and [`Event::Connected`] once its handshake completes, and then replaces the ready one (so
+//! in-flight work on it fails). A `Join` must name exactly the incarnations of its session.
 //!
 //! # Calling order
 //!
@@ -269,6 +284,11 @@ pub enum DropReason {
     /// The frame's shards are not this rail's: `dst_shard` is not the local shard, or
     /// `src_shard` is not the remote shard.
     Misrouted,
+    /// A `Hello` reached a `Ready` connection (of either role), which does not take it: an
+    /// opening never resets an authenticated session (see "Openings beside a ready
+    /// connection" in the module docs). The caller gives it a connection of its own,
+    /// [`Connection::server_beside`].
+    Opening,
 }
 
 /// Misuse of the connection API.
@@ -298,7 +318,8 @@ pub struct ConnStats {
     pub dropped_malformed: u64,
     /// Frames dropped because their shards are not this rail's.
     pub dropped_misrouted: u64,
-    /// Frames dropped as unexpected, version-mismatched, or after close.
+    /// Frames dropped as unexpected, version-mismatched, after close, or as an opening that a
+    /// ready connection does not take ([`DropReason::Opening`]).
     pub dropped_other: u64,
     /// Heartbeats sent.
     pub heartbeats_sent: u64,
@@ -353,6 +374,9 @@ pub struct Connection {
     /// Nonce of the last join refused (server side; to spot duplicates).
     last_refused_nonce: Option<Nonce>,
     peer: Option<PeerInfo>,
+    /// The peer of the ready connection this one was opened beside
+    /// ([`Connection::server_beside`]): the incarnation a restart is told from.
+    beside: Option<PeerInfo>,
     remote_shard: Option<ShardId>,
     join: Option<JoinSession>,
     /// The secret of the session the last pre-shared-key handshake made (primary rails only).
@@ -547,6 +571,25 @@ impl Connection {
         c
     }
 
+    /// A server connection for a `Hello` that a ready connection with `ready` (its peer)
+    /// declined ([`DropReason::Opening`]), on an endpoint of its own; feed it that frame with
+    /// [`Connection::handle_frame`]. It is a [`Connection::server`] that knows the peer it
+    /// would replace: it drops a `Hello` from an incarnation older than `ready`'s
+    /// ([`DropReason::StaleIncarnation`]), and reports [`Event::PeerRestarted`] before
+    /// [`Event::Connected`] when its handshake completes with another incarnation. The caller
+    /// lets it replace the ready connection only once it is `Ready` (see "Openings beside a
+    /// ready connection" in the module docs).
+    pub fn server_beside(
+        now: Timestamp,
+        cfg: ConnConfig,
+        seeds: Seeds,
+        ready: PeerInfo,
+    ) -> Connection {
+        let mut c = Connection::server(now, cfg, seeds);
+        c.beside = Some(ready);
+        c
+    }
+
     /// A server connection for an endpoint whose first frame is a `Join` to the session with
     /// `session_peer` (the client node as learned by the session's primary handshake) keyed by
     /// `secret`, from the net layer's session table; feed it that frame with
@@ -593,6 +636,7 @@ impl Connection {
             last_client_nonce: None,
             last_refused_nonce: None,
             peer: None,
+            beside: None,
             remote_shard: None,
             join: None,
             secret: None,
@@ -908,6 +952,9 @@ impl Connection {
     }
 
     fn on_hello(&mut self, now: Timestamp, header: &FrameHeader, hello: &Hello) -> Received {
+        if self.state == State::Ready {
+            return self.on_hello_while_ready(hello);
+        }
         if self.role != Role::Server {
             return self.drop_frame(DropReason::Unexpected);
         }
@@ -920,7 +967,11 @@ impl Connection {
             // A duplicate of the hello we are answering or have answered.
             return self.drop_frame(DropReason::Unexpected);
         }
-        if self.peer.is_some_and(|p| hello.incarnation < p.incarnation) {
+        if self
+            .peer
+            .or(self.beside)
+            .is_some_and(|p| hello.incarnation < p.incarnation)
+        {
             return self.drop_frame(DropReason::StaleIncarnation);
         }
         self.adopt_remote_shard(header.src_shard);
@@ -947,11 +998,6 @@ impl Connection {
             return Received::Consumed;
         }
         if !fresh_wait {
-            if self.state == State::Ready {
-                self.events.push_back(Event::Failed {
-                    reason: FailReason::SessionReplaced,
-                });
-            }
             let nonce = self.nonces.next_nonce();
             self.attempt = Some(Attempt::Psk(Handshake::server(
                 now,
@@ -965,6 +1011,20 @@ impl Connection {
         }
         self.after_attempt_input(now);
         Received::Consumed
+    }
+
+    /// A `Hello` to a ready connection, of either role: anyone who can reach the endpoint can
+    /// send one naming the peer, so the session stays until another handshake has proved the
+    /// key, on a connection of its own (see the module docs).
+    fn on_hello_while_ready(&mut self, hello: &Hello) -> Received {
+        if self.peer.is_some_and(|p| hello.incarnation < p.incarnation) {
+            return self.drop_frame(DropReason::StaleIncarnation);
+        }
+        if self.last_client_nonce == Some(hello.nonce) {
+            // A duplicate of the hello this session was made with.
+            return self.drop_frame(DropReason::Unexpected);
+        }
+        self.drop_frame(DropReason::Opening)
     }
 
     fn on_join(&mut self, now: Timestamp, header: &FrameHeader, join: &Join) -> Received {
@@ -1070,7 +1130,7 @@ impl Connection {
     }
 
     fn on_connected(&mut self, now: Timestamp, peer: PeerInfo) {
-        if let Some(old) = self.peer {
+        if let Some(old) = self.peer.or(self.beside) {
             if old.incarnation != peer.incarnation {
                 self.events.push_back(Event::PeerRestarted {
                     old: old.incarnation,
@@ -1458,6 +1518,100 @@ mod tests {
             std::iter::from_fn(|| s.poll_event()).any(|e| e == Event::Drained { timed_out: true })
         );
         let _ = c.poll_event();
+    }
+
+    /// A `Hello` to a ready server, from the same incarnation or a newer one, whatever key is
+    /// behind it, is declined ([`DropReason::Opening`]): the session, its frames and its
+    /// heartbeats carry on, nothing is answered on the ready connection.
+    #[test]
+    fn a_ready_server_declines_hellos() {
+        let (c, mut s) = ready_pair();
+        let now = Timestamp::from_nanos(1);
+        while s.poll_event().is_some() {}
+        for inc in [1, 2] {
+            let mut cf = cfg(1);
+            cf.handshake.incarnation = Incarnation::new(inc);
+            let mut forger = Connection::client(cf, NodeId::new(2), ShardId::new(0), seeds(7));
+            forger.connect(now).unwrap();
+            let t = forger.poll_transmit().unwrap();
+            let bytes = t.to_vec();
+            let (h, p) = decode_frame(&bytes, &Limits::default()).unwrap();
+            assert_eq!(
+                s.handle_frame(now, &h, p),
+                Received::Dropped(DropReason::Opening)
+            );
+            assert_eq!(s.state(), State::Ready);
+            assert_eq!(s.poll_transmit(), None);
+            assert_eq!(s.poll_event(), None);
+        }
+        // An older incarnation's is stale, as before.
+        let mut cf = cfg(1);
+        cf.handshake.incarnation = Incarnation::new(0);
+        let mut old = Connection::client(cf, NodeId::new(2), ShardId::new(0), seeds(8));
+        old.connect(now).unwrap();
+        let bytes = old.poll_transmit().unwrap().to_vec();
+        let (h, p) = decode_frame(&bytes, &Limits::default()).unwrap();
+        assert_eq!(
+            s.handle_frame(now, &h, p),
+            Received::Dropped(DropReason::StaleIncarnation)
+        );
+        let am = c.frame_header(FrameKind::Am).unwrap();
+        assert_eq!(s.handle_frame(now, &am, &[]), Received::Deliver);
+        assert_eq!(s.peer().unwrap().incarnation, Incarnation::new(1));
+        assert_eq!(s.stats().handshakes, 1);
+    }
+
+    /// A restarted client's `Hello`, declined by the ready server, completes on a
+    /// [`Connection::server_beside`], which reports the restart; one whose handshake fails
+    /// (another key) ends `Failed` and leaves the ready connection as it was.
+    #[test]
+    fn a_server_beside_a_ready_one_reports_the_restart_or_fails_alone() {
+        let (_, mut s) = ready_pair();
+        let ready = *s.peer().unwrap();
+        let now = Timestamp::from_nanos(1);
+        let mut restarted = cfg(1);
+        restarted.handshake.incarnation = Incarnation::new(5);
+        let mut c = Connection::client(restarted, NodeId::new(2), ShardId::new(0), seeds(3));
+        c.connect(now).unwrap();
+        let mut p = Connection::server_beside(now, cfg(2), seeds(4), ready);
+        pump(now, &mut c, &mut p);
+        assert_eq!((c.state(), p.state()), (State::Ready, State::Ready));
+        assert_eq!(
+            std::iter::from_fn(|| p.poll_event()).collect::<Vec<_>>(),
+            vec![
+                Event::PeerRestarted {
+                    old: Incarnation::new(1),
+                    new: Incarnation::new(5)
+                },
+                Event::Connected(*p.peer().unwrap())
+            ]
+        );
+        // Another key: the beside connection fails, the ready one never hears of it.
+        let mut wrong = cfg(1);
+        wrong.handshake.psk = PreSharedKey::new(&[3; 32]).unwrap();
+        let mut forger = Connection::client(wrong, NodeId::new(2), ShardId::new(0), seeds(5));
+        forger.connect(now).unwrap();
+        let mut p = Connection::server_beside(now, cfg(2), seeds(6), ready);
+        pump(now, &mut forger, &mut p);
+        assert_ne!(p.state(), State::Ready);
+        if let Some(t) = p.poll_timeout() {
+            p.handle_timeout(t);
+        }
+        assert_eq!(p.state(), State::Failed);
+        assert_eq!(s.state(), State::Ready);
+        assert_eq!(s.poll_transmit(), None);
+        // A `Hello` from an older incarnation than the ready peer's is stale there too.
+        let mut older = cfg(1);
+        older.handshake.incarnation = Incarnation::new(0);
+        let mut o = Connection::client(older, NodeId::new(2), ShardId::new(0), seeds(7));
+        o.connect(now).unwrap();
+        let bytes = o.poll_transmit().unwrap().to_vec();
+        let (h, pl) = decode_frame(&bytes, &Limits::default()).unwrap();
+        let mut p = Connection::server_beside(now, cfg(2), seeds(8), ready);
+        assert_eq!(
+            p.handle_frame(now, &h, pl),
+            Received::Dropped(DropReason::StaleIncarnation)
+        );
     }
 
     #[test]

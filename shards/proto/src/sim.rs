@@ -23,6 +23,14 @@
 //! join is answered with [`Connection::refuse`] ([`RejectReason::UnknownSession`]); anything
 //! else is dropped ([`NetStats::unrouted`]).
 //!
+//! A `Hello` that a ready connection declines ([`crate::conn::DropReason::Opening`]: a restarted
+//! or reconnecting peer, or anyone naming it) gets a *pending opening* beside it, a
+//! [`Connection::server_beside`] ([`SimNode::pending_opening`]), as the net layer does: the
+//! `Hello`s and `Confirm`s of that rail go to it, every other frame to the ready connection.
+//! When it is ready it replaces the ready connection, which is reported as
+//! [`Event::Failed`] with [`FailReason::SessionReplaced`] (its calls fail); when it fails it is
+//! dropped ([`NetStats::pending_failed`]) and the ready connection never noticed.
+//!
 //! The network model ([`NetConfig`]) delays each frame by a uniform latency, loses it with some
 //! probability, duplicates it with some probability, and with some probability adds extra delay
 //! so it overtakes or is overtaken (reordering). Partitions cut a pair of nodes in both directions,
@@ -42,7 +50,7 @@
 //! the cache. Each call ends in exactly one [`RpcOutcome`]: a reply, a refusal, expiry at its
 //! deadline, or failure of its connection.
 
-use crate::conn::{ConnConfig, Connection, Event, Received, Seeds, State};
+use crate::conn::{ConnConfig, Connection, DropReason, Event, FailReason, Received, Seeds, State};
 use crate::handshake::{HandshakeMessage, PeerInfo, RejectReason, SessionSecret};
 use crate::ids::{Incarnation, NodeId, ReqId, ShardId};
 use crate::rails::Rail;
@@ -152,6 +160,10 @@ pub struct NetStats {
     pub malformed: u64,
     /// Frames that arrived on a rail with no connection and opened none.
     pub unrouted: u64,
+    /// Pending openings made beside a ready connection (see the module docs).
+    pub pending_opened: u64,
+    /// Pending openings that failed (their handshake did, or timed out) and were dropped.
+    pub pending_failed: u64,
 }
 
 /// Simulator errors.
@@ -209,6 +221,8 @@ pub struct SimNode {
     accepts: BTreeSet<usize>,
     /// Connections by (peer index, rail from this node's side).
     conns: BTreeMap<(usize, Rail), Connection>,
+    /// Pending openings beside ready connections, by the same key (see the module docs).
+    beside: BTreeMap<(usize, Rail), Connection>,
     /// The node-wide session table: peer node id → the session's peer and secret.
     sessions: BTreeMap<NodeId, (PeerInfo, SessionSecret)>,
     pending: PendingTable<PendingCall>,
@@ -300,6 +314,11 @@ impl SimNode {
             .map(|((_, rail), c)| (*rail, c))
     }
 
+    /// The pending opening beside this node's connection to `peer` on `rail`, if any.
+    pub fn pending_opening(&self, peer: usize, rail: Rail) -> Option<&Connection> {
+        self.beside.get(&(peer, rail))
+    }
+
     /// The session this node holds with node `peer_id`, from its session table.
     pub fn session(&self, peer_id: NodeId) -> Option<&(PeerInfo, SessionSecret)> {
         self.sessions.get(&peer_id)
@@ -358,6 +377,7 @@ impl Sim {
             dials: BTreeSet::new(),
             accepts: BTreeSet::new(),
             conns: BTreeMap::new(),
+            beside: BTreeMap::new(),
             sessions: BTreeMap::new(),
             pending: PendingTable::new(),
             dedup: DedupWindow::new(self.rpc.dedup_entries, self.rpc.dedup_age),
@@ -500,6 +520,7 @@ impl Sim {
         let node = &mut self.nodes[i];
         node.up = false;
         node.conns.clear();
+        node.beside.clear();
         node.sessions.clear();
         let incarnation = node.incarnation;
         for (req_id, call) in node.pending.drain() {
@@ -689,6 +710,34 @@ impl Sim {
         self.flush(node);
     }
 
+    /// The net layer's part for a `Hello` that the ready connection of `rail` declined: a
+    /// pending opening beside it (see the module docs), fed the `Hello`.
+    fn open_beside(
+        &mut self,
+        node: usize,
+        from: usize,
+        rail: Rail,
+        header: &FrameHeader,
+        payload: &[u8],
+    ) {
+        let seeds = self.seeds();
+        let now = self.now;
+        let n = &mut self.nodes[node];
+        let Some(ready) = n
+            .conns
+            .get(&(from, rail))
+            .and_then(Connection::peer)
+            .copied()
+        else {
+            return;
+        };
+        let mut conn = Connection::server_beside(now, n.cfg_on(rail.local), seeds, ready);
+        conn.handle_frame(now, header, payload);
+        n.beside.insert((from, rail), conn);
+        self.stats.pending_opened += 1;
+        self.flush(node);
+    }
+
     fn next_wakeup(&mut self) -> Option<Timestamp> {
         let mut t = self.in_flight.keys().next().map(|(at, _)| *at);
         let mut consider = |x: Option<Timestamp>| {
@@ -697,7 +746,7 @@ impl Sim {
             }
         };
         for n in self.nodes.iter_mut().filter(|n| n.up) {
-            for c in n.conns.values() {
+            for c in n.conns.values().chain(n.beside.values()) {
                 consider(c.poll_timeout());
             }
             consider(n.pending.poll_timeout());
@@ -724,7 +773,8 @@ impl Sim {
             if !self.nodes[i].up {
                 continue;
             }
-            for c in self.nodes[i].conns.values_mut() {
+            let n = &mut self.nodes[i];
+            for c in n.conns.values_mut().chain(n.beside.values_mut()) {
                 if c.poll_timeout().is_some_and(|t| t <= now) {
                     c.handle_timeout(now);
                 }
@@ -870,10 +920,22 @@ impl Sim {
             self.accept(p.to, p.from, rail, &header, &payload);
             return;
         }
+        // The rest of a handshake beside a ready connection goes to its pending opening.
+        if matches!(header.kind, FrameKind::Hello | FrameKind::Confirm) {
+            if let Some(pending) = self.nodes[p.to].beside.get_mut(&(p.from, rail)) {
+                pending.handle_frame(now, &header, &payload);
+                self.flush(p.to);
+                return;
+            }
+        }
         let Some(conn) = self.nodes[p.to].conns.get_mut(&(p.from, rail)) else {
             return;
         };
         let received = conn.handle_frame(now, &header, &payload);
+        if received == Received::Dropped(DropReason::Opening) {
+            self.open_beside(p.to, p.from, rail, &header, &payload);
+            return;
+        }
         let peer_id = conn.peer().map(|info| info.node_id);
         self.flush(p.to);
         if received == Received::Deliver {
@@ -1010,6 +1072,64 @@ impl Sim {
                 });
             }
         }
+        self.flush_beside(node);
+    }
+
+    /// [`Sim::flush`] for the pending openings of `node`: one that is ready replaces the
+    /// connection it was opened beside, one that failed is dropped.
+    fn flush_beside(&mut self, node: usize) {
+        let now = self.now;
+        let keys: Vec<(usize, Rail)> = self.nodes[node].beside.keys().copied().collect();
+        for (peer, rail) in keys {
+            while let Some(conn) = self.nodes[node].beside.get_mut(&(peer, rail)) {
+                if let Some(t) = conn.poll_transmit() {
+                    self.send_bytes(node, peer, rail, t.to_vec());
+                    continue;
+                }
+                let Some(event) = conn.poll_event() else {
+                    break;
+                };
+                let record = |sim: &mut Sim, event| {
+                    sim.events.push(SimEvent {
+                        at: now,
+                        node,
+                        peer,
+                        rail,
+                        event,
+                    });
+                };
+                match event {
+                    Event::Connected(info) => {
+                        if let Some(secret) = conn.session_secret().cloned() {
+                            self.nodes[node]
+                                .sessions
+                                .insert(info.node_id, (info, secret));
+                        }
+                        // The connection it was opened beside ends here.
+                        self.fail_calls(node, peer, rail);
+                        record(
+                            self,
+                            Event::Failed {
+                                reason: FailReason::SessionReplaced,
+                            },
+                        );
+                        record(self, Event::Connected(info));
+                        let n = &mut self.nodes[node];
+                        if let Some(up) = n.beside.remove(&(peer, rail)) {
+                            n.conns.insert((peer, rail), up);
+                        }
+                    }
+                    Event::Failed { .. } => {
+                        record(self, event);
+                        self.nodes[node].beside.remove(&(peer, rail));
+                        self.stats.pending_failed += 1;
+                    }
+                    other => record(self, other),
+                }
+            }
+        }
+        // A promoted connection's outputs after its `Connected`, if any, go out with the
+        // connections' at the next flush.
     }
 
     fn fail_calls(&mut self, node: usize, peer: usize, rail: Rail) {

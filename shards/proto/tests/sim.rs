@@ -8,8 +8,8 @@ use shardcx_proto::conn::{CloseReason, FailReason, State};
 use shardcx_proto::handshake::{HandshakeError, RejectReason};
 use shardcx_proto::sim::{NetConfig, RpcConfig, RpcOutcome, RpcResult, Sim, SimError};
 use shardcx_proto::{
-    ConnConfig, Event, Features, FrameHeader, FrameKind, HandshakeConfig, Incarnation, Limits,
-    NodeId, PeerInfo, PreSharedKey, Rail, Rails, SessionSecret, ShardId, Timestamp,
+    ConnConfig, Connection, Event, Features, FrameHeader, FrameKind, HandshakeConfig, Incarnation,
+    Limits, NodeId, PeerInfo, PreSharedKey, Rail, Rails, Seeds, SessionSecret, ShardId, Timestamp,
 };
 use std::collections::HashMap;
 use std::time::Duration;
@@ -247,6 +247,9 @@ fn restart_reconnects_with_new_incarnation_and_drops_old_frames() {
             old: Incarnation::new(1),
             new: Incarnation::new(2)
         }));
+    // It did so beside the ready connection, which the new one replaced once ready.
+    assert_eq!(sim.net_stats().pending_opened, 1, "{:?}", sim.net_stats());
+    assert_eq!(sim.net_stats().pending_failed, 0, "{:?}", sim.net_stats());
     let conn = sim.node(1).conn(0).unwrap();
     assert_eq!(conn.state(), State::Ready);
     assert_eq!(conn.peer().unwrap().incarnation, Incarnation::new(2));
@@ -287,6 +290,73 @@ fn restart_reconnects_with_new_incarnation_and_drops_old_frames() {
             new: Incarnation::new(2)
         }));
     assert_eq!(sim.node(0).conn(1).unwrap().state(), State::Ready);
+}
+
+/// A `Hello` naming the client node, from a newer incarnation but without the key, reaches the
+/// server's ready primary: the session carries on (calls issued before, during and after it
+/// are answered), the `Hello` gets a pending opening of its own, which fails at its handshake
+/// deadline; the server reports no failure, restart or new session.
+#[test]
+fn a_forged_hello_leaves_the_ready_session_alone() {
+    let mut sim = pair(17, NetConfig::default(), RpcConfig::default());
+    sim.run_for(ms(20)).unwrap();
+    let before = sim.call(0, 1, 1, ms(100)).unwrap();
+    let mut forged = cfg(101, b"not the cluster's key, 32 bytes!");
+    forged.handshake.incarnation = Incarnation::new(9);
+    let mut forger = Connection::client(
+        forged,
+        NodeId::new(202),
+        ShardId::new(0),
+        Seeds {
+            rng: 3,
+            nonce: [3; 32],
+        },
+    );
+    forger.connect(sim.now()).unwrap();
+    let hello = forger.poll_transmit().unwrap();
+    assert_eq!(hello.header.kind, FrameKind::Hello);
+    let primary = Rail {
+        local: ShardId::new(0),
+        remote: ShardId::new(0),
+    };
+    let server_events = events_of(&sim, 1).len();
+    sim.inject(0, 1, primary, hello.to_vec());
+    sim.run_for(ms(1)).unwrap();
+    assert!(sim.node(1).pending_opening(0, primary).is_some());
+    let during = sim.call(0, 1, 2, ms(100)).unwrap();
+    // Past the pending opening's handshake deadline (200 ms).
+    sim.run_for(ms(300)).unwrap();
+    let after = sim.call(0, 1, 3, ms(100)).unwrap();
+    sim.run_for(ms(50)).unwrap();
+    for (id, arg) in [(before, 1), (during, 2), (after, 3)] {
+        let o = sim
+            .outcomes()
+            .iter()
+            .find(|o| o.node == 0 && o.req_id == id);
+        assert_eq!(o.map(|o| o.result), Some(RpcResult::Reply(arg * 2 + 1)));
+    }
+    let stats = sim.net_stats();
+    assert_eq!(
+        (stats.pending_opened, stats.pending_failed),
+        (1, 1),
+        "{stats:?}"
+    );
+    assert!(sim.node(1).pending_opening(0, primary).is_none());
+    let conn = sim.node(1).conn(0).unwrap();
+    assert_eq!(conn.state(), State::Ready);
+    assert_eq!(conn.peer().unwrap().incarnation, Incarnation::new(1));
+    // What the server reported since: the pending opening's failure, nothing of the session.
+    let since: Vec<Event> = events_of(&sim, 1)[server_events..]
+        .iter()
+        .map(|(_, e)| e.clone())
+        .collect();
+    assert_eq!(
+        since,
+        vec![Event::Failed {
+            reason: FailReason::Handshake(HandshakeError::Timeout)
+        }],
+        "{since:?}"
+    );
 }
 
 #[test]

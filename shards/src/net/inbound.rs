@@ -23,7 +23,7 @@ use crate::proto::conn::{DropReason, Received};
 use crate::proto::handshake::{HandshakeMessage, Role};
 use crate::proto::wire::decode_frame;
 use crate::proto::{
-    AmId, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ShardId, Timestamp, WireError,
+    AmId, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ShardId, State, Timestamp, WireError,
 };
 use crate::ucx::{AlignedBuf, AmData, AmPayload, AmRndv, IoBufMut};
 
@@ -443,25 +443,43 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timesta
             remote,
             generation,
         } => {
-            if let Some(r) = net
-                .peers
-                .borrow_mut()
-                .get_mut(&node)
-                .and_then(|p| p.get_mut(remote))
-            {
-                if r.generation == generation {
-                    r.conn.handle_transport_error(now);
+            let beside = {
+                let mut peers = net.peers.borrow_mut();
+                let p = peers.get_mut(&node);
+                match p {
+                    Some(p) => match p.get_mut(remote) {
+                        Some(r) if r.generation == generation => {
+                            r.conn.handle_transport_error(now);
+                            false
+                        }
+                        _ => p.pending_mut(generation).map_or(false, |q| {
+                            q.rail.conn.handle_transport_error(now);
+                            true
+                        }),
+                    },
+                    None => false,
                 }
+            };
+            if beside {
+                session::service_pending(net, node, generation);
+            } else {
+                session::service(net, node, remote);
             }
-            session::service(net, node, remote);
         }
     }
 }
 
-/// A [`FRAME_AM`] message: a control frame of a rail, or a `Hello` or `Join` that opens one.
-/// An opening on a rail that already has a connection goes to that connection when it can
-/// take it (a server answers a new `Hello`; a join server a new `Join`), else it replaces it
-/// (a `Join` from a peer whose earlier rail this shard still holds as a primary).
+/// A [`FRAME_AM`] message: a control frame of a rail, or a `Hello` or `Join` that opens one
+/// (the routing rule is in the `session` module's docs, "Openings beside a ready rail").
+///
+/// The rest of a pending opening's handshake goes to it: a `Hello` from the worker and
+/// incarnation it was opened for, a `Confirm` whose header carries that incarnation. Anything
+/// else goes to the rail. A `Hello` that a ready rail declines ([`DropReason::Opening`]) gets
+/// a pending opening of its own. An opening on a rail that is not ready goes to that rail's
+/// connection when it can take it (a server answers a new `Hello`; a join server a new
+/// `Join`), else it replaces it (a `Join` from a peer whose earlier rail this shard still holds
+/// as a primary; an opening from another incarnation than the rail's peer, whose answer must
+/// go to that incarnation's worker).
 fn handle_control(
     ctx: &Rc<ShardCtx>,
     net: &NetState,
@@ -482,13 +500,24 @@ fn handle_control(
         }
     };
     let remote = header.src_shard;
-    // An opening from another incarnation of the node than the rail's peer (the node
-    // restarted before this shard noticed) is a new rail, answered on its own endpoint: handed
-    // to the old rail's connection, its answer would go to the old incarnation's worker.
     let opening_from = match header.kind {
         FrameKind::Hello | FrameKind::Join => opening_incarnation(header.kind, payload),
         _ => None,
     };
+    let pending = net.peers.borrow().get(&node).and_then(|p| {
+        let q = match header.kind {
+            FrameKind::Hello => opening_from
+                .and_then(|inc| p.pending_from(remote, inc))
+                .filter(|q| q.is_from(addr)),
+            FrameKind::Confirm => p.pending_from(remote, header.incarnation),
+            _ => None,
+        };
+        q.map(|q| q.rail.generation)
+    });
+    if let Some(generation) = pending {
+        feed_pending(net, node, generation, (&header, payload), now);
+        return;
+    }
     let fits = net
         .peers
         .borrow()
@@ -499,6 +528,8 @@ fn handle_control(
                 .zip(r.conn.peer())
                 .is_some_and(|(inc, peer)| inc != peer.incarnation);
             match header.kind {
+                // A ready rail's connection declines it, or drops it as stale (see below).
+                FrameKind::Hello if r.conn.state() == State::Ready => true,
                 _ if restarted => false,
                 FrameKind::Join => r.conn.role() == Role::Server && r.conn.is_join(),
                 _ => true,
@@ -518,20 +549,53 @@ fn handle_control(
         }
         return;
     }
-    let received = match net
+    let (received, ready) = match net
         .peers
         .borrow_mut()
         .get_mut(&node)
         .and_then(|p| p.get_mut(remote))
     {
-        Some(r) => r.conn.handle_frame(now, &header, payload),
+        Some(r) => (
+            r.conn.handle_frame(now, &header, payload),
+            r.conn.peer().copied(),
+        ),
         None => return,
     };
+    if let (Received::Dropped(DropReason::Opening), Some(ready)) = (received, ready) {
+        // Not a dropped frame: it is answered beside the rail, which goes on as it was.
+        if let Some(generation) =
+            session::open_beside(ctx, net, node, addr, &header, payload, ready)
+        {
+            feed_pending(net, node, generation, (&header, payload), now);
+        }
+        return;
+    }
     session::service(net, node, remote);
     if count_received(net, &header, received) {
         // Application frames travel as DATA_AM only.
         net.count(|s| s.dropped_malformed += 1);
     }
+}
+
+/// Hands a handshake frame to the pending opening of `node` whose sender has `generation`.
+fn feed_pending(
+    net: &NetState,
+    node: NodeId,
+    generation: u64,
+    (header, payload): (&FrameHeader, &[u8]),
+    now: Timestamp,
+) {
+    let received = match net
+        .peers
+        .borrow_mut()
+        .get_mut(&node)
+        .and_then(|p| p.pending_mut(generation))
+    {
+        Some(q) => q.rail.conn.handle_frame(now, header, payload),
+        None => return,
+    };
+    session::service_pending(net, node, generation);
+    count_received(net, header, received);
 }
 
 /// The incarnation a `Hello` or `Join` says it comes from (`None` if it does not decode).

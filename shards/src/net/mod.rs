@@ -397,8 +397,21 @@ pub struct NetStats {
     /// [`NetConfig::max_half_open`] rails whose server handshake was not complete.
     pub openings_over_cap: u64,
     /// Rails opened by a peer whose handshake did not complete within
-    /// [`NetConfig::handshake_timeout`]; their endpoints were closed.
+    /// [`NetConfig::handshake_timeout`]; their endpoints were closed. Pending openings are
+    /// counted apart ([`NetStats::pending_expired`]).
     pub handshakes_expired: u64,
+    /// `Hello`s for a rail that was ready, each answered by a pending opening beside the rail
+    /// (a connection and an endpoint of its own; see "Openings beside a ready rail" in the
+    /// `session` docs): a peer that restarted or reconnects, or anyone naming it.
+    pub pending_openings: u64,
+    /// Pending openings closed without replacing their rail: their handshake failed (a wrong
+    /// proof, a refusal, a transport error), it completed for an incarnation older than the
+    /// rail's by then, or a later `Hello` of the same node, shard and incarnation from another
+    /// worker address took their place.
+    pub pending_refused: u64,
+    /// Pending openings closed at [`NetConfig::handshake_timeout`] without replacing their
+    /// rail (not counted in [`NetStats::handshakes_expired`]).
+    pub pending_expired: u64,
 }
 
 /// Node identity and settings, resolved once in [`crate::ShardsBuilder::run`]; `Send`.

@@ -14,7 +14,7 @@ use crate::boot::ShardCtx;
 pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(1);
 
 /// The counters reported, with their names in the log line.
-fn problems(s: &NetStats) -> [(&'static str, u64); 15] {
+fn problems(s: &NetStats) -> [(&'static str, u64); 17] {
     [
         ("unauthenticated", s.dropped_unauthenticated),
         ("malformed", s.dropped_malformed),
@@ -31,6 +31,8 @@ fn problems(s: &NetStats) -> [(&'static str, u64); 15] {
         ("bootstraps_timed_out", s.bootstraps_timed_out),
         ("bootstraps_over_cap", s.bootstraps_over_cap),
         ("openings_over_cap", s.openings_over_cap),
+        ("pending_refused", s.pending_refused),
+        ("pending_expired", s.pending_expired),
     ]
 }
 

@@ -36,6 +36,50 @@
 //! up already (another shard's connect may be establishing the pair). Connecting again finds
 //! the rails up and costs a bootstrap and one look per shard; a rail that failed is joined
 //! again, and a node that restarted gets a new primary.
+//!
+//! ## Openings beside a ready rail
+//!
+//! A `Hello` proves nothing: anyone who can reach a shard's worker can send one naming a node
+//! this shard has a ready rail with, with that node's incarnation or any other. So a ready
+//! rail is never reset or replaced by a `Hello`. Its connection declines it (proto's
+//! `DropReason::Opening`, or drops it as stale when it names an older incarnation than the
+//! rail's peer), and the `Hello` gets a *pending opening* ([`PendingOpening`]): a
+//! [`Connection::server_beside`] with its own endpoint to the worker address the `Hello`
+//! carried, kept beside the rail. The rail, its heartbeats and its traffic carry on. The
+//! pending opening replaces the rail only when its handshake completes (the sender proved the
+//! pre-shared key: a restarted node, or one that dialled again); the rail's pending requests
+//! then fail with [`NetError::Closed`], as for any replaced rail. One that fails or reaches
+//! the handshake deadline is closed with its endpoint and counted
+//! ([`NetStats::pending_refused`], [`NetStats::pending_expired`]); the rail never noticed.
+//! Pending openings count towards the half-open cap ([`NetConfig::max_half_open`]), and the
+//! shard's timer serves their deadlines.
+//!
+//! Which frames go where is decided by what the wire carries, the frame's kind and the
+//! sender's incarnation in its header (or, for a `Hello`, in the `Hello`):
+//!
+//! - the rest of a pending opening's handshake goes to it: a `Hello` from the incarnation
+//!   and the worker address it was opened for (a client trying again), and a `Confirm` whose
+//!   header carries that incarnation (at most one pending opening per remote shard and
+//!   incarnation; a `Hello` of that incarnation from another address replaces it);
+//! - any other `Hello` for a ready rail opens one beside it (above);
+//! - everything else goes to the rail: data frames (`DATA_AM`), heartbeats and their acks,
+//!   `Close`, and the answers to a handshake this shard started (`Welcome`, `Joined`,
+//!   `Reject`; a pending opening is a server and never waits for them); the rail's
+//!   connection drops what does not carry its peer's incarnation;
+//! - a `Join` is checked against the session (its proof) before anything is made of it, so
+//!   it keeps its own path: a ready join server's connection takes one that names its peer's
+//!   incarnations (a valid one replaces the session at once, a forged one is refused there),
+//!   and any other is checked by [`accept_opening`], which replaces the rail only for a
+//!   valid proof and refuses a forged one on an endpoint of its own.
+//!
+//! A rail that is not ready (a handshake under way, a failed rail) holds no session, and an
+//! opening for it is handled as before: its connection takes it when it can (a server a new
+//! `Hello`), else a new rail replaces it (an opening from another incarnation than the rail's
+//! peer).
+//!
+//! [`NetStats::pending_refused`]: super::NetStats::pending_refused
+//! [`NetStats::pending_expired`]: super::NetStats::pending_expired
+//! [`NetConfig::max_half_open`]: super::NetConfig::max_half_open
 
 use std::collections::HashMap;
 use std::future::{poll_fn, Future};
@@ -58,8 +102,8 @@ use crate::proto::handshake::{
     accept_join, HandshakeError, HandshakeMessage, PeerInfo, RejectReason, Role,
 };
 use crate::proto::{
-    Connection, Event, FrameHeader, FrameKind, NodeId, Rail, Rails, ReqId, Seeds, SessionSecret,
-    ShardId, State, Timestamp,
+    Connection, Event, FrameHeader, FrameKind, Incarnation, NodeId, Rail, Rails, ReqId, Seeds,
+    SessionSecret, ShardId, State, Timestamp,
 };
 use crate::ucx::{Endpoint, WorkerAddress};
 
@@ -81,6 +125,22 @@ pub(super) struct PeerRails {
     /// The node's shard count.
     pub(super) remote_count: u16,
     pub(super) rails: Vec<RailConn>,
+    /// Openings beside ready rails (see "Openings beside a ready rail" in the module docs).
+    pub(super) pending: Vec<PendingOpening>,
+}
+
+/// A `Hello` for a rail that was ready, answered on a connection and an endpoint of its own
+/// ([`Connection::server_beside`]); it replaces the rail only once it is ready.
+pub(super) struct PendingOpening {
+    /// Its connection, sender and endpoint (to the address its `Hello` carried).
+    pub(super) rail: RailConn,
+    /// The incarnation its `Hello` named: the rest of its handshake carries it in the frame
+    /// header.
+    pub(super) incarnation: Incarnation,
+    /// The worker address its `Hello` carried.
+    addr: Vec<u8>,
+    /// The node's shard count its `Hello` named.
+    remote_count: u16,
 }
 
 /// One rail's connection on this shard.
@@ -117,6 +177,31 @@ impl PeerRails {
 
     pub(super) fn get_mut(&mut self, remote: ShardId) -> Option<&mut RailConn> {
         self.rails.iter_mut().find(|r| r.remote == remote)
+    }
+
+    /// The pending opening from `remote` with `incarnation`, if any.
+    pub(super) fn pending_from(
+        &self,
+        remote: ShardId,
+        incarnation: Incarnation,
+    ) -> Option<&PendingOpening> {
+        self.pending
+            .iter()
+            .find(|q| q.rail.remote == remote && q.incarnation == incarnation)
+    }
+
+    /// The pending opening whose sender has `generation`, if any.
+    pub(super) fn pending_mut(&mut self, generation: u64) -> Option<&mut PendingOpening> {
+        self.pending
+            .iter_mut()
+            .find(|q| q.rail.generation == generation)
+    }
+}
+
+impl PendingOpening {
+    /// Whether its `Hello` came from the worker at `addr`.
+    pub(super) fn is_from(&self, addr: &[u8]) -> bool {
+        self.addr == addr
     }
 }
 
@@ -230,14 +315,102 @@ pub(super) fn accept_opening(
     true
 }
 
-/// Rails of this shard opened by a peer's `Hello` whose handshake is not complete.
+/// A `Hello` that the ready rail to `(node, header.src_shard)` declined
+/// ([`DropReason::Opening`](crate::proto::conn::DropReason::Opening)): a pending opening beside that rail (see the module docs), on an
+/// endpoint to the worker address the `Hello` carried, replacing one from the same
+/// incarnation; under the half-open cap, which counts pending openings. Returns its sender's
+/// generation, for the caller to feed it the `Hello`.
+pub(super) fn open_beside(
+    ctx: &Rc<ShardCtx>,
+    net: &NetState,
+    node: NodeId,
+    addr: &[u8],
+    header: &FrameHeader,
+    payload: &[u8],
+    ready: PeerInfo,
+) -> Option<u64> {
+    let hello = match HandshakeMessage::decode(header.kind, payload) {
+        Ok(HandshakeMessage::Hello(h)) if h.node_id == node && !addr.is_empty() => h,
+        _ => {
+            net.count(|s| s.dropped_malformed += 1);
+            return None;
+        }
+    };
+    let Some(psk) = net.settings.psk.clone() else {
+        net.count(|s| s.dropped_unauthenticated += 1);
+        return None;
+    };
+    let remote = header.src_shard;
+    let replaces = net
+        .peers
+        .borrow()
+        .get(&node)
+        .and_then(|p| p.pending_from(remote, hello.incarnation))
+        .is_some();
+    if half_open(net).saturating_sub(usize::from(replaces)) >= net.settings.cfg.max_half_open {
+        net.count(|s| s.openings_over_cap += 1);
+        return None;
+    }
+    let seeds = seeds().ok()?;
+    let cfg = net
+        .settings
+        .cfg
+        .conn_config(&net.settings, psk, shard_count_u16(ctx), ctx.id());
+    let address = WorkerAddress::from_bytes(addr.to_vec());
+    let Ok(ep) = Endpoint::connect_to_worker(ctx.worker(), &address, net.ep_options()) else {
+        net.count(|s| s.dropped_malformed += 1);
+        return None;
+    };
+    let conn = Connection::server_beside(net.now(), cfg, seeds, ready);
+    let rail = make_rail(ctx, net, node, remote, conn, ep);
+    let generation = rail.generation;
+    let replaced = {
+        let mut peers = net.peers.borrow_mut();
+        let p = peers.get_mut(&node)?;
+        let old = p
+            .pending
+            .iter()
+            .position(|q| q.rail.remote == remote && q.incarnation == hello.incarnation)
+            .map(|at| p.pending.swap_remove(at));
+        p.pending.push(PendingOpening {
+            rail,
+            incarnation: hello.incarnation,
+            addr: addr.to_vec(),
+            remote_count: hello.shard_count,
+        });
+        old
+    };
+    // Dropped outside the borrow: its sender ends and its endpoint goes.
+    let replaced = replaced.is_some();
+    net.count(|s| {
+        s.pending_openings += 1;
+        s.pending_refused += u64::from(replaced);
+    });
+    tracing::debug!(
+        node = %node,
+        remote_shard = remote.get(),
+        incarnation = hello.incarnation.get(),
+        "a Hello for a ready rail: opening beside it"
+    );
+    net.rearm();
+    Some(generation)
+}
+
+/// Handshakes under way on this shard that a peer opened: rails opened by a `Hello` whose
+/// handshake is not complete, and pending openings.
 fn half_open(net: &NetState) -> usize {
     net.peers
         .borrow()
         .values()
-        .flat_map(|p| p.rails.iter())
-        .filter(|r| r.conn.role() == Role::Server && r.conn.state() == State::Connecting)
-        .count()
+        .map(|p| {
+            let rails = p
+                .rails
+                .iter()
+                .filter(|r| r.conn.role() == Role::Server && r.conn.state() == State::Connecting)
+                .count();
+            rails + p.pending.len()
+        })
+        .sum()
 }
 
 /// Sends a refusal on an endpoint of its own, then drops it.
@@ -276,6 +449,37 @@ fn insert_rail(
     conn: Connection,
     ep: Endpoint,
 ) {
+    let rail = make_rail(ctx, net, node, remote, conn, ep);
+    let old = {
+        let mut peers = net.peers.borrow_mut();
+        let p = peers.entry(node).or_insert_with(|| PeerRails {
+            remote_count,
+            rails: Vec::new(),
+            pending: Vec::new(),
+        });
+        p.remote_count = remote_count;
+        match p.rails.iter().position(|r| r.remote == remote) {
+            Some(at) => Some(std::mem::replace(&mut p.rails[at], rail)),
+            None => {
+                p.rails.push(rail);
+                None
+            }
+        }
+    };
+    if let Some(old) = old {
+        retire(net, node, old, NetError::Closed { node });
+    }
+}
+
+/// A rail's connection with a new sender task on `ep` (the task holds the endpoint).
+fn make_rail(
+    ctx: &Rc<ShardCtx>,
+    net: &NetState,
+    node: NodeId,
+    remote: ShardId,
+    conn: Connection,
+    ep: Endpoint,
+) -> RailConn {
     let generation = net.generation.get() + 1;
     net.generation.set(generation);
     let out = Queue::new();
@@ -297,31 +501,13 @@ fn insert_rail(
         live.set(live.get() - 1);
     })
     .detach();
-    let rail = RailConn {
+    RailConn {
         remote,
         conn,
         out,
         ep: weak_ep,
         generation,
         waiters: Vec::new(),
-    };
-    let old = {
-        let mut peers = net.peers.borrow_mut();
-        let p = peers.entry(node).or_insert_with(|| PeerRails {
-            remote_count,
-            rails: Vec::new(),
-        });
-        p.remote_count = remote_count;
-        match p.rails.iter().position(|r| r.remote == remote) {
-            Some(at) => Some(std::mem::replace(&mut p.rails[at], rail)),
-            None => {
-                p.rails.push(rail);
-                None
-            }
-        }
-    };
-    if let Some(old) = old {
-        retire(net, node, old, NetError::Closed { node });
     }
 }
 
@@ -417,7 +603,7 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
     let removed = if gone {
         let at = p.rails.iter().position(|x| x.remote == remote);
         let old = at.map(|at| p.rails.swap_remove(at));
-        if p.rails.is_empty() {
+        if p.rails.is_empty() && p.pending.is_empty() {
             peers.remove(&node);
         }
         old
@@ -445,6 +631,119 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
     } else if let Some(err) = lost {
         fail_pending(net, node, remote, &err);
         run_lost_hooks(net, Some(node), &err);
+    }
+}
+
+/// Drains a pending opening's outputs after an input (the one of `node` whose sender has
+/// `generation`): frames to its sender; once ready, it replaces the rail it was opened beside
+/// (whose pending requests fail with [`NetError::Closed`]) and records the session; once
+/// failed, it is dropped (its endpoint closed) and counted, the rail untouched.
+pub(super) fn service_pending(net: &NetState, node: NodeId, generation: u64) {
+    let mut peers = net.peers.borrow_mut();
+    let Some(p) = peers.get_mut(&node) else {
+        return;
+    };
+    let Some(q) = p.pending_mut(generation) else {
+        return;
+    };
+    let remote = q.rail.remote;
+    while let Some(t) = q.rail.conn.poll_transmit() {
+        // A server's frames: no `Hello` or `Join`, so no address before them.
+        q.rail.out.push(Outbound::Control(
+            frame_am_header(net.settings.node_id, 0),
+            t.to_vec(),
+        ));
+    }
+    let mut outcome = None;
+    while let Some(ev) = q.rail.conn.poll_event() {
+        match ev {
+            Event::Connected(info) => outcome = Some(Ok(info)),
+            Event::Failed { reason } => outcome = Some(Err(reason)),
+            Event::PeerRestarted { old, new } => {
+                tracing::info!(
+                    node = %node,
+                    remote_shard = remote.get(),
+                    old = old.get(),
+                    new = new.get(),
+                    "peer restarted (new incarnation)"
+                );
+            }
+            _ => {}
+        }
+    }
+    let due = q.rail.conn.poll_timeout();
+    let Some(outcome) = outcome else {
+        drop(peers);
+        if due.is_some_and(|t| t < net.timer_at.get()) {
+            net.rearm();
+        }
+        return;
+    };
+    let at = p
+        .pending
+        .iter()
+        .position(|q| q.rail.generation == generation);
+    let Some(q) = at.map(|at| p.pending.swap_remove(at)) else {
+        return;
+    };
+    let current = p
+        .get(remote)
+        .and_then(|r| r.conn.peer())
+        .map(|peer| peer.incarnation);
+    match outcome {
+        Ok(info) if current.map_or(true, |c| c <= info.incarnation) => {
+            let secret = q.rail.conn.session_secret().cloned();
+            p.remote_count = q.remote_count;
+            let old = match p.rails.iter().position(|r| r.remote == remote) {
+                Some(at) => Some(std::mem::replace(&mut p.rails[at], q.rail)),
+                None => {
+                    p.rails.push(q.rail);
+                    None
+                }
+            };
+            drop(peers);
+            if let (Some(secret), Ok(mut t)) = (secret, net.settings.sessions.lock()) {
+                t.insert(node, SessionRecord { peer: info, secret });
+            }
+            net.count(|s| s.handshakes += 1);
+            tracing::info!(
+                node = %node,
+                remote_shard = remote.get(),
+                "session up: authenticated (an opening beside the rail replaced it)"
+            );
+            if let Some(old) = old {
+                retire(net, node, old, NetError::Closed { node });
+            }
+            net.rearm();
+        }
+        Ok(_) => {
+            // Ready for an incarnation older than the rail's by now: given up.
+            drop(peers);
+            drop(q);
+            net.count(|s| s.pending_refused += 1);
+        }
+        Err(reason) => {
+            if p.rails.is_empty() && p.pending.is_empty() {
+                peers.remove(&node);
+            }
+            drop(peers);
+            // Its sender ends, and its endpoint goes.
+            drop(q);
+            let expired = matches!(reason, FailReason::Handshake(HandshakeError::Timeout));
+            tracing::debug!(
+                node = %node,
+                remote_shard = remote.get(),
+                reason = ?reason,
+                "an opening beside a ready rail failed; the rail carries on"
+            );
+            net.count(|s| {
+                if expired {
+                    s.pending_expired += 1;
+                } else {
+                    s.pending_refused += 1;
+                }
+            });
+        }
     }
 }
 
@@ -825,13 +1124,20 @@ pub(super) async fn timer_loop(ctx: Rc<ShardCtx>) {
     }
 }
 
-/// The earliest deadline of this shard: its rails' and its pending requests'.
+/// The earliest deadline of this shard: its rails' (pending openings' too) and its pending
+/// requests'.
 fn next_timeout(net: &NetState) -> Option<Timestamp> {
     let rails = net
         .peers
         .borrow()
         .values()
-        .flat_map(|p| p.rails.iter().filter_map(|r| r.conn.poll_timeout()))
+        .flat_map(|p| {
+            let pending = p.pending.iter().map(|q| &q.rail);
+            p.rails
+                .iter()
+                .chain(pending)
+                .filter_map(|r| r.conn.poll_timeout())
+        })
         .min();
     let requests = net.pending.borrow_mut().poll_timeout();
     match (rails, requests) {
@@ -875,5 +1181,27 @@ fn handle_timeouts(ctx: &ShardCtx, net: &NetState) {
             r.conn.handle_timeout(now);
         }
         service(net, node, remote);
+    }
+    let due: Vec<(NodeId, u64)> = net
+        .peers
+        .borrow()
+        .iter()
+        .flat_map(|(n, p)| {
+            p.pending
+                .iter()
+                .filter(|q| q.rail.conn.poll_timeout().is_some_and(|t| t <= now))
+                .map(|q| (*n, q.rail.generation))
+        })
+        .collect();
+    for (node, generation) in due {
+        if let Some(q) = net
+            .peers
+            .borrow_mut()
+            .get_mut(&node)
+            .and_then(|p| p.pending_mut(generation))
+        {
+            q.rail.conn.handle_timeout(now);
+        }
+        service_pending(net, node, generation);
     }
 }
