@@ -452,7 +452,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timesta
                             r.conn.handle_transport_error(now);
                             false
                         }
-                        _ => p.pending_mut(generation).map_or(false, |q| {
+                        _ => p.pending_mut(generation).is_some_and(|q| {
                             q.rail.conn.handle_transport_error(now);
                             true
                         }),
@@ -669,7 +669,10 @@ fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
 /// is counted ([`super::NetStats::handler_panics`]).
 fn call(ctx: &Rc<ShardCtx>, handler: &FrameHandler, frame: Frame) {
     let net = ctx.net();
-    net.count(|s| s.delivered += 1);
+    net.count(|s| {
+        s.delivered += 1;
+        s.traffic(&frame.header, true);
+    });
     if std::panic::catch_unwind(AssertUnwindSafe(|| handler(ctx, frame))).is_err() {
         net.count(|s| s.handler_panics += 1);
     }
@@ -702,7 +705,10 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
             };
             match p {
                 Some(p) => {
-                    net.count(|s| s.delivered += 1);
+                    net.count(|s| {
+                        s.delivered += 1;
+                        s.traffic(&header, true);
+                    });
                     p.waiter.push(Ok((header, frame.payload)));
                 }
                 None => net.count(|s| s.dropped_unmatched += 1),
@@ -747,7 +753,10 @@ fn deliver_rndv(
         net.frame_rndv_handlers.borrow().get(&header.kind).cloned()
     };
     if let Some(h) = h {
-        net.count(|s| s.delivered += 1);
+        net.count(|s| {
+            s.delivered += 1;
+            s.traffic(&header, true);
+        });
         h(ctx, node, header, rndv);
         return;
     }

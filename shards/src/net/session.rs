@@ -545,10 +545,16 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
         r.out.push(Outbound::Control(header, payload));
     }
     let (mut handshakes, mut joins, mut expired) = (0, 0, 0);
+    let (mut suspect, mut dead, mut failed, mut restarted) = (0, 0, 0, 0);
     // Why the requests pending on this rail are lost, if they are.
     let mut lost = None;
     while let Some(ev) = r.conn.poll_event() {
         match ev {
+            Event::PeerSuspect => {
+                suspect += 1;
+                tracing::debug!(node = %node, remote_shard = remote.get(), "peer silent: suspect");
+            }
+            Event::PeerDead => dead += 1,
             Event::Connected(info) => {
                 if r.conn.session_secret().is_some() {
                     handshakes += 1;
@@ -579,6 +585,7 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
                 {
                     expired += 1;
                 }
+                failed += 1;
                 let err = fail_error(node, reason);
                 tracing::warn!(node = %node, remote_shard = remote.get(), error = %err, "rail failed");
                 for w in r.waiters.drain(..) {
@@ -588,6 +595,7 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
             }
             // Requests sent to the old incarnation are void.
             Event::PeerRestarted { .. } => {
+                restarted += 1;
                 tracing::info!(node = %node, remote_shard = remote.get(), "peer restarted (new incarnation)");
                 lost.get_or_insert(NetError::Closed { node });
             }
@@ -611,11 +619,15 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
         None
     };
     drop(peers);
-    if handshakes + joins + expired > 0 {
+    if handshakes + joins + expired + suspect + dead + failed + restarted > 0 {
         net.count(|s| {
             s.handshakes += handshakes;
             s.joins += joins;
             s.handshakes_expired += expired;
+            s.heartbeat_misses += suspect;
+            s.peers_dead += dead;
+            s.rails_failed += failed;
+            s.peer_restarts += restarted;
         });
     }
     if !gone && due.is_some_and(|t| t < net.timer_at.get()) {
@@ -691,7 +703,7 @@ pub(super) fn service_pending(net: &NetState, node: NodeId, generation: u64) {
         .and_then(|r| r.conn.peer())
         .map(|peer| peer.incarnation);
     match outcome {
-        Ok(info) if current.map_or(true, |c| c <= info.incarnation) => {
+        Ok(info) if current.is_none_or(|c| c <= info.incarnation) => {
             let secret = q.rail.conn.session_secret().cloned();
             p.remote_count = q.remote_count;
             let old = match p.rails.iter().position(|r| r.remote == remote) {
@@ -705,7 +717,11 @@ pub(super) fn service_pending(net: &NetState, node: NodeId, generation: u64) {
             if let (Some(secret), Ok(mut t)) = (secret, net.settings.sessions.lock()) {
                 t.insert(node, SessionRecord { peer: info, secret });
             }
-            net.count(|s| s.handshakes += 1);
+            let restarted = current.is_some_and(|c| c < info.incarnation);
+            net.count(|s| {
+                s.handshakes += 1;
+                s.peer_restarts += u64::from(restarted);
+            });
             tracing::info!(
                 node = %node,
                 remote_shard = remote.get(),
