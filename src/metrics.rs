@@ -26,7 +26,13 @@
 //! | `shardcx_dispatch_budget_hits` | counter | dispatch rounds cut at the budget (a flood) |
 //! | `shardcx_connected_nodes` | gauge | nodes this shard has a ready default rail to |
 //! | `shardcx_pending_requests` | gauge | requests waiting for a reply on this shard |
-//! | `shardcx_forward_depth` | gauge | operations this shard forwarded that have not completed |
+//! | `shardcx_forwards` | counter | requests forwarded to another shard (hops through a lane) |
+//! | `shardcx_lane_in_flight` | gauge | forwarded requests not completed, by `to` (the other shard) |
+//! | `shardcx_rails` | gauge | rails to other nodes' shards, by `state` (`connecting`, `ready`, `draining`, `closing`, `pending_opening`) |
+//! | `shardcx_heartbeat_misses`, `shardcx_peers_dead`, `shardcx_rails_failed`, `shardcx_peer_restarts` | counter | liveness and failures |
+//! | `shardcx_reconnects` | counter | connects the node made by itself to a known peer address, by `outcome` (`ok`, `failed`) |
+//! | `shardcx_messages_in`, `shardcx_bytes_in`, `shardcx_messages_out`, `shardcx_bytes_out` | counter | application frames and payload bytes, by `kind` (`am`, `tag`, `rpc`, `rma`) |
+//! | `shardcx_rpc_call_seconds` | histogram | round trips of the calls this shard made, by `function` (id) and `name` |
 //! | `shardcx_pool_bytes_in_use`, `shardcx_pool_registered_bytes` | gauge | the registered pool |
 //! | `shardcx_metrics_age_seconds` | gauge | how old this shard's published figures are |
 
@@ -40,20 +46,23 @@ use std::time::{Duration, Instant};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::exemplar::Exemplar;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use shardcx_shards::mesh::MeshStats;
 use shardcx_shards::net::NetStats;
-use shardcx_shards::ShardCtx;
+use shardcx_shards::proto::ShardId;
+use shardcx_shards::{RailStates, ShardCtx, Traffic};
 
+use crate::rpc::latency::Latency;
 use crate::RpcStats;
 
 /// How often each shard publishes its figures.
 pub const PUBLISH_INTERVAL: Duration = Duration::from_millis(250);
 
 /// One shard's figures at one moment.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Snapshot {
     at: Instant,
     net: NetStats,
@@ -63,9 +72,13 @@ struct Snapshot {
     sleeps: u64,
     connected_nodes: u64,
     pending_requests: u64,
-    forward_depth: u64,
+    rails: RailStates,
+    /// Requests forwarded to each other shard, not completed.
+    lanes: Vec<(ShardId, usize)>,
     pool_in_use: u64,
     pool_registered: u64,
+    /// Round trips of the calls this shard made, per function.
+    latency: Vec<Latency>,
 }
 
 /// What the shards publish and the server reads: the latest snapshot of each shard.
@@ -93,7 +106,7 @@ impl Board {
     fn snapshots(&self) -> Vec<(usize, Snapshot)> {
         self.shards
             .lock()
-            .map(|m| m.iter().map(|(k, v)| (*k, *v)).collect())
+            .map(|m| m.iter().map(|(k, v)| (*k, v.clone())).collect())
             .unwrap_or_default()
     }
 }
@@ -103,7 +116,7 @@ impl Board {
 pub(crate) fn spawn_publisher(
     ctx: &Rc<ShardCtx>,
     board: Arc<Board>,
-    rpc: impl Fn() -> RpcStats + 'static,
+    rpc: impl Fn() -> (RpcStats, Vec<Latency>) + 'static,
 ) {
     let weak: Weak<ShardCtx> = Rc::downgrade(ctx);
     glommio::spawn_local(async move {
@@ -118,21 +131,31 @@ pub(crate) fn spawn_publisher(
     .detach();
 }
 
-fn snapshot(ctx: &ShardCtx, rpc: RpcStats) -> Snapshot {
+fn snapshot(ctx: &ShardCtx, (rpc, latency): (RpcStats, Vec<Latency>)) -> Snapshot {
     let pool = ctx.pool();
     Snapshot {
         at: Instant::now(),
         net: ctx.net_stats(),
         rpc,
+        latency,
+        rails: ctx.rail_states(),
+        lanes: ctx.lanes_in_flight(),
         mesh: ctx.mesh_stats(),
         rounds: ctx.progress_rounds(),
         sleeps: ctx.driver_sleeps(),
         connected_nodes: ctx.connected_nodes().len() as u64,
         pending_requests: ctx.pending_requests() as u64,
-        forward_depth: ctx.forward_depth() as u64,
         pool_in_use: pool.bytes_in_use(),
         pool_registered: pool.memory().len() as u64,
     }
+}
+
+/// A traffic counter array as series labelled by `kind`.
+fn traffic(by: &[u64; Traffic::COUNT]) -> Series {
+    Traffic::ALL
+        .iter()
+        .map(|t| (Some(("kind", t.name())), by[*t as usize]))
+        .collect()
 }
 
 /// The collector the registry calls on each scrape: every family, one series per shard (and
@@ -390,11 +413,129 @@ impl Collector for ShardsCollector {
         )?;
         family(
             &mut encoder,
-            "shardcx_forward_depth",
-            "Operations this shard forwarded to another shard that have not completed.",
-            Gauge,
-            &one(|s| s.forward_depth),
+            "shardcx_forwards",
+            "Requests this shard forwarded to another shard (a hop through a cross-shard lane).",
+            Counter,
+            &one(|s| s.mesh.forwarded),
         )?;
+        let mut lanes = encoder.encode_descriptor(
+            "shardcx_lane_in_flight",
+            "Requests this shard forwarded to shard `to` that have not completed (its lane's depth).",
+            None,
+            Gauge,
+        )?;
+        for (shard, snap) in &snaps {
+            for (to, n) in &snap.lanes {
+                let labels = [("shard", shard.to_string()), ("to", to.get().to_string())];
+                ConstGauge::new(i64::try_from(*n).unwrap_or(i64::MAX))
+                    .encode(lanes.encode_family(&labels)?)?;
+            }
+        }
+        family(
+            &mut encoder,
+            "shardcx_rails",
+            "This shard's rails to other nodes' shards, by state (and the pending openings beside ready rails: a peer's restart or reconnect under way).",
+            Gauge,
+            &per(&|s| {
+                let r = &s.rails;
+                vec![
+                    (Some(("state", "connecting")), r.connecting as u64),
+                    (Some(("state", "ready")), r.ready as u64),
+                    (Some(("state", "draining")), r.draining as u64),
+                    (Some(("state", "closing")), r.closing as u64),
+                    (Some(("state", "pending_opening")), r.pending_openings as u64),
+                ]
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_heartbeat_misses",
+            "Times a peer went silent on a rail for suspect_after heartbeat intervals.",
+            Counter,
+            &one(|s| s.net.heartbeat_misses),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_peers_dead",
+            "Rails whose peer stayed silent for dead_after heartbeat intervals and was declared dead.",
+            Counter,
+            &one(|s| s.net.peers_dead),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_rails_failed",
+            "Rails that failed (handshake, transport error, dead peer).",
+            Counter,
+            &one(|s| s.net.rails_failed),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_peer_restarts",
+            "Sessions replaced by a peer's restart (a new incarnation).",
+            Counter,
+            &one(|s| s.net.peer_restarts),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_reconnects",
+            "Connects made by the node itself to a known peer address when an operation found no session, by outcome.",
+            Counter,
+            &per(&|s| {
+                vec![
+                    (Some(("outcome", "ok")), s.net.reconnects),
+                    (Some(("outcome", "failed")), s.net.reconnects_failed),
+                ]
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_messages_in",
+            "Application frames received on this shard's rails and handed on, by kind (am, tag, rpc, rma).",
+            Counter,
+            &per(&|s| traffic(&s.net.frames_in)),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_bytes_in",
+            "Payload bytes of those frames, by kind.",
+            Counter,
+            &per(&|s| traffic(&s.net.bytes_in)),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_messages_out",
+            "Application frames sent from this shard, by kind (am, tag, rpc, rma).",
+            Counter,
+            &per(&|s| traffic(&s.net.frames_out)),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_bytes_out",
+            "Payload bytes of those frames, by kind.",
+            Counter,
+            &per(&|s| traffic(&s.net.bytes_out)),
+        )?;
+        let mut calls = encoder.encode_descriptor(
+            "shardcx_rpc_call_seconds",
+            "Round trips of the RPC calls this shard made, per function (errors and timeouts included).",
+            None,
+            MetricType::Histogram,
+        )?;
+        for (shard, snap) in &snaps {
+            for l in &snap.latency {
+                let labels = [
+                    ("shard", shard.to_string()),
+                    ("function", l.id.to_string()),
+                    ("name", l.name.clone()),
+                ];
+                calls.encode_family(&labels)?.encode_histogram(
+                    l.sum,
+                    l.count,
+                    &l.by_bound(),
+                    None::<&std::collections::HashMap<usize, Exemplar<Vec<(String, String)>, f64>>>,
+                )?;
+            }
+        }
         family(
             &mut encoder,
             "shardcx_pool_bytes_in_use",

@@ -674,7 +674,9 @@ fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(A
     if let Some(board) = &shared.metrics {
         let weak = Rc::downgrade(&shared);
         crate::metrics::spawn_publisher(ctx, board.clone(), move || {
-            weak.upgrade().map(|l| l.rpc.stats()).unwrap_or_default()
+            weak.upgrade()
+                .map(|l| (l.rpc.stats(), l.rpc.latency.snapshot()))
+                .unwrap_or_default()
         });
     }
     CURRENT.with(|c| *c.borrow_mut() = Some((Rc::downgrade(ctx), Rc::downgrade(&shared))));
@@ -898,6 +900,9 @@ pub(crate) async fn connect_lazily(
     let connected = node
         .connect_within(addr, timeout.saturating_sub(start.elapsed()))
         .await;
+    if !matches!(connected, Err(Error::TimedOut { .. })) {
+        node.shard_ctx().count_reconnect(connected.is_ok());
+    }
     if let Ok(mut book) = node.shared.book.lock() {
         if let Some(e) = book.get_mut(&peer).filter(|e| e.addr == addr) {
             match &connected {

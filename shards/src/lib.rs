@@ -93,7 +93,7 @@ pub use boot::{
 pub use driver::DriverConfig;
 pub use error::{BootError, ForwardError, NetError};
 pub use mesh::{MeshConfig, MeshStats};
-pub use net::{Directory, NetConfig, NetStats, RemoteNode};
+pub use net::{Directory, NetConfig, NetStats, RailStates, RemoteNode, Traffic};
 pub use pool::{PoolBuf, ShardPool};
 pub use rma::{RemoteRegion, RmaOpError, RmaStats};
 pub use shardcx_ucx::SendBuf;

@@ -195,6 +195,8 @@ pub struct MeshStats {
     /// Messages taken by the inbox task, woken by a sender (the driver was asleep, or had
     /// not looked yet).
     pub taken_by_task: u64,
+    /// Requests this shard forwarded to other shards (each a hop through a lane).
+    pub forwarded: u64,
 }
 
 /// A type-erased job result.
@@ -299,6 +301,7 @@ pub(crate) struct MeshState {
     jobs: Cell<Option<TaskQueueHandle>>,
     taken_by_driver: Cell<u64>,
     taken_by_task: Cell<u64>,
+    forwarded: Cell<u64>,
 }
 
 /// The running inbox task of one shard; dropping it stops the task. Kept apart from
@@ -654,6 +657,7 @@ impl MeshEnds {
             jobs: Cell::new(None),
             taken_by_driver: Cell::new(0),
             taken_by_task: Cell::new(0),
+            forwarded: Cell::new(0),
         })
     }
 }
@@ -773,7 +777,17 @@ impl MeshState {
         MeshStats {
             taken_by_driver: self.taken_by_driver.get(),
             taken_by_task: self.taken_by_task.get(),
+            forwarded: self.forwarded.get(),
         }
+    }
+
+    /// For each other shard, this shard's requests to it that have not completed.
+    fn in_flight(&self) -> Vec<(ShardId, usize)> {
+        self.lanes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| Some((ShardId::new(i as u16), l.as_ref()?.pending.borrow().len())))
+            .collect()
     }
 
     /// Give back this shard's shares of the shared counters and close its lanes, both ways;
@@ -929,6 +943,7 @@ impl MeshState {
     }
 
     fn insert_pending(&self, lane: &Lane, pending: Pending) -> u32 {
+        self.forwarded.set(self.forwarded.get() + 1);
         let slot = lane.pending.borrow_mut().insert(pending);
         self.busy_inc();
         slot
@@ -1200,6 +1215,12 @@ impl ShardCtx {
     pub fn mesh_stats(&self) -> MeshStats {
         self.mesh().stats()
     }
+
+    /// For each other shard, the requests this shard forwarded to it that have not completed
+    /// (the depth of its lane's pending table).
+    pub fn lanes_in_flight(&self) -> Vec<(ShardId, usize)> {
+        self.mesh().in_flight()
+    }
 }
 
 async fn forward_from<F, Fut, R>(
@@ -1344,6 +1365,11 @@ impl<T> Slab<T> {
             self.free.push(i);
         }
         v
+    }
+
+    /// Entries held.
+    fn len(&self) -> usize {
+        self.entries.len() - self.free.len()
     }
 
     fn drain(&mut self) -> Vec<T> {

@@ -105,7 +105,9 @@ impl Rpc {
         args: &F::Args,
         timeout: Duration,
     ) -> Result<F::Reply, RpcError> {
-        let reply = self.exchange(peer, target::<F>(), args, timeout).await?;
+        let reply = self
+            .exchange(peer, (target::<F>(), F::NAME), args, timeout)
+            .await?;
         deserialize_reply::<F::Reply>(reply.as_slice())
     }
 
@@ -126,7 +128,9 @@ impl Rpc {
         args: &F::Args,
         timeout: Duration,
     ) -> Result<ArchivedReply<F::Reply>, RpcError> {
-        let bytes = self.exchange(peer, target::<F>(), args, timeout).await?;
+        let bytes = self
+            .exchange(peer, (target::<F>(), F::NAME), args, timeout)
+            .await?;
         ArchivedReply::new(bytes)
     }
 
@@ -148,7 +152,9 @@ impl Rpc {
             idempotent: false,
         };
         let timeout = timeout.unwrap_or_else(|| self.default_deadline());
-        let reply = self.exchange(peer, t, args, timeout).await?;
+        let reply = self
+            .exchange(peer, (t, &signature.name), args, timeout)
+            .await?;
         deserialize_reply::<R>(reply.as_slice())
     }
 
@@ -215,13 +221,17 @@ impl Rpc {
     async fn exchange<A: RpcType>(
         &self,
         peer: Peer,
-        t: Target,
+        (t, name): (Target, &str),
         args: &A,
         timeout: Duration,
     ) -> Result<Payload, RpcError> {
-        #[cfg(feature = "trace-messages")]
         let start = Instant::now();
         let r = self.exchange_once(peer, t, args, timeout).await;
+        self.node
+            .local()
+            .rpc
+            .latency
+            .record(t.id.get(), name, start.elapsed());
         if let Err(e) = &r {
             tracing::debug!(function = t.id.get(), node = %peer.node_id(), error = %e,
                 "rpc call failed");

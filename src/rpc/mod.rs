@@ -161,6 +161,7 @@
 
 mod client;
 mod error;
+pub(crate) mod latency;
 mod registry;
 mod server;
 

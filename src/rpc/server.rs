@@ -184,6 +184,8 @@ pub(crate) struct ShardRpc {
     choosers: RefCell<HashMap<u32, Rc<ArgsChooser>>>,
     stats: Cell<RpcStats>,
     epoch: Instant,
+    /// Round trips of the calls this shard makes, per function.
+    pub(crate) latency: super::latency::Latencies,
 }
 
 /// Picks the buffer of a function's rendezvous arguments: gets this shard's node, the caller
@@ -389,6 +391,7 @@ impl RpcSetup {
             ),
             stats: Cell::new(RpcStats::default()),
             epoch: Instant::now(),
+            latency: super::latency::Latencies::default(),
         }
     }
 }

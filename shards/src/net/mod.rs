@@ -201,8 +201,8 @@ use glommio::Task;
 use crate::boot::ShardCtx;
 use crate::proto::request::DedupHasher;
 use crate::proto::{
-    AmId, ConnConfig, FrameKind, HandshakeConfig, Incarnation, Limits, NodeId, PendingTable,
-    PreSharedKey, ShardId, Timestamp,
+    AmId, ConnConfig, FrameHeader, FrameKind, HandshakeConfig, Incarnation, Limits, NodeId,
+    PendingTable, PreSharedKey, ShardId, State, Timestamp,
 };
 use crate::ucx::{AmIdRaw, EpOptions, ErrorMode, Worker};
 
@@ -412,6 +412,107 @@ pub struct NetStats {
     /// Pending openings closed at [`NetConfig::handshake_timeout`] without replacing their
     /// rail (not counted in [`NetStats::handshakes_expired`]).
     pub pending_expired: u64,
+    /// Application frames received on this shard's rails and handed on (to a handler or a
+    /// pending request), by [`Traffic`] class (index: `Traffic as usize`).
+    pub frames_in: [u64; Traffic::COUNT],
+    /// Their payload bytes (rendezvous data included), by [`Traffic`] class.
+    pub bytes_in: [u64; Traffic::COUNT],
+    /// Application frames sent from this shard (in place, posted or queued), by [`Traffic`]
+    /// class.
+    pub frames_out: [u64; Traffic::COUNT],
+    /// Their payload bytes, by [`Traffic`] class.
+    pub bytes_out: [u64; Traffic::COUNT],
+    /// Times a ready rail's peer went silent for `suspect_after` heartbeat intervals
+    /// ([`NetConfig::suspect_after`]).
+    pub heartbeat_misses: u64,
+    /// Rails whose peer stayed silent for `dead_after` heartbeat intervals and was declared
+    /// dead.
+    pub peers_dead: u64,
+    /// Rails that failed (handshake, transport error, dead peer), whatever the cause.
+    pub rails_failed: u64,
+    /// Sessions that a peer's restart (a new incarnation) replaced.
+    pub peer_restarts: u64,
+    /// Connects the facade made by itself to a peer's known address when an operation found
+    /// no session (its first use, or after the session was lost), that succeeded.
+    pub reconnects: u64,
+    /// ... that failed (the peer then backs off).
+    pub reconnects_failed: u64,
+}
+
+/// A shard's rails by state ([`ShardCtx::rail_states`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RailStates {
+    /// Handshake or join under way.
+    pub connecting: usize,
+    /// Frames flow.
+    pub ready: usize,
+    /// Finishing in-flight work before closing.
+    pub draining: usize,
+    /// Failed or closed, not yet removed.
+    pub closing: usize,
+    /// Pending openings beside ready rails (a peer's restart or reconnect under way).
+    pub pending_openings: usize,
+}
+
+/// What an application frame carries, for [`NetStats`]' traffic counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Traffic {
+    /// Active messages (application ids).
+    Am = 0,
+    /// Tag messages ([`crate::tag`]).
+    Tag = 1,
+    /// RPC requests, replies, errors and cancels.
+    Rpc = 2,
+    /// Checked remote memory access (put, get and their replies).
+    Rma = 3,
+}
+
+impl Traffic {
+    /// How many classes there are.
+    pub const COUNT: usize = 4;
+    /// Every class, in index order.
+    pub const ALL: [Traffic; Traffic::COUNT] =
+        [Traffic::Am, Traffic::Tag, Traffic::Rpc, Traffic::Rma];
+
+    /// The class of an application frame of `kind` with AM id `id`; `None` for the
+    /// connection's own frames (handshake, heartbeats, close).
+    pub fn of(kind: FrameKind, id: u32) -> Option<Traffic> {
+        match kind {
+            FrameKind::Am if id == crate::tag::TAG_AM.get() => Some(Traffic::Tag),
+            FrameKind::Am => Some(Traffic::Am),
+            FrameKind::RpcRequest
+            | FrameKind::RpcResponse
+            | FrameKind::RpcError
+            | FrameKind::RpcCancel => Some(Traffic::Rpc),
+            FrameKind::RmaPut | FrameKind::RmaGet | FrameKind::RmaReply => Some(Traffic::Rma),
+            _ => None,
+        }
+    }
+
+    /// Its name in metrics and logs: `am`, `tag`, `rpc`, `rma`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Traffic::Am => "am",
+            Traffic::Tag => "tag",
+            Traffic::Rpc => "rpc",
+            Traffic::Rma => "rma",
+        }
+    }
+}
+
+impl NetStats {
+    /// Counts one frame of `header`'s kind and payload in (`inbound`) or out.
+    pub(crate) fn traffic(&mut self, header: &FrameHeader, inbound: bool) {
+        if let Some(t) = Traffic::of(header.kind, header.id) {
+            let (frames, bytes) = if inbound {
+                (&mut self.frames_in, &mut self.bytes_in)
+            } else {
+                (&mut self.frames_out, &mut self.bytes_out)
+            };
+            frames[t as usize] += 1;
+            bytes[t as usize] += header.payload_len;
+        }
+    }
 }
 
 /// Node identity and settings, resolved once in [`crate::ShardsBuilder::run`]; `Send`.
@@ -872,6 +973,38 @@ impl ShardCtx {
     pub fn connected_nodes(&self) -> Vec<RemoteNode> {
         let nodes: Vec<NodeId> = self.net().peers.borrow().keys().copied().collect();
         nodes.into_iter().filter_map(|n| self.session(n)).collect()
+    }
+
+    /// This shard's rails by state, and the pending openings beside ready rails.
+    pub fn rail_states(&self) -> RailStates {
+        let mut r = RailStates::default();
+        for p in self.net().peers.borrow().values() {
+            for rail in &p.rails {
+                match rail.conn.state() {
+                    State::Ready => r.ready += 1,
+                    State::Draining => r.draining += 1,
+                    State::Failed | State::Closed => r.closing += 1,
+                    State::Idle | State::Connecting | State::Backoff | State::Reconnecting => {
+                        r.connecting += 1
+                    }
+                }
+            }
+            r.pending_openings += p.pending.len();
+        }
+        r
+    }
+
+    /// Counts a connect made again to a known peer's address after its session was lost
+    /// ([`NetStats::reconnects`], [`NetStats::reconnects_failed`]): for the facade's lazy
+    /// reconnection, which runs outside this crate.
+    pub fn count_reconnect(&self, ok: bool) {
+        self.net().count(|s| {
+            if ok {
+                s.reconnects += 1;
+            } else {
+                s.reconnects_failed += 1;
+            }
+        });
     }
 
     /// Requests of this shard waiting for a reply.

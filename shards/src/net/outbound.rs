@@ -226,7 +226,10 @@ pub(super) fn send(
         if let (false, Some(bytes)) = (rndv, body.as_slice()) {
             match ep.am_send_now(DATA_AM, am.as_slice(), bytes) {
                 Ok(()) => {
-                    net.count(|s| s.sent_in_place += 1);
+                    net.count(|s| {
+                        s.sent_in_place += 1;
+                        s.traffic(&header, false);
+                    });
                     return Ok(());
                 }
                 Err(crate::ucx::Error::NoResource) => {}
@@ -244,7 +247,10 @@ pub(super) fn send(
         let mut send = ep.am_send(DATA_AM, am.as_slice(), body.into_send_buf(), proto);
         // The first poll posts the send (the waker is the sender's from its first poll on).
         let first = Pin::new(&mut send).poll(&mut std::task::Context::from_waker(Waker::noop()));
-        net.count(|s| s.sent_posted += 1);
+        net.count(|s| {
+            s.sent_posted += 1;
+            s.traffic(&header, false);
+        });
         return match first {
             Poll::Ready((Ok(()), _)) => Ok(()),
             Poll::Ready((Err(_), _)) => {
@@ -265,7 +271,10 @@ pub(super) fn send(
         rndv,
     };
     if p.out.push(item) {
-        net.count(|s| s.sent_queued += 1);
+        net.count(|s| {
+            s.sent_queued += 1;
+            s.traffic(&header, false);
+        });
         // The sender is runnable now: the driver yields to it at its next round.
         ctx.wake_driver();
         Ok(())
