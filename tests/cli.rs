@@ -391,3 +391,21 @@ fn vs_perftest_puts_perftest_figures_in_the_table_and_the_json() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The README shows `shardcx --help` and `shardcx bench -h` as the binary prints them.
+#[test]
+fn the_readme_shows_the_current_help() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    for args in [&["--help"][..], &["bench", "-h"]] {
+        let out = shardcx().args(args).output().unwrap();
+        assert!(out.status.success());
+        let text = String::from_utf8(out.stdout).unwrap();
+        let shown = format!("$ shardcx {}\n{text}", args.join(" "));
+        assert!(
+            readme.contains(&shown),
+            "README.md does not show the current `shardcx {}`; paste:\n{shown}",
+            args.join(" ")
+        );
+    }
+}
