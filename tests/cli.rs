@@ -409,3 +409,44 @@ fn the_readme_shows_the_current_help() {
         );
     }
 }
+
+/// `shardcx node` on a port already taken fails at once with the reason, whatever its shard
+/// count (the other shards do not go on serving without the listener).
+#[test]
+fn node_on_a_taken_port_fails_promptly() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let mut child = shardcx()
+        .args([
+            "node",
+            "--listen",
+            &addr,
+            "--shards",
+            "2",
+            "--transport",
+            "tcp",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("shardcx node on a taken port still runs after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot listen") && err.contains("in use"),
+        "{err}"
+    );
+    drop(taken);
+}

@@ -35,6 +35,7 @@ use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -87,6 +88,87 @@ pub struct ShardsBuilder {
     on_start: Option<StartHook>,
     // Resolved by `run` and shared by the shards of one run.
     settings: Option<NodeSettings>,
+    gate: Option<Arc<StartGate>>,
+}
+
+/// Keeps the first error of a run's shards, except that a shard's own failure wins over the
+/// others' [`BootError::Aborted`] because of it.
+fn keep_first(first: &mut Option<BootError>, e: BootError) {
+    let aborted = |e: &BootError| matches!(e, BootError::Aborted { .. });
+    if first.as_ref().is_none_or(|f| aborted(f) && !aborted(&e)) {
+        *first = Some(e);
+    }
+}
+
+/// Where the shards of one run wait for each other at the end of their start-up: no shard runs
+/// its closure unless every shard started (a listener that cannot bind, a UCX worker refused,
+/// a panic during start-up), so a failed start ends the whole run with its error instead of
+/// leaving the other shards serving without it.
+#[derive(Debug)]
+struct StartGate {
+    /// Shards that have not arrived yet.
+    pending: AtomicUsize,
+    /// The first shard that failed, or `usize::MAX`.
+    failed: AtomicUsize,
+}
+
+/// How often a started shard looks at the gate while it waits for the others (start-up only).
+const START_GATE_POLL: Duration = Duration::from_millis(1);
+
+impl StartGate {
+    fn new(shards: usize) -> StartGate {
+        StartGate {
+            pending: AtomicUsize::new(shards),
+            failed: AtomicUsize::new(usize::MAX),
+        }
+    }
+
+    fn fail(&self, shard: usize) {
+        let _ =
+            self.failed
+                .compare_exchange(usize::MAX, shard, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// `shard` started: waits for the others; `Err(failed)` when one of them failed.
+    async fn started(&self, shard: usize) -> Result<(), usize> {
+        let _ = shard;
+        self.pending.fetch_sub(1, Ordering::AcqRel);
+        loop {
+            match self.failed.load(Ordering::Acquire) {
+                usize::MAX if self.pending.load(Ordering::Acquire) == 0 => return Ok(()),
+                usize::MAX => glommio::timer::sleep(START_GATE_POLL).await,
+                failed => return Err(failed),
+            }
+        }
+    }
+}
+
+/// Marks its shard failed at the gate unless it arrived: dropped by an early return or a
+/// panic during start-up.
+struct GateGuard {
+    gate: Arc<StartGate>,
+    shard: usize,
+    arrived: bool,
+}
+
+impl GateGuard {
+    async fn started(mut self) -> Result<(), usize> {
+        self.arrived = true;
+        self.gate.started(self.shard).await
+    }
+
+    fn failed(mut self) {
+        self.arrived = true;
+        self.gate.fail(self.shard);
+    }
+}
+
+impl Drop for GateGuard {
+    fn drop(&mut self) {
+        if !self.arrived {
+            self.gate.fail(self.shard);
+        }
+    }
 }
 
 /// The executors' preempt timer: how long task queues may run before the executor looks at
@@ -175,6 +257,7 @@ impl ShardsBuilder {
             net: NetConfig::default(),
             on_start: None,
             settings: None,
+            gate: None,
         }
     }
 
@@ -324,8 +407,10 @@ impl ShardsBuilder {
             None => self.io_memory_for(memlock_limit())?,
         };
         // One identity for every shard of this run.
+        let gate = Arc::new(StartGate::new(self.shard_count));
         let recipe = Self {
             settings: Some(self.node_settings()?),
+            gate: Some(gate.clone()),
             ..self
         };
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -352,9 +437,13 @@ impl ShardsBuilder {
                         me.shard_main(shard, ends, f).await
                     }
                 })
-                .map_err(|e| BootError::Executor {
-                    shard,
-                    reason: e.to_string(),
+                .map_err(|e| {
+                    // The shards already running stop at the gate.
+                    gate.fail(shard);
+                    BootError::Executor {
+                        shard,
+                        reason: e.to_string(),
+                    }
                 })?;
             handles.push(h);
         }
@@ -363,9 +452,7 @@ impl ShardsBuilder {
         for (shard, h) in handles.into_iter().enumerate() {
             match h.join() {
                 Ok(Ok(v)) => out.push(v),
-                Ok(Err(e)) => {
-                    first_err.get_or_insert(e);
-                }
+                Ok(Err(e)) => keep_first(&mut first_err, e),
                 Err(e) => {
                     let err = match e {
                         glommio::GlommioError::BuilderError(
@@ -376,7 +463,7 @@ impl ShardsBuilder {
                             reason: other.to_string(),
                         },
                     };
-                    first_err.get_or_insert(err);
+                    keep_first(&mut first_err, err);
                 }
             }
         }
@@ -437,6 +524,14 @@ impl ShardsBuilder {
         // hanging the others.
         let mesh = ends.connect(self.mesh);
         let _leave = mesh.leave_guard();
+        let gate = GateGuard {
+            gate: self
+                .gate
+                .clone()
+                .ok_or(BootError::Config("start gate not made"))?,
+            shard,
+            arrived: false,
+        };
         let ucx = |source| BootError::Ucx { shard, source };
         let mut config = Config::from_env().map_err(ucx)?;
         if let Some(tls) = &self.transports {
@@ -498,6 +593,16 @@ impl ShardsBuilder {
         let started = match installed {
             Ok(()) => net::listen(&ctx).await,
             Err(e) => Err(e),
+        };
+        let started = match started {
+            Ok(()) => gate
+                .started()
+                .await
+                .map_err(|failed| BootError::Aborted { shard, failed }),
+            Err(e) => {
+                gate.failed();
+                Err(e)
+            }
         };
         let out = match started {
             Ok(()) => Ok(f(ctx.clone()).await),

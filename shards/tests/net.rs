@@ -536,3 +536,32 @@ fn foreign_ucx_clients_are_refused_and_half_open_connections_capped() {
     assert_eq!(st.bootstraps_over_cap, 2, "{st:?}");
     assert_eq!(st.bootstraps_served, 1, "{st:?}");
 }
+
+/// A listener that cannot bind (the port is taken) fails the whole run with its error: the
+/// other shard never runs its closure and stops too, promptly.
+#[test]
+fn a_listener_that_cannot_bind_fails_the_run_and_no_shard_serves() {
+    let _g = serial();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let ran2 = ran.clone();
+    let start = Instant::now();
+    let r = node(B, KEY).listen(addr).run(move |_ctx: Rc<ShardCtx>| {
+        let ran = ran2.clone();
+        async move { ran.store(true, Ordering::Release) }
+    });
+    let err = r.expect_err("the run should fail");
+    assert!(
+        matches!(err, shardcx_shards::BootError::Listen { shard: 0, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("in use"), "{err}");
+    assert!(!ran.load(Ordering::Acquire), "a shard ran its closure");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+    drop(taken);
+}
