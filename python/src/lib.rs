@@ -1,0 +1,1119 @@
+//! `shardcx._shardcx`: the Rust half of the Python package `shardcx`.
+//!
+//! ## The model
+//!
+//! A [`Runtime`] is one shardcx [`Node`]: its shards run on threads of their own, started by
+//! [`NodeBuilder::run`] on a thread that this module spawns. Python never waits on them. The
+//! two directions between the asyncio event loop and the shards are:
+//!
+//! - **loop → shard**: every call (`tag_send`, `tag_recv`, `connect`, ...) is a [`Cmd`] pushed
+//!   into the inbox of one shard (a mutex-guarded queue with a waker: glommio wakes a task
+//!   from a foreign thread, also a shard sleeping in its driver). The call returns at once;
+//!   the shard spawns the operation as a local task. Each operation has an id chosen by the
+//!   Python side (`op`).
+//! - **shard → loop**: a finished operation, an accepted endpoint, an active message or a lost
+//!   peer is an [`Event`] pushed into one queue shared by the shards. The first event into an
+//!   empty queue writes one byte to a socket pair; the event loop watches the other end
+//!   (`loop.add_reader(runtime.fileno(), ...)`) and calls [`Runtime::drain`], which reads the
+//!   bytes and takes every queued event, on the loop's thread. The shards never take the GIL.
+//!
+//! ## Buffers and cancellation
+//!
+//! Data sent is copied out of the caller's buffer on the loop thread, when the call is made;
+//! data received lands in a vector owned by the shard and is copied into the caller's buffer
+//! on the loop thread, after completion ([`Received::copy_into`]). So no Python memory is ever
+//! lent to UCX: a cancelled asyncio task sends [`Cmd::Cancel`], the shard drops the operation's
+//! task (the Rust operations park their buffers until UCX is done, see DESIGN.md, "Operations
+//! own their buffers"), and a late event for a cancelled operation is ignored by the loop.
+//!
+//! ## Endpoints on node sessions
+//!
+//! shardcx connects *nodes* (one authenticated session per node pair, one rail per shard);
+//! Python's endpoints are channels on a session. `connect` connects the nodes and sends an
+//! `OPEN` active message carrying the new endpoint's id; the listening node's handler (inline
+//! on the shard it arrived on) allocates its own endpoint id, tells Python (`accept` event) and
+//! answers `ACCEPT` with both ids. Each endpoint lives on one shard of its node and addresses
+//! the remote endpoint's shard explicitly, so its tag messages are matched where they arrive
+//! and stay in order. A tag on the wire is 48 user bits: the receiving endpoint's id (upper
+//! [`EP_BITS`]) and the application's tag (lower [`USER_TAG_BITS`]).
+//!
+//! Nothing here panics across into Python: errors are [`ErrInfo`] (a Python exception class
+//! name and a message), and a panic inside a shard's operation task is caught by glommio's task
+//! and reported as a failed operation.
+
+#![forbid(unsafe_code)]
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use futures_lite::FutureExt;
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use shardcx::proto::handshake::RejectReason;
+use shardcx::proto::wire::TagLayout;
+use shardcx::proto::{Tag, TagKind, TagMask};
+use shardcx::shards::net::Dest;
+use shardcx::shards::{NetConfig, NetError, Placement};
+use shardcx::{AmId, AmMsg, Error, Node, NodeId, Peer, ShardId, Shutdown};
+
+/// Bits of a wire tag that name the receiving endpoint.
+pub const EP_BITS: u32 = 24;
+/// Bits of a wire tag left to the application (`tag=` in Python).
+pub const USER_TAG_BITS: u32 = 48 - EP_BITS;
+/// Largest application tag.
+pub const MAX_TAG: u64 = (1 << USER_TAG_BITS) - 1;
+/// Largest endpoint id (ids start at 1; a node makes at most this many endpoints).
+const MAX_EP: u32 = (1 << EP_BITS) - 1;
+
+/// Active-message ids of the endpoint protocol (below the runtime's reserved range).
+const AM_OPEN: AmId = AmId::new(0x5059_0001);
+const AM_ACCEPT: AmId = AmId::new(0x5059_0002);
+const AM_REFUSE: AmId = AmId::new(0x5059_0003);
+const AM_DATA: AmId = AmId::new(0x5059_0004);
+const AM_CLOSE: AmId = AmId::new(0x5059_0005);
+
+/// Longest deadline Python may give (the tag receive's own cap).
+const MAX_DEADLINE: Duration = shardcx::shards::tag::MAX_RECV_TIMEOUT;
+
+/// A failure as Python sees it: the name of an exception class of `shardcx` and a message.
+#[derive(Debug, Clone)]
+struct ErrInfo {
+    kind: &'static str,
+    msg: String,
+}
+
+/// What a finished operation gives back.
+enum Value {
+    None,
+    /// A tag message: its application tag and payload.
+    Tagged(u64, Vec<u8>),
+    /// A connected endpoint: local id, remote id, the remote node and the remote shard.
+    Endpoint {
+        ep: u32,
+        remote_ep: u32,
+        node: u64,
+        remote_shard: u16,
+    },
+}
+
+/// From the shards to the event loop.
+enum Event {
+    Started {
+        port: Option<u16>,
+        node: u64,
+    },
+    StartFailed(ErrInfo),
+    Stopped(Option<ErrInfo>),
+    Done {
+        op: u64,
+        value: Value,
+    },
+    Failed {
+        op: u64,
+        err: ErrInfo,
+    },
+    /// A remote endpoint opened one on this node's listener.
+    Accept {
+        ep: u32,
+        remote_ep: u32,
+        shard: u16,
+        node: u64,
+        remote_shard: u16,
+    },
+    /// An active message for endpoint `ep`.
+    Am {
+        ep: u32,
+        payload: Vec<u8>,
+    },
+    /// The remote end closed endpoint `ep`.
+    PeerClosed {
+        ep: u32,
+    },
+    /// The connection to `node` ended (reported by each shard that had a rail to it).
+    PeerLost {
+        node: u64,
+        err: ErrInfo,
+    },
+}
+
+/// From the event loop to one shard.
+enum Cmd {
+    Connect {
+        op: u64,
+        addr: SocketAddr,
+        timeout: Duration,
+    },
+    TagSend {
+        op: u64,
+        dest: Dest,
+        tag: u64,
+        data: Vec<u8>,
+        timeout: Duration,
+    },
+    TagRecv {
+        op: u64,
+        node: NodeId,
+        pattern: u64,
+        mask: u64,
+        timeout: Duration,
+    },
+    AmSend {
+        op: u64,
+        dest: Dest,
+        remote_ep: u32,
+        data: Vec<u8>,
+        timeout: Duration,
+    },
+    Close {
+        op: u64,
+        dest: Dest,
+        remote_ep: u32,
+        timeout: Duration,
+    },
+    Cancel {
+        op: u64,
+    },
+}
+
+/// A shard's inbox: commands from the loop, and the waker of the shard's serving task.
+#[derive(Default)]
+struct Inbox {
+    state: Mutex<InboxState>,
+}
+
+#[derive(Default)]
+struct InboxState {
+    queue: VecDeque<Cmd>,
+    waker: Option<Waker>,
+}
+
+/// A one-shot slot filled by any thread (the endpoint handshake's answer may arrive on any
+/// shard), awaited on one.
+struct Slot<T> {
+    state: Mutex<(Option<T>, Option<Waker>)>,
+}
+
+/// State shared by the shards, the node thread and the Python object.
+struct Shared {
+    events: Mutex<Vec<Event>>,
+    /// Written (one byte) when an event goes into an empty queue.
+    notify: UnixStream,
+    inboxes: Vec<Inbox>,
+    /// Whether a listener takes new endpoints (`OPEN` is refused otherwise).
+    accepting: AtomicBool,
+    next_ep: AtomicU32,
+    /// Endpoints being opened by this node, by local id: where the answer goes.
+    opening: Mutex<HashMap<u32, Arc<Slot<Result<(u32, u16), ErrInfo>>>>>,
+    /// Shards that have started serving their inbox.
+    ready: AtomicUsize,
+    shutdown: Shutdown,
+}
+
+/// A running shardcx node, driven from one asyncio event loop (see the module docs).
+#[pyclass(module = "shardcx._shardcx", frozen)]
+struct Runtime {
+    shared: Arc<Shared>,
+    /// The loop's end of the notification socket pair.
+    reader: UnixStream,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Bytes received (a tag message or an active message), held until the loop copies them.
+#[pyclass(module = "shardcx._shardcx", frozen)]
+struct Received {
+    tag: u64,
+    data: Vec<u8>,
+}
+
+impl ErrInfo {
+    fn new(kind: &'static str, msg: impl Into<String>) -> Self {
+        Self {
+            kind,
+            msg: msg.into(),
+        }
+    }
+
+    fn from_error(e: &Error) -> Self {
+        let kind = match e {
+            Error::TimedOut { .. } => "Timeout",
+            Error::Net(n) => net_kind(n),
+            Error::BackingOff { .. } => "Unreachable",
+            Error::HeaderTooLarge { .. } => "TooLarge",
+            _ => "Error",
+        };
+        Self::new(kind, e.to_string())
+    }
+
+    fn from_net(e: &NetError) -> Self {
+        Self::new(net_kind(e), e.to_string())
+    }
+}
+
+/// The Python exception class for a connection error.
+fn net_kind(e: &NetError) -> &'static str {
+    match e {
+        NetError::TimedOut { .. } => "Timeout",
+        NetError::Refused {
+            reason: RejectReason::BadProof,
+            ..
+        }
+        | NetError::NoKey => "AuthFailed",
+        NetError::Refused {
+            reason: RejectReason::Shutdown,
+            ..
+        } => "Closed",
+        NetError::Refused { .. } | NetError::Unreachable { .. } => "Unreachable",
+        NetError::PeerDead { .. }
+        | NetError::Transport { .. }
+        | NetError::NotConnected { .. }
+        | NetError::Receive { .. } => "ConnectionLost",
+        NetError::Closed { .. } | NetError::ShuttingDown => "Closed",
+        NetError::TooLarge { .. } | NetError::HeaderTooLarge { .. } => "TooLarge",
+        _ => "Error",
+    }
+}
+
+impl Inbox {
+    fn push(&self, cmd: Cmd) {
+        let waker = {
+            let mut st = lock(&self.state);
+            st.queue.push_back(cmd);
+            st.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    fn poll_next(&self, cx: &mut Context<'_>) -> Poll<Cmd> {
+        let mut st = lock(&self.state);
+        match st.queue.pop_front() {
+            Some(cmd) => Poll::Ready(cmd),
+            None => {
+                st.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl<T> Slot<T> {
+    fn new() -> Self {
+        Self {
+            state: Mutex::new((None, None)),
+        }
+    }
+
+    fn fill(&self, value: T) {
+        let waker = {
+            let mut st = lock(&self.state);
+            st.0 = Some(value);
+            st.1.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    async fn wait(&self) -> T {
+        futures_lite::future::poll_fn(|cx| {
+            let mut st = lock(&self.state);
+            match st.0.take() {
+                Some(v) => Poll::Ready(v),
+                None => {
+                    st.1 = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+}
+
+impl Shared {
+    fn push(&self, ev: Event) {
+        let was_empty = {
+            let mut q = lock(&self.events);
+            let was_empty = q.is_empty();
+            q.push(ev);
+            was_empty
+        };
+        if was_empty {
+            // Non-blocking: a full socket already holds a wake-up byte, so WouldBlock is fine.
+            // Any other error means the loop's end is gone: nobody is listening any more.
+            let _ = (&self.notify).write(&[1]);
+        }
+    }
+
+    fn alloc_ep(&self) -> Result<u32, ErrInfo> {
+        let ep = self.next_ep.fetch_add(1, Ordering::Relaxed);
+        if ep == 0 || ep > MAX_EP {
+            return Err(ErrInfo::new(
+                "Error",
+                format!("this node has made its {MAX_EP} endpoints"),
+            ));
+        }
+        Ok(ep)
+    }
+
+    fn inbox(&self, shard: usize) -> PyResult<&Inbox> {
+        self.inboxes.get(shard).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "shard {shard} out of range (node has {})",
+                self.inboxes.len()
+            ))
+        })
+    }
+}
+
+/// Locks `m`, also when a thread panicked while holding it (the data are plain queues, valid
+/// at every step).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A deadline given in seconds by Python.
+fn deadline(seconds: f64) -> PyResult<Duration> {
+    if !(seconds.is_finite() && seconds >= 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "deadline must be a non-negative number of seconds, not {seconds}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(seconds).min(MAX_DEADLINE))
+}
+
+/// The bytes of a buffer-protocol object (C-contiguous bytes: the Python side casts
+/// `memoryview`s to format `B`), with room for the tag trailer the runtime appends.
+fn copy_out(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    let buf = PyBuffer::<u8>::get(data)?;
+    let len = buf.len_bytes();
+    let mut v = Vec::with_capacity(len + shardcx::shards::tag::TAG_TRAILER_LEN);
+    v.resize(len, 0);
+    buf.copy_to_slice(py, &mut v)?;
+    Ok(v)
+}
+
+fn ep_header(ep: u32) -> [u8; 4] {
+    ep.to_le_bytes()
+}
+
+fn read_u32(b: &[u8], at: usize) -> Option<u32> {
+    let bytes: [u8; 4] = b.get(at..at + 4)?.try_into().ok()?;
+    Some(u32::from_le_bytes(bytes))
+}
+
+/// Runs `fut`, or fails with `Timeout` once `timeout` has passed.
+async fn within<T>(
+    what: &str,
+    timeout: Duration,
+    fut: impl Future<Output = Result<T, ErrInfo>>,
+) -> Result<T, ErrInfo> {
+    fut.or(async {
+        glommio::timer::sleep(timeout).await;
+        Err(ErrInfo::new(
+            "Timeout",
+            format!("{what} timed out after {timeout:?}"),
+        ))
+    })
+    .await
+}
+
+/// One operation on a shard.
+async fn run_op(node: Node, shared: Arc<Shared>, cmd: Cmd) -> Result<Value, ErrInfo> {
+    let ctx = node.shard_ctx().clone();
+    match cmd {
+        Cmd::Connect { addr, timeout, .. } => connect(&node, &shared, addr, timeout).await,
+        Cmd::TagSend {
+            dest,
+            tag,
+            data,
+            timeout,
+            ..
+        } => {
+            let tag = Tag::new(TagKind::User, node.shard(), tag)
+                .map_err(|e| ErrInfo::new("Error", e.to_string()))?;
+            within("send", timeout, async {
+                ctx.tag_send(dest, tag, data)
+                    .await
+                    .map_err(|e| ErrInfo::from_net(&e))
+            })
+            .await?;
+            Ok(Value::None)
+        }
+        Cmd::TagRecv {
+            node: peer,
+            pattern,
+            mask,
+            timeout,
+            ..
+        } => {
+            let pattern = Tag::new(TagKind::User, ShardId::new(0), pattern & mask)
+                .map_err(|e| ErrInfo::new("Error", e.to_string()))?;
+            let mask = TagMask::from_raw(TagLayout::KIND_MASK | (mask & TagLayout::USER_MASK));
+            match ctx.tag_recv(peer, pattern, mask, timeout).await {
+                Ok((tag, data)) => Ok(Value::Tagged(tag.user() & MAX_TAG, data)),
+                Err(NetError::TimedOut { .. }) => Err(ErrInfo::new(
+                    "Timeout",
+                    format!("recv timed out after {timeout:?}"),
+                )),
+                Err(e) => Err(ErrInfo::from_net(&e)),
+            }
+        }
+        Cmd::AmSend {
+            dest,
+            remote_ep,
+            data,
+            timeout,
+            ..
+        } => {
+            let peer = peer_of(dest);
+            peer.am_send_within(AM_DATA, &ep_header(remote_ep), &data, timeout)
+                .await
+                .map_err(|e| ErrInfo::from_error(&e))?;
+            Ok(Value::None)
+        }
+        Cmd::Close {
+            dest,
+            remote_ep,
+            timeout,
+            ..
+        } => {
+            let peer = peer_of(dest);
+            peer.am_send_within(AM_CLOSE, &ep_header(remote_ep), &[], timeout)
+                .await
+                .map_err(|e| ErrInfo::from_error(&e))?;
+            Ok(Value::None)
+        }
+        Cmd::Cancel { .. } => Ok(Value::None),
+    }
+}
+
+fn peer_of(dest: Dest) -> Peer {
+    let peer = Peer::new(dest.node);
+    match dest.shard {
+        Some(s) => peer.shard(s),
+        None => peer,
+    }
+}
+
+/// Connects to the node at `addr` and opens an endpoint on its listener.
+async fn connect(
+    node: &Node,
+    shared: &Arc<Shared>,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<Value, ErrInfo> {
+    let start = Instant::now();
+    let peer = node
+        .connect_within(addr, timeout)
+        .await
+        .map_err(|e| ErrInfo::from_error(&e))?;
+    let ep = shared.alloc_ep()?;
+    let slot = Arc::new(Slot::new());
+    lock(&shared.opening).insert(ep, slot.clone());
+    // Whatever happens from here (also the task being dropped), the slot goes away.
+    struct Forget<'a>(&'a Shared, u32);
+    impl Drop for Forget<'_> {
+        fn drop(&mut self) {
+            lock(&self.0.opening).remove(&self.1);
+        }
+    }
+    let _forget = Forget(shared, ep);
+    let left = timeout.saturating_sub(start.elapsed());
+    peer.am_send_within(AM_OPEN, &ep_header(ep), &[], left)
+        .await
+        .map_err(|e| ErrInfo::from_error(&e))?;
+    let left = timeout.saturating_sub(start.elapsed());
+    let (remote_ep, remote_shard) =
+        within("create_endpoint", left, async { slot.wait().await }).await?;
+    Ok(Value::Endpoint {
+        ep,
+        remote_ep,
+        node: peer.node_id().get(),
+        remote_shard,
+    })
+}
+
+/// The endpoint protocol's active-message handlers, installed on every shard.
+fn with_handlers(b: shardcx::NodeBuilder, shared: &Arc<Shared>) -> shardcx::NodeBuilder {
+    let s = shared.clone();
+    let b = b.on_am(AM_OPEN, move || {
+        let shared = s.clone();
+        move |node: &Node, msg: AmMsg| {
+            let Some(remote_ep) = read_u32(msg.header(), 0) else {
+                return;
+            };
+            let from = msg.from();
+            let answer = if shared.accepting.load(Ordering::Acquire) {
+                shared.alloc_ep().map(|ep| {
+                    shared.push(Event::Accept {
+                        ep,
+                        remote_ep,
+                        shard: node.shard().get(),
+                        node: from.node_id().get(),
+                        remote_shard: from.target_shard().map_or(0, ShardId::get),
+                    });
+                    ep
+                })
+            } else {
+                Err(ErrInfo::new("Unreachable", "no listener"))
+            };
+            let sent = match answer {
+                Ok(ep) => {
+                    let mut h = [0u8; 8];
+                    h[..4].copy_from_slice(&remote_ep.to_le_bytes());
+                    h[4..].copy_from_slice(&ep.to_le_bytes());
+                    msg.reply(AM_ACCEPT, &h, &[])
+                }
+                Err(_) => msg.reply(AM_REFUSE, &ep_header(remote_ep), &[]),
+            };
+            if let Err(e) = sent {
+                tracing::warn!(error = %e, "cannot answer an endpoint opening");
+            }
+        }
+    });
+    let s = shared.clone();
+    let b = b.on_am(AM_ACCEPT, move || {
+        let shared = s.clone();
+        move |_: &Node, msg: AmMsg| {
+            let (Some(ep), Some(remote_ep)) = (read_u32(msg.header(), 0), read_u32(msg.header(), 4))
+            else {
+                return;
+            };
+            let remote_shard = msg.from().target_shard().map_or(0, ShardId::get);
+            if let Some(slot) = lock(&shared.opening).get(&ep) {
+                slot.fill(Ok((remote_ep, remote_shard)));
+            }
+        }
+    });
+    let s = shared.clone();
+    let b = b.on_am(AM_REFUSE, move || {
+        let shared = s.clone();
+        move |_: &Node, msg: AmMsg| {
+            if let Some(slot) = read_u32(msg.header(), 0).and_then(|ep| {
+                lock(&shared.opening).get(&ep).cloned()
+            }) {
+                slot.fill(Err(ErrInfo::new(
+                    "Unreachable",
+                    format!("node {} has no listener", msg.from().node_id()),
+                )));
+            }
+        }
+    });
+    let s = shared.clone();
+    let b = b.on_am(AM_DATA, move || {
+        let shared = s.clone();
+        move |_: &Node, msg: AmMsg| {
+            if let Some(ep) = read_u32(msg.header(), 0) {
+                shared.push(Event::Am {
+                    ep,
+                    payload: msg.into_payload(),
+                });
+            }
+        }
+    });
+    let s = shared.clone();
+    b.on_am(AM_CLOSE, move || {
+        let shared = s.clone();
+        move |_: &Node, msg: AmMsg| {
+            if let Some(ep) = read_u32(msg.header(), 0) {
+                shared.push(Event::PeerClosed { ep });
+            }
+        }
+    })
+}
+
+/// A shard's serving task: takes commands from its inbox and runs each as a local task, until
+/// the node is asked to stop.
+async fn serve_shard(node: Node, shared: Arc<Shared>, shard_count: usize) {
+    let me = node.shard().index();
+    {
+        let shared = shared.clone();
+        node.shard_ctx().on_peer_lost(move |peer, err| {
+            if let Some(peer) = peer {
+                shared.push(Event::PeerLost {
+                    node: peer.get(),
+                    err: ErrInfo::from_net(err),
+                });
+            }
+        });
+    }
+    if shared.ready.fetch_add(1, Ordering::AcqRel) + 1 == shard_count {
+        shared.push(Event::Started {
+            port: node.listen_addr().map(|a| a.port()),
+            node: node.id().get(),
+        });
+    }
+    let tasks: Rc<RefCell<HashMap<u64, glommio::task::JoinHandle<()>>>> = Rc::default();
+    let mut stopped = node.stopped();
+    let Some(inbox) = shared.inboxes.get(me) else {
+        return;
+    };
+    loop {
+        let next = futures_lite::future::poll_fn(|cx| {
+            if let Poll::Ready(cmd) = inbox.poll_next(cx) {
+                return Poll::Ready(Some(cmd));
+            }
+            match Pin::new(&mut stopped).poll(cx) {
+                Poll::Ready(()) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await;
+        let Some(cmd) = next else { break };
+        let op = match &cmd {
+            Cmd::Cancel { op } => {
+                if let Some(task) = tasks.borrow_mut().remove(op) {
+                    task.cancel();
+                }
+                continue;
+            }
+            Cmd::Connect { op, .. }
+            | Cmd::TagSend { op, .. }
+            | Cmd::TagRecv { op, .. }
+            | Cmd::AmSend { op, .. }
+            | Cmd::Close { op, .. } => *op,
+        };
+        let (node2, shared2, tasks2) = (node.clone(), shared.clone(), tasks.clone());
+        let task = glommio::spawn_local(async move {
+            let out = AssertUnwindSafe(run_op(node2, shared2.clone(), cmd))
+                .catch_unwind()
+                .await;
+            let ev = match out {
+                Ok(Ok(value)) => Event::Done { op, value },
+                Ok(Err(err)) => Event::Failed { op, err },
+                Err(_) => Event::Failed {
+                    op,
+                    err: ErrInfo::new("Error", "internal error: the operation panicked"),
+                },
+            };
+            tasks2.borrow_mut().remove(&op);
+            shared2.push(ev);
+        })
+        .detach();
+        tasks.borrow_mut().insert(op, task);
+    }
+    // Operations still running end with the node: they fail as the connections close.
+}
+
+/// Settings of a node, from Python.
+struct Config {
+    shards: usize,
+    psk: Option<Vec<u8>>,
+    transports: Option<String>,
+    listen: Option<SocketAddr>,
+    pinned: bool,
+    max_message_size: u64,
+    default_deadline: Duration,
+    io_memory: u64,
+}
+
+impl Runtime {
+    fn start(cfg: Config) -> PyResult<Self> {
+        let (reader, writer) = UnixStream::pair()
+            .map_err(|e| PyRuntimeError::new_err(format!("socket pair: {e}")))?;
+        for s in [&reader, &writer] {
+            s.set_nonblocking(true)
+                .map_err(|e| PyRuntimeError::new_err(format!("socket pair: {e}")))?;
+        }
+        let mut net = NetConfig::default();
+        net.max_message_size = cfg.max_message_size;
+        let mut b = Node::builder()
+            .shards(cfg.shards)
+            .placement(if cfg.pinned {
+                Placement::Pinned
+            } else {
+                Placement::Unpinned
+            })
+            .io_memory(cfg.io_memory)
+            .net(net)
+            .default_deadline(cfg.default_deadline);
+        if let Some(key) = &cfg.psk {
+            b = b.psk(key);
+        }
+        if let Some(tls) = &cfg.transports {
+            b = b.transports(tls);
+        }
+        if let Some(addr) = cfg.listen {
+            b = b.listen(addr);
+        }
+        let shared = Arc::new(Shared {
+            events: Mutex::new(Vec::new()),
+            notify: writer,
+            inboxes: (0..cfg.shards).map(|_| Inbox::default()).collect(),
+            accepting: AtomicBool::new(false),
+            next_ep: AtomicU32::new(1),
+            opening: Mutex::new(HashMap::new()),
+            ready: AtomicUsize::new(0),
+            // The node's switch is the builder's: every clone is the same switch.
+            shutdown: b.shutdown_handle(),
+        });
+        let b = with_handlers(b, &shared);
+        let shard_count = cfg.shards;
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("shardcx-node".into())
+            .spawn(move || {
+                let s2 = s.clone();
+                let out = b.run(move |node| {
+                    let s = s2.clone();
+                    async move { serve_shard(node, s, shard_count).await }
+                });
+                let started = s.ready.load(Ordering::Acquire) == shard_count;
+                match out {
+                    Ok(_) => s.push(Event::Stopped(None)),
+                    Err(e) if !started => s.push(Event::StartFailed(ErrInfo::from_error(&e))),
+                    Err(e) => s.push(Event::Stopped(Some(ErrInfo::from_error(&e)))),
+                }
+            })
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the node thread: {e}")))?;
+        Ok(Self {
+            shared,
+            reader,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    fn submit(&self, shard: usize, cmd: Cmd) -> PyResult<()> {
+        self.shared.inbox(shard)?.push(cmd);
+        Ok(())
+    }
+}
+
+fn dest(node: u64, shard: u16) -> Dest {
+    Dest::shard(NodeId::new(node), ShardId::new(shard))
+}
+
+fn err_tuple(py: Python<'_>, name: &str, id: u64, err: ErrInfo) -> PyResult<Py<PyAny>> {
+    Ok((name, id, err.kind, err.msg)
+        .into_pyobject(py)?
+        .into_any()
+        .unbind())
+}
+
+#[pymethods]
+impl Runtime {
+    /// Starts a node (see the Python class `shardcx.Node`, which calls this).
+    #[new]
+    #[pyo3(signature = (shards, psk, transports, listen, pinned, max_message_size, default_deadline, io_memory))]
+    #[allow(clippy::too_many_arguments)] // One keyword per setting, as Python passes them.
+    fn py_new(
+        shards: usize,
+        psk: Option<Vec<u8>>,
+        transports: Option<String>,
+        listen: Option<(String, u16)>,
+        pinned: bool,
+        max_message_size: u64,
+        default_deadline: f64,
+        io_memory: u64,
+    ) -> PyResult<Self> {
+        if shards == 0 {
+            return Err(PyValueError::new_err("shards must be at least 1"));
+        }
+        let listen = match listen {
+            Some((host, port)) => {
+                let ip: IpAddr = host.parse().map_err(|_| {
+                    PyValueError::new_err(format!("listen host {host:?} is not an IP address"))
+                })?;
+                Some(SocketAddr::new(ip, port))
+            }
+            None => None,
+        };
+        Self::start(Config {
+            shards,
+            psk,
+            transports,
+            listen,
+            pinned,
+            max_message_size,
+            default_deadline: deadline(default_deadline)?,
+            io_memory,
+        })
+    }
+
+    /// The file descriptor the event loop watches (readable when events wait).
+    fn fileno(&self) -> i32 {
+        self.reader.as_raw_fd()
+    }
+
+    /// Takes every queued event, as tuples whose first item names the kind.
+    fn drain(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        let mut scratch = [0u8; 256];
+        loop {
+            match (&self.reader).read(&mut scratch) {
+                Ok(0) => break,
+                Ok(_) => continue,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+        }
+        let events = std::mem::take(&mut *lock(&self.shared.events));
+        let mut out = Vec::with_capacity(events.len());
+        for ev in events {
+            let item: Py<PyAny> = match ev {
+                Event::Started { port, node } => ("started", port, node)
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind(),
+                Event::StartFailed(err) => err_tuple(py, "start_failed", 0, err)?,
+                Event::Stopped(None) => ("stopped",).into_pyobject(py)?.into_any().unbind(),
+                Event::Stopped(Some(err)) => err_tuple(py, "stopped", 0, err)?,
+                Event::Done { op, value } => {
+                    let v: Py<PyAny> = match value {
+                        Value::None => py.None(),
+                        Value::Tagged(tag, data) => {
+                            Py::new(py, Received { tag, data })?.into_any()
+                        }
+                        Value::Endpoint {
+                            ep,
+                            remote_ep,
+                            node,
+                            remote_shard,
+                        } => (ep, remote_ep, node, remote_shard)
+                            .into_pyobject(py)?
+                            .into_any()
+                            .unbind(),
+                    };
+                    ("done", op, v).into_pyobject(py)?.into_any().unbind()
+                }
+                Event::Failed { op, err } => err_tuple(py, "failed", op, err)?,
+                Event::Accept {
+                    ep,
+                    remote_ep,
+                    shard,
+                    node,
+                    remote_shard,
+                } => ("accept", ep, remote_ep, shard, node, remote_shard)
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind(),
+                Event::Am { ep, payload } => {
+                    let r = Py::new(py, Received { tag: 0, data: payload })?;
+                    ("am", ep, r).into_pyobject(py)?.into_any().unbind()
+                }
+                Event::PeerClosed { ep } => {
+                    ("peer_closed", ep).into_pyobject(py)?.into_any().unbind()
+                }
+                Event::PeerLost { node, err } => err_tuple(py, "peer_lost", node, err)?,
+            };
+            out.push(item);
+        }
+        Ok(out)
+    }
+
+    /// Connects (on `shard`) to the node listening at `host:port` (an IP address) and opens
+    /// an endpoint there. Completes with `(ep, remote_ep, node, remote_shard)`.
+    fn connect(&self, op: u64, shard: usize, host: &str, port: u16, timeout: f64) -> PyResult<()> {
+        let ip: IpAddr = host
+            .parse()
+            .map_err(|_| PyValueError::new_err(format!("{host:?} is not an IP address")))?;
+        self.submit(
+            shard,
+            Cmd::Connect {
+                op,
+                addr: SocketAddr::new(ip, port),
+                timeout: deadline(timeout)?,
+            },
+        )
+    }
+
+    /// Sends the bytes of `data` as a tag message with the 48-bit wire `tag` to shard
+    /// `dest_shard` of `node`, from `shard`.
+    #[allow(clippy::too_many_arguments)] // The operation's full address, as Python keeps it.
+    fn tag_send(
+        &self,
+        py: Python<'_>,
+        op: u64,
+        shard: usize,
+        node: u64,
+        dest_shard: u16,
+        tag: u64,
+        data: &Bound<'_, PyAny>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let data = copy_out(py, data)?;
+        self.submit(
+            shard,
+            Cmd::TagSend {
+                op,
+                dest: dest(node, dest_shard),
+                tag,
+                data,
+                timeout: deadline(timeout)?,
+            },
+        )
+    }
+
+    /// Receives on `shard` the earliest tag message from `node` whose 48-bit wire tag matches
+    /// `pattern` under `mask`. Completes with a `Received`.
+    fn tag_recv(
+        &self,
+        op: u64,
+        shard: usize,
+        node: u64,
+        pattern: u64,
+        mask: u64,
+        timeout: f64,
+    ) -> PyResult<()> {
+        self.submit(
+            shard,
+            Cmd::TagRecv {
+                op,
+                node: NodeId::new(node),
+                pattern,
+                mask,
+                timeout: deadline(timeout)?,
+            },
+        )
+    }
+
+    /// Sends the bytes of `data` as an active message to endpoint `remote_ep`.
+    #[allow(clippy::too_many_arguments)] // The operation's full address, as Python keeps it.
+    fn am_send(
+        &self,
+        py: Python<'_>,
+        op: u64,
+        shard: usize,
+        node: u64,
+        dest_shard: u16,
+        remote_ep: u32,
+        data: &Bound<'_, PyAny>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let data = copy_out(py, data)?;
+        self.submit(
+            shard,
+            Cmd::AmSend {
+                op,
+                dest: dest(node, dest_shard),
+                remote_ep,
+                data,
+                timeout: deadline(timeout)?,
+            },
+        )
+    }
+
+    /// Tells endpoint `remote_ep` that its peer closed.
+    fn close_ep(
+        &self,
+        op: u64,
+        shard: usize,
+        node: u64,
+        dest_shard: u16,
+        remote_ep: u32,
+        timeout: f64,
+    ) -> PyResult<()> {
+        self.submit(
+            shard,
+            Cmd::Close {
+                op,
+                dest: dest(node, dest_shard),
+                remote_ep,
+                timeout: deadline(timeout)?,
+            },
+        )
+    }
+
+    /// Cancels operation `op` on `shard` (nothing happens when it has finished).
+    fn cancel(&self, shard: usize, op: u64) -> PyResult<()> {
+        self.submit(shard, Cmd::Cancel { op })
+    }
+
+    /// Whether new endpoints opened by remote nodes are accepted.
+    fn set_accepting(&self, on: bool) {
+        self.shared.accepting.store(on, Ordering::Release);
+    }
+
+    /// Number of shards.
+    fn shard_count(&self) -> usize {
+        self.shared.inboxes.len()
+    }
+
+    /// Asks the node to stop (it drains, closes its connections and ends; a `stopped` event
+    /// follows).
+    fn stop(&self) {
+        self.shared.shutdown.trigger();
+    }
+
+    /// Waits (without the GIL) up to `timeout` seconds for the node's thread to end; returns
+    /// whether it did.
+    fn join(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let timeout = deadline(timeout)?;
+        let start = Instant::now();
+        Ok(py.detach(|| loop {
+            let mut slot = lock(&self.thread);
+            match slot.as_ref() {
+                None => return true,
+                Some(t) if t.is_finished() => {
+                    if let Some(t) = slot.take() {
+                        // The thread's closure catches every error; a panic there has been
+                        // reported on stderr already.
+                        let _ = t.join();
+                    }
+                    return true;
+                }
+                Some(_) => {}
+            }
+            drop(slot);
+            if start.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }))
+    }
+}
+
+#[pymethods]
+impl Received {
+    /// The message's application tag (0 for active messages).
+    #[getter]
+    fn tag(&self) -> u64 {
+        self.tag
+    }
+
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Copies the message into `buf` (a writable, C-contiguous byte buffer of exactly the
+    /// message's length: the Python side slices the caller's buffer).
+    fn copy_into(&self, py: Python<'_>, buf: &Bound<'_, PyAny>) -> PyResult<()> {
+        let target = PyBuffer::<u8>::get(buf)?;
+        target.copy_from_slice(py, &self.data)
+    }
+
+    /// The message as `bytes`.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.data)
+    }
+}
+
+/// The Rust half of `shardcx` (use the package `shardcx`, not this module).
+#[pymodule]
+fn _shardcx(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Runtime>()?;
+    m.add_class::<Received>()?;
+    m.add("MAX_TAG", MAX_TAG)?;
+    m.add("EP_BITS", EP_BITS)?;
+    m.add("USER_TAG_BITS", USER_TAG_BITS)?;
+    m.add(
+        "DEFAULT_DEADLINE",
+        shardcx::DEFAULT_DEADLINE.as_secs_f64(),
+    )?;
+    Ok(())
+}
