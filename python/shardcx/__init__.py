@@ -414,7 +414,7 @@ class Node:
             elif kind == "peer_closed":
                 ep = self._endpoints.get(ev[1])
                 if ep is not None:
-                    ep._end(Closed("the peer closed the endpoint"), peer=True)
+                    ep._on_peer_closed(ev[2])
             elif kind == "peer_lost":
                 exc_kind, msg = ev[2], ev[3]
                 for ep in list(self._endpoints.values()):
@@ -510,6 +510,11 @@ class Endpoint:
         self._remote_shard = remote_shard
         self._pending: dict[int, asyncio.Future] = {}
         self._end_exc: Optional[Error] = None
+        # Tag messages sent and received; after the peer closes, receives go on until this
+        # side has received as many as the peer sent (``_peer_sent``).
+        self._sent = 0
+        self._received = 0
+        self._peer_sent: Optional[int] = None
         self._am: deque = deque()
         self._am_waiters: deque[asyncio.Future] = deque()
         #: Active messages dropped because the queue of unreceived ones was full.
@@ -532,7 +537,15 @@ class Endpoint:
         if self._end_exc is not None:
             raise type(self._end_exc)(str(self._end_exc))
 
-    def _end(self, exc: Error, peer: bool = False) -> None:
+    def _on_peer_closed(self, sent: int) -> None:
+        self._peer_sent = sent
+        self._check_peer_closed()
+
+    def _check_peer_closed(self) -> None:
+        if self._peer_sent is not None and self._received >= self._peer_sent:
+            self._end(Closed("the peer closed the endpoint"))
+
+    def _end(self, exc: Error) -> None:
         """Ends the endpoint: pending calls fail with ``exc`` and their shard operations are
         cancelled."""
         if self._end_exc is not None:
@@ -559,9 +572,12 @@ class Endpoint:
         numpy array) with ``tag``. The buffer is copied before this returns its awaitable's
         first step: the caller may reuse it at once."""
         self._check()
+        if self._peer_sent is not None:
+            raise Closed("the peer closed the endpoint")
         mv = _byte_view(buf)
         wire = (self._remote_ep << _EP_SHIFT) | _check_tag(tag)
         node = self._node
+        self._sent += 1
         await node._call(
             self._shard,
             lambda op: node._rt.tag_send(
@@ -575,13 +591,16 @@ class Endpoint:
         pattern = (self._ep << _EP_SHIFT) | (_check_tag(tag) & tag_mask)
         mask = _EP_MASK | (_check_tag(tag_mask, "tag_mask"))
         node = self._node
-        return await node._call(
+        msg = await node._call(
             self._shard,
             lambda op: node._rt.tag_recv(
                 op, self._shard, self._peer_node, pattern, mask, node._dl(deadline)
             ),
             self,
         )
+        self._received += 1
+        self._check_peer_closed()
+        return msg
 
     async def recv(
         self,
@@ -676,7 +695,8 @@ class Endpoint:
 
     async def close(self, *, deadline: Optional[float] = None) -> None:
         """Closes the endpoint: its pending calls fail with :class:`Cancelled`, later ones with
-        :class:`Closed`, and the peer's with :class:`Closed`. Idempotent."""
+        :class:`Closed`. The peer receives the messages sent before the close, then its
+        receives fail with :class:`Closed` (its sends at once). Idempotent."""
         if self._end_exc is not None:
             return
         self._end(Cancelled("the endpoint was closed"))
@@ -693,6 +713,7 @@ class Endpoint:
                     self._peer_node,
                     self._remote_shard,
                     self._remote_ep,
+                    self._sent,
                     node._dl(deadline),
                 ),
             )

@@ -140,9 +140,10 @@ enum Event {
         ep: u32,
         payload: Vec<u8>,
     },
-    /// The remote end closed endpoint `ep`.
+    /// The remote end closed endpoint `ep`, after sending it `sent` tag messages.
     PeerClosed {
         ep: u32,
+        sent: u64,
     },
     /// The connection to `node` ended (reported by each shard that had a rail to it).
     PeerLost {
@@ -183,6 +184,9 @@ enum Cmd {
         op: u64,
         dest: Dest,
         remote_ep: u32,
+        /// Tag messages the endpoint sent: the peer receives that many before it reports
+        /// the close to its pending receives.
+        sent: u64,
         timeout: Duration,
     },
     Cancel {
@@ -490,11 +494,15 @@ async fn run_op(node: Node, shared: Arc<Shared>, cmd: Cmd) -> Result<Value, ErrI
         Cmd::Close {
             dest,
             remote_ep,
+            sent,
             timeout,
             ..
         } => {
             let peer = peer_of(dest);
-            peer.am_send_within(AM_CLOSE, &ep_header(remote_ep), &[], timeout)
+            let mut h = [0u8; 12];
+            h[..4].copy_from_slice(&remote_ep.to_le_bytes());
+            h[4..].copy_from_slice(&sent.to_le_bytes());
+            peer.am_send_within(AM_CLOSE, &h, &[], timeout)
                 .await
                 .map_err(|e| ErrInfo::from_error(&e))?;
             Ok(Value::None)
@@ -631,8 +639,13 @@ fn with_handlers(b: shardcx::NodeBuilder, shared: &Arc<Shared>) -> shardcx::Node
     b.on_am(AM_CLOSE, move || {
         let shared = s.clone();
         move |_: &Node, msg: AmMsg| {
-            if let Some(ep) = read_u32(msg.header(), 0) {
-                shared.push(Event::PeerClosed { ep });
+            let sent = msg
+                .header()
+                .get(4..12)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map(u64::from_le_bytes);
+            if let (Some(ep), Some(sent)) = (read_u32(msg.header(), 0), sent) {
+                shared.push(Event::PeerClosed { ep, sent });
             }
         }
     })
@@ -906,9 +919,10 @@ impl Runtime {
                     let r = Py::new(py, Received { tag: 0, data: payload })?;
                     ("am", ep, r).into_pyobject(py)?.into_any().unbind()
                 }
-                Event::PeerClosed { ep } => {
-                    ("peer_closed", ep).into_pyobject(py)?.into_any().unbind()
-                }
+                Event::PeerClosed { ep, sent } => ("peer_closed", ep, sent)
+                    .into_pyobject(py)?
+                    .into_any()
+                    .unbind(),
                 Event::PeerLost { node, err } => err_tuple(py, "peer_lost", node, err)?,
             };
             out.push(item);
@@ -1008,7 +1022,8 @@ impl Runtime {
         )
     }
 
-    /// Tells endpoint `remote_ep` that its peer closed.
+    /// Tells endpoint `remote_ep` that its peer closed after sending it `sent` tag messages.
+    #[allow(clippy::too_many_arguments)] // The operation's full address, as Python keeps it.
     fn close_ep(
         &self,
         op: u64,
@@ -1016,6 +1031,7 @@ impl Runtime {
         node: u64,
         dest_shard: u16,
         remote_ep: u32,
+        sent: u64,
         timeout: f64,
     ) -> PyResult<()> {
         self.submit(
@@ -1024,6 +1040,7 @@ impl Runtime {
                 op,
                 dest: dest(node, dest_shard),
                 remote_ep,
+                sent,
                 timeout: deadline(timeout)?,
             },
         )

@@ -3,7 +3,7 @@
 import asyncio
 import os
 import pickle
-import re
+import sys
 import time
 
 import numpy as np
@@ -276,7 +276,7 @@ async def test_server_process_killed_with_calls_pending(client, tmp_path):
         "asyncio.run(main())\n"
     )
     proc = await asyncio.create_subprocess_exec(
-        os.environ.get("PYTHON", "python"), str(script), stdout=asyncio.subprocess.PIPE
+        sys.executable, str(script), stdout=asyncio.subprocess.PIPE
     )
     try:
         async with asyncio.timeout(60):
