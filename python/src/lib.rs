@@ -212,6 +212,9 @@ struct Slot<T> {
     state: Mutex<(Option<T>, Option<Waker>)>,
 }
 
+/// The answer to an endpoint opening: the remote endpoint id and shard, or why not.
+type Accepted = Result<(u32, u16), ErrInfo>;
+
 /// State shared by the shards, the node thread and the Python object.
 struct Shared {
     events: Mutex<Vec<Event>>,
@@ -222,7 +225,7 @@ struct Shared {
     accepting: AtomicBool,
     next_ep: AtomicU32,
     /// Endpoints being opened by this node, by local id: where the answer goes.
-    opening: Mutex<HashMap<u32, Arc<Slot<Result<(u32, u16), ErrInfo>>>>>,
+    opening: Mutex<HashMap<u32, Arc<Slot<Accepted>>>>,
     /// Shards that have started serving their inbox.
     ready: AtomicUsize,
     shutdown: Shutdown,
@@ -568,7 +571,7 @@ fn with_handlers(b: shardcx::NodeBuilder, shared: &Arc<Shared>) -> shardcx::Node
             };
             let from = msg.from();
             let answer = if shared.accepting.load(Ordering::Acquire) {
-                shared.alloc_ep().map(|ep| {
+                shared.alloc_ep().inspect(|&ep| {
                     shared.push(Event::Accept {
                         ep,
                         remote_ep,
@@ -576,7 +579,6 @@ fn with_handlers(b: shardcx::NodeBuilder, shared: &Arc<Shared>) -> shardcx::Node
                         node: from.node_id().get(),
                         remote_shard: from.target_shard().map_or(0, ShardId::get),
                     });
-                    ep
                 })
             } else {
                 Err(ErrInfo::new("Unreachable", "no listener"))
@@ -599,7 +601,8 @@ fn with_handlers(b: shardcx::NodeBuilder, shared: &Arc<Shared>) -> shardcx::Node
     let b = b.on_am(AM_ACCEPT, move || {
         let shared = s.clone();
         move |_: &Node, msg: AmMsg| {
-            let (Some(ep), Some(remote_ep)) = (read_u32(msg.header(), 0), read_u32(msg.header(), 4))
+            let (Some(ep), Some(remote_ep)) =
+                (read_u32(msg.header(), 0), read_u32(msg.header(), 4))
             else {
                 return;
             };
@@ -613,9 +616,9 @@ fn with_handlers(b: shardcx::NodeBuilder, shared: &Arc<Shared>) -> shardcx::Node
     let b = b.on_am(AM_REFUSE, move || {
         let shared = s.clone();
         move |_: &Node, msg: AmMsg| {
-            if let Some(slot) = read_u32(msg.header(), 0).and_then(|ep| {
-                lock(&shared.opening).get(&ep).cloned()
-            }) {
+            if let Some(slot) =
+                read_u32(msg.header(), 0).and_then(|ep| lock(&shared.opening).get(&ep).cloned())
+            {
                 slot.fill(Err(ErrInfo::new(
                     "Unreachable",
                     format!("node {} has no listener", msg.from().node_id()),
@@ -738,14 +741,16 @@ struct Config {
 
 impl Runtime {
     fn start(cfg: Config) -> PyResult<Self> {
-        let (reader, writer) = UnixStream::pair()
-            .map_err(|e| PyRuntimeError::new_err(format!("socket pair: {e}")))?;
+        let (reader, writer) =
+            UnixStream::pair().map_err(|e| PyRuntimeError::new_err(format!("socket pair: {e}")))?;
         for s in [&reader, &writer] {
             s.set_nonblocking(true)
                 .map_err(|e| PyRuntimeError::new_err(format!("socket pair: {e}")))?;
         }
-        let mut net = NetConfig::default();
-        net.max_message_size = cfg.max_message_size;
+        let net = NetConfig {
+            max_message_size: cfg.max_message_size,
+            ..NetConfig::default()
+        };
         let mut b = Node::builder()
             .shards(cfg.shards)
             .placement(if cfg.pinned {
@@ -889,9 +894,7 @@ impl Runtime {
                 Event::Done { op, value } => {
                     let v: Py<PyAny> = match value {
                         Value::None => py.None(),
-                        Value::Tagged(tag, data) => {
-                            Py::new(py, Received { tag, data })?.into_any()
-                        }
+                        Value::Tagged(tag, data) => Py::new(py, Received { tag, data })?.into_any(),
                         Value::Endpoint {
                             ep,
                             remote_ep,
@@ -916,7 +919,13 @@ impl Runtime {
                     .into_any()
                     .unbind(),
                 Event::Am { ep, payload } => {
-                    let r = Py::new(py, Received { tag: 0, data: payload })?;
+                    let r = Py::new(
+                        py,
+                        Received {
+                            tag: 0,
+                            data: payload,
+                        },
+                    )?;
                     ("am", ep, r).into_pyobject(py)?.into_any().unbind()
                 }
                 Event::PeerClosed { ep, sent } => ("peer_closed", ep, sent)
@@ -1128,9 +1137,6 @@ fn _shardcx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_TAG", MAX_TAG)?;
     m.add("EP_BITS", EP_BITS)?;
     m.add("USER_TAG_BITS", USER_TAG_BITS)?;
-    m.add(
-        "DEFAULT_DEADLINE",
-        shardcx::DEFAULT_DEADLINE.as_secs_f64(),
-    )?;
+    m.add("DEFAULT_DEADLINE", shardcx::DEFAULT_DEADLINE.as_secs_f64())?;
     Ok(())
 }
