@@ -41,6 +41,7 @@ import asyncio
 import atexit
 import ipaddress
 import itertools
+import os
 import pickle
 import socket
 import weakref
@@ -63,7 +64,11 @@ __all__ = [
     "AuthFailed",
     "Unreachable",
     "MAX_TAG",
+    "SEND_WINDOW",
 ]
+
+#: Most sends of one endpoint handed to its shard and not finished (see :meth:`Endpoint.send`).
+SEND_WINDOW = 64
 
 #: Bits of a wire tag that name the receiving endpoint (the rest is the application's tag).
 _EP_SHIFT = _shardcx.USER_TAG_BITS
@@ -164,6 +169,14 @@ class Node:
     :param io_memory: glommio io memory per shard (locked memory), in bytes.
     :param am_queue_limit: most active messages kept per endpoint for ``am_recv``; more are
         dropped and counted in :attr:`Endpoint.am_dropped`.
+    :param spin: how long (seconds) a shard keeps polling UCX after its last event before it
+        sleeps (``SHARDCX_SPIN`` in the environment sets the default, 0). Polling cuts the
+        wake-up cost when messages come back to back, but a polling shard competes for its
+        core with the Python thread: keep it 0 unless the node has cores to spare.
+    :param unexpected_count, unexpected_bytes: bounds, per peer node and shard, of the tag
+        messages that arrive before their ``recv`` is posted; messages beyond them are
+        **dropped** (and counted by the runtime): receive as fast as peers send, or have them
+        wait for an answer (see ``examples/pingpong.py``'s rate test).
 
     The node starts with its first :meth:`create_listener` or :meth:`create_endpoint` (a node
     listens on the one port it is started with), and stops with :meth:`close` or at the end
@@ -181,6 +194,9 @@ class Node:
         deadline: float = _shardcx.DEFAULT_DEADLINE,
         io_memory: int = 1 << 20,
         am_queue_limit: int = 65536,
+        spin: float = float(os.environ.get("SHARDCX_SPIN", "0.0")),
+        unexpected_count: int = 4096,
+        unexpected_bytes: int = 256 << 20,
     ) -> None:
         if shards < 1:
             raise ValueError("shards must be at least 1")
@@ -192,6 +208,8 @@ class Node:
         self._deadline = float(deadline)
         self._io_memory = io_memory
         self._am_queue_limit = am_queue_limit
+        self._spin = spin
+        self._unexpected = (unexpected_count, unexpected_bytes)
         self._rt: Optional[_shardcx.Runtime] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._started: Optional[asyncio.Future] = None
@@ -251,6 +269,8 @@ class Node:
             self._max_message_size,
             self._deadline,
             self._io_memory,
+            self._spin,
+            *self._unexpected,
         )
         _live_nodes.add(self)
         loop.add_reader(self._rt.fileno(), self._on_events)
@@ -514,6 +534,8 @@ class Endpoint:
         # side has received as many as the peer sent (``_peer_sent``).
         self._sent = 0
         self._received = 0
+        # Sends handed to the shard and not finished yet, oldest first (see `send`).
+        self._sends: deque[asyncio.Future] = deque()
         self._peer_sent: Optional[int] = None
         self._am: deque = deque()
         self._am_waiters: deque[asyncio.Future] = deque()
@@ -569,22 +591,53 @@ class Endpoint:
 
     async def send(self, buf: Any, tag: int = 0, *, deadline: Optional[float] = None) -> None:
         """Sends the bytes of ``buf`` (any C-contiguous buffer: bytes, bytearray, memoryview,
-        numpy array) with ``tag``. The buffer is copied before this returns its awaitable's
-        first step: the caller may reuse it at once."""
+        numpy array) with ``tag``.
+
+        The bytes are copied and handed to the endpoint's shard at once: the caller may reuse
+        the buffer as soon as this is called. It returns without waiting for the shard unless
+        :data:`SEND_WINDOW` sends of this endpoint are still in flight (then it waits for the
+        oldest). A send that fails after it was handed over (connection lost, deadline) ends
+        the endpoint: its pending and later calls raise that error."""
         self._check()
         if self._peer_sent is not None:
             raise Closed("the peer closed the endpoint")
         mv = _byte_view(buf)
         wire = (self._remote_ep << _EP_SHIFT) | _check_tag(tag)
         node = self._node
-        self._sent += 1
-        await node._call(
-            self._shard,
-            lambda op: node._rt.tag_send(
-                op, self._shard, self._peer_node, self._remote_shard, wire, mv, node._dl(deadline)
-            ),
-            self,
+        # The runtime's limit counts the 8-byte tag trailer; refused here, before hand-off.
+        if len(mv) + 8 > node._max_message_size:
+            raise TooLarge(
+                f"message of {len(mv)} bytes is over this node's limit "
+                f"(max_message_size={node._max_message_size}, 8 bytes of it for the tag)"
+            )
+        if node._rt is None or node.stopped():
+            raise Closed("the node is not running")
+        op = next(node._op_ids)
+        node._rt.tag_send(
+            op, self._shard, self._peer_node, self._remote_shard, wire, mv, node._dl(deadline)
         )
+        self._sent += 1
+        fut = node._loop.create_future()
+        node._ops[op] = fut
+        self._pending[op] = fut
+        self._sends.append(fut)
+        fut.add_done_callback(lambda f: self._send_done(op, f))
+        # Back-pressure: at most SEND_WINDOW sends in flight per endpoint.
+        while self._sends and self._sends[0].done():
+            self._sends.popleft()
+        if len(self._sends) > SEND_WINDOW:
+            # Not `await fut`: cancelling the caller must not cancel a send already handed over.
+            await asyncio.wait([self._sends[0]])
+            self._check()
+
+    def _send_done(self, op: int, fut: asyncio.Future) -> None:
+        self._pending.pop(op, None)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            # A stream with a hole in it is no stream: the endpoint ends with the error.
+            self._end(exc)
 
     async def _recv_msg(self, tag: int, tag_mask: int, deadline: Optional[float]) -> Any:
         self._check()
@@ -697,6 +750,12 @@ class Endpoint:
         """Closes the endpoint: its pending calls fail with :class:`Cancelled`, later ones with
         :class:`Closed`. The peer receives the messages sent before the close, then its
         receives fail with :class:`Closed` (its sends at once). Idempotent."""
+        if self._end_exc is not None:
+            return
+        sends = [f for f in self._sends if not f.done()]
+        if sends:
+            # Sends handed over before the close go out before it (the peer counts them).
+            await asyncio.wait(sends, timeout=self._node._dl(deadline))
         if self._end_exc is not None:
             return
         self._end(Cancelled("the endpoint was closed"))

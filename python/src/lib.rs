@@ -68,7 +68,8 @@ use shardcx::proto::handshake::RejectReason;
 use shardcx::proto::wire::TagLayout;
 use shardcx::proto::{Tag, TagKind, TagMask};
 use shardcx::shards::net::Dest;
-use shardcx::shards::{NetConfig, NetError, Placement};
+use shardcx::shards::{DriverConfig, NetConfig, NetError, Placement};
+use shardcx::tag::TagConfig;
 use shardcx::{AmId, AmMsg, Error, Node, NodeId, Peer, ShardId, Shutdown};
 
 /// Bits of a wire tag that name the receiving endpoint.
@@ -737,6 +738,10 @@ struct Config {
     max_message_size: u64,
     default_deadline: Duration,
     io_memory: u64,
+    /// The drivers' spin window after the last event, before they sleep.
+    spin: Duration,
+    /// Bounds of the queue of tag messages that arrive before their receive, per peer.
+    unexpected: TagConfig,
 }
 
 impl Runtime {
@@ -759,7 +764,9 @@ impl Runtime {
                 Placement::Unpinned
             })
             .io_memory(cfg.io_memory)
+            .with_shards(|s| s.driver(DriverConfig { spin: cfg.spin }))
             .net(net)
+            .tag_config(cfg.unexpected)
             .default_deadline(cfg.default_deadline);
         if let Some(key) = &cfg.psk {
             b = b.psk(key);
@@ -828,7 +835,7 @@ fn err_tuple(py: Python<'_>, name: &str, id: u64, err: ErrInfo) -> PyResult<Py<P
 impl Runtime {
     /// Starts a node (see the Python class `shardcx.Node`, which calls this).
     #[new]
-    #[pyo3(signature = (shards, psk, transports, listen, pinned, max_message_size, default_deadline, io_memory))]
+    #[pyo3(signature = (shards, psk, transports, listen, pinned, max_message_size, default_deadline, io_memory, spin, unexpected_count, unexpected_bytes))]
     #[allow(clippy::too_many_arguments)] // One keyword per setting, as Python passes them.
     fn py_new(
         shards: usize,
@@ -839,6 +846,9 @@ impl Runtime {
         max_message_size: u64,
         default_deadline: f64,
         io_memory: u64,
+        spin: f64,
+        unexpected_count: usize,
+        unexpected_bytes: usize,
     ) -> PyResult<Self> {
         if shards == 0 {
             return Err(PyValueError::new_err("shards must be at least 1"));
@@ -861,6 +871,11 @@ impl Runtime {
             max_message_size,
             default_deadline: deadline(default_deadline)?,
             io_memory,
+            spin: deadline(spin)?,
+            unexpected: TagConfig {
+                max_unexpected_count: unexpected_count,
+                max_unexpected_bytes: unexpected_bytes,
+            },
         })
     }
 

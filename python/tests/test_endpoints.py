@@ -294,6 +294,11 @@ async def test_server_process_killed_with_calls_pending(client, tmp_path):
                 with pytest.raises((shardcx.ConnectionLost, shardcx.Closed)):
                     await p
             assert time.monotonic() - start < 30
+            # Sends are handed off; one that fails ends the endpoint, so a later call raises.
+            with pytest.raises((shardcx.ConnectionLost, shardcx.Closed)):
+                for _ in range(500):
+                    await ep.send(b"into the void")
+                    await asyncio.sleep(0.01)
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -322,3 +327,30 @@ def test_public_api_is_documented():
         for attr, member in vars(cls).items():
             if not attr.startswith("_") and callable(member):
                 assert member.__doc__, f"{cls.__name__}.{attr} has no docstring"
+
+
+async def test_sends_in_a_tight_loop_are_bounded_and_ordered():
+    """Sends return without waiting for the shard, but at most SEND_WINDOW are in flight per
+    endpoint; the peer receives every one, in order."""
+    n = 3000
+    done = asyncio.get_running_loop().create_future()
+
+    async def handler(ep):
+        buf = bytearray(8)
+        for i in range(n):
+            await ep.recv(buf, deadline=20)
+            if int.from_bytes(buf, "little") != i:
+                done.set_exception(AssertionError(f"message {i} was {bytes(buf)!r}"))
+                return
+        done.set_result(n)
+
+    async with asyncio.timeout(60):
+        async with shardcx.Node(psk=KEY) as server, shardcx.Node(psk=KEY) as client:
+            lst = await server.create_listener(handler, host="127.0.0.1")
+            ep = await client.create_endpoint("127.0.0.1", lst.port)
+            most = 0
+            for i in range(n):
+                await ep.send(i.to_bytes(8, "little"))
+                most = max(most, sum(not f.done() for f in ep._sends))
+            assert most <= shardcx.SEND_WINDOW + 1
+            assert await done == n
