@@ -354,3 +354,23 @@ async def test_sends_in_a_tight_loop_are_bounded_and_ordered():
                 most = max(most, sum(not f.done() for f in ep._sends))
             assert most <= shardcx.SEND_WINDOW + 1
             assert await done == n
+
+
+def test_polling_event_loop_runs_endpoints():
+    """An event loop from polling_loop_factory drives nodes like the default one."""
+
+    async def main():
+        async with asyncio.timeout(30):
+            async with shardcx.Node(psk=KEY) as server, shardcx.Node(psk=KEY) as client:
+                lst = await server.create_listener(echo_handler, host="127.0.0.1")
+                ep = await client.create_endpoint("127.0.0.1", lst.port)
+                for i in range(100):
+                    await ep.send(i.to_bytes(4, "little"), tag=3)
+                    assert await ep.recv_tagged(3, shardcx.MAX_TAG, deadline=10) == (
+                        3,
+                        i.to_bytes(4, "little"),
+                    )
+                return type(asyncio.get_running_loop()._selector)
+
+    with asyncio.Runner(loop_factory=shardcx.polling_loop_factory(50e-6)) as runner:
+        assert runner.run(main()) is shardcx.PollingSelector
