@@ -29,3 +29,11 @@ def test_pingpong_example():
     assert res["iters"] == 200
     assert 0 < res["rtt_p50_us"] <= res["rtt_p99_us"]
     assert res["rate_msgs_per_s"] > 0
+
+
+def test_readme_quick_start(tmp_path):
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    code = readme.split("## Quick start\n\n```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "quick_start.py"
+    script.write_text(code)
+    run(str(script))
