@@ -374,3 +374,37 @@ def test_polling_event_loop_runs_endpoints():
 
     with asyncio.Runner(loop_factory=shardcx.polling_loop_factory(50e-6)) as runner:
         assert runner.run(main()) is shardcx.PollingSelector
+
+
+async def test_messages_sent_before_a_close_are_received_after_it():
+    """The peer's close reaches this side before its receives are posted: the messages sent
+    before the close still come, then receives raise Closed, and sends at once."""
+    result = asyncio.get_running_loop().create_future()
+
+    async def handler(ep):
+        await asyncio.sleep(0.3)  # the client sends, closes, and its close arrives meanwhile
+        try:
+            got = [await ep.recv_tagged(deadline=5) for _ in range(3)]
+        except shardcx.Error as e:
+            result.set_exception(AssertionError(f"a message sent before the close was lost: {e!r}"))
+            return
+        try:
+            await ep.recv_tagged(deadline=5)
+        except shardcx.Closed:
+            pass
+        else:
+            result.set_exception(AssertionError("a fourth message came"))
+            return
+        try:
+            await ep.send(b"too late")
+        except shardcx.Closed:
+            result.set_result(got)
+
+    async with asyncio.timeout(30):
+        async with shardcx.Node(psk=KEY) as server, shardcx.Node(psk=KEY) as client:
+            lst = await server.create_listener(handler, host="127.0.0.1")
+            ep = await client.create_endpoint("127.0.0.1", lst.port)
+            for i in range(3):
+                await ep.send(bytes([i]) * 1000, tag=i)
+            await ep.close()
+            assert await result == [(i, bytes([i]) * 1000) for i in range(3)]
