@@ -795,16 +795,29 @@ impl Runtime {
             .name("shardcx-node".into())
             .spawn(move || {
                 let s2 = s.clone();
-                let out = b.run(move |node| {
-                    let s = s2.clone();
-                    async move { serve_shard(node, s, shard_count).await }
-                });
+                // A shard that panics makes `run` panic once the others have ended: caught
+                // here, so that Python hears of it (its pending calls fail) instead of waiting.
+                let out = std::panic::catch_unwind(AssertUnwindSafe(move || {
+                    b.run(move |node| {
+                        let s = s2.clone();
+                        async move { serve_shard(node, s, shard_count).await }
+                    })
+                }));
                 let started = s.ready.load(Ordering::Acquire) == shard_count;
-                match out {
-                    Ok(_) => s.push(Event::Stopped(None)),
-                    Err(e) if !started => s.push(Event::StartFailed(ErrInfo::from_error(&e))),
-                    Err(e) => s.push(Event::Stopped(Some(ErrInfo::from_error(&e)))),
-                }
+                let ev = match out {
+                    Ok(Ok(_)) => Event::Stopped(None),
+                    Ok(Err(e)) if !started => Event::StartFailed(ErrInfo::from_error(&e)),
+                    Ok(Err(e)) => Event::Stopped(Some(ErrInfo::from_error(&e))),
+                    Err(_) => {
+                        let err = ErrInfo::new("Error", "internal error: a shard panicked");
+                        if started {
+                            Event::Stopped(Some(err))
+                        } else {
+                            Event::StartFailed(err)
+                        }
+                    }
+                };
+                s.push(ev);
             })
             .map_err(|e| PyRuntimeError::new_err(format!("cannot start the node thread: {e}")))?;
         Ok(Self {
