@@ -3,6 +3,7 @@
 import asyncio
 import os
 import pickle
+import socket
 import sys
 import time
 
@@ -408,3 +409,19 @@ async def test_messages_sent_before_a_close_are_received_after_it():
                 await ep.send(bytes([i]) * 1000, tag=i)
             await ep.close()
             assert await result == [(i, bytes([i]) * 1000) for i in range(3)]
+
+
+async def test_a_node_that_cannot_start_raises():
+    async with asyncio.timeout(30):
+        with pytest.raises(shardcx.Error, match="too short"):
+            await shardcx.Node(psk=b"short").create_listener(echo_handler)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            node = shardcx.Node(psk=KEY)
+            with pytest.raises(shardcx.Error, match="in use"):
+                await node.create_listener(echo_handler, s.getsockname()[1], host="127.0.0.1")
+            assert node.stopped()
+            # Later calls raise the start's error again.
+            with pytest.raises(shardcx.Error, match="in use"):
+                await node.create_endpoint("127.0.0.1", s.getsockname()[1])
