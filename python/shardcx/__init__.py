@@ -539,11 +539,24 @@ class Listener:
 
     async def _run(self, ep: "Endpoint") -> None:
         try:
-            await self._handler(ep)
-        except* Error:
-            # The endpoint or node ended under the handler (also inside a task group): that
-            # is the handler's way out.
-            pass
+            try:
+                await self._handler(ep)
+            except* Error:
+                # The endpoint or node ended under the handler (also inside a task group):
+                # that is the handler's way out.
+                pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            # A failed handler must not leave its peer waiting until its deadlines: the
+            # endpoint is closed (the peer's calls raise Closed), and the error reported.
+            await _quiet(ep.close())
+            asyncio.get_running_loop().call_exception_handler(
+                {
+                    "message": f"shardcx listener handler failed; {ep!r} closed",
+                    "exception": e,
+                }
+            )
 
 
 class Endpoint:

@@ -425,3 +425,28 @@ async def test_a_node_that_cannot_start_raises():
             # Later calls raise the start's error again.
             with pytest.raises(shardcx.Error, match="in use"):
                 await node.create_endpoint("127.0.0.1", s.getsockname()[1])
+
+
+async def test_a_failing_handler_closes_its_endpoint():
+    """A handler that raises closes its endpoint (the peer's calls raise Closed, not Timeout)
+    and reports the error to the event loop's exception handler."""
+    loop = asyncio.get_running_loop()
+    reported = loop.create_future()
+    loop.set_exception_handler(lambda _loop, ctx: reported.set_result(ctx))
+
+    async def handler(ep):
+        raise ValueError("handler bug")
+
+    try:
+        async with asyncio.timeout(30):
+            async with shardcx.Node(psk=KEY) as server, shardcx.Node(psk=KEY) as client:
+                lst = await server.create_listener(handler, host="127.0.0.1")
+                ep = await client.create_endpoint("127.0.0.1", lst.port)
+                start = time.monotonic()
+                with pytest.raises(shardcx.Closed):
+                    await ep.recv(bytearray(8), deadline=20)
+                assert time.monotonic() - start < 5
+                ctx = await reported
+                assert isinstance(ctx["exception"], ValueError)
+    finally:
+        loop.set_exception_handler(None)
