@@ -254,6 +254,8 @@ class Node:
         self._port: Optional[int] = None
         self._node_id: Optional[int] = None
         self._ops: dict[int, asyncio.Future] = {}
+        self._on_done: dict[int, Callable[[Any], Any]] = {}
+        self._early: dict[int, list] = {}
         self._op_ids = itertools.count(1)
         self._endpoints: dict[int, Endpoint] = {}
         self._listener: Optional[Listener] = None
@@ -398,13 +400,24 @@ class Node:
         ip = await self._resolve(host, port)
         shard = self._next_shard
         self._next_shard = (shard + 1) % self._shards
-        ep_id, remote_ep, node, remote_shard = await self._call(
+
+        def opened(result: Any) -> "Endpoint":
+            # Registered as the completion is read, before any later event of the same batch
+            # (the peer's first messages, or its close) looks the endpoint up.
+            ep_id, remote_ep, node, remote_shard = result
+            ep = Endpoint(self, ep_id, remote_ep, shard, node, remote_shard)
+            self._endpoints[ep_id] = ep
+            # The peer's first messages or its close may come on another shard's rail, ahead
+            # of this completion: they waited for it.
+            for early in self._early.pop(ep_id, []):
+                self._on_endpoint_event(early)
+            return ep
+
+        return await self._call(
             shard,
             lambda op: self._rt.connect(op, shard, ip, port, self._dl(deadline)),
+            on_done=opened,
         )
-        ep = Endpoint(self, ep_id, remote_ep, shard, node, remote_shard)
-        self._endpoints[ep_id] = ep
-        return ep
 
     async def _resolve(self, host: str, port: int) -> str:
         try:
@@ -426,15 +439,24 @@ class Node:
             raise ValueError("deadline must not be negative")
         return float(deadline)
 
-    async def _call(self, shard: int, submit: Callable[[int], None], owner: Any = None) -> Any:
+    async def _call(
+        self,
+        shard: int,
+        submit: Callable[[int], None],
+        owner: Any = None,
+        on_done: Optional[Callable[[Any], Any]] = None,
+    ) -> Any:
         """Submits an operation to ``shard`` and waits for its completion. A cancelled wait
-        cancels the operation on the shard."""
+        cancels the operation on the shard. ``on_done`` maps the result as the completion is
+        read (in the event batch, not when the waiting task resumes)."""
         if self._rt is None or self.stopped():
             raise Closed("the node is not running")
         op = next(self._op_ids)
         fut = self._loop.create_future()
         submit(op)
         self._ops[op] = fut
+        if on_done is not None:
+            self._on_done[op] = on_done
         if owner is not None:
             owner._pending[op] = fut
         try:
@@ -445,6 +467,7 @@ class Node:
             raise
         finally:
             self._ops.pop(op, None)
+            self._on_done.pop(op, None)
             if owner is not None:
                 owner._pending.pop(op, None)
 
@@ -456,22 +479,17 @@ class Node:
             kind = ev[0]
             if kind == "done":
                 fut = self._ops.pop(ev[1], None)
+                hook = self._on_done.pop(ev[1], None)
                 if fut is not None and not fut.done():
-                    fut.set_result(ev[2])
+                    fut.set_result(ev[2] if hook is None else hook(ev[2]))
             elif kind == "failed":
                 fut = self._ops.pop(ev[1], None)
                 if fut is not None and not fut.done():
                     fut.set_exception(_exc(ev[2], ev[3]))
-            elif kind == "am":
-                ep = self._endpoints.get(ev[1])
-                if ep is not None:
-                    ep._on_am(ev[2])
+            elif kind in ("am", "peer_closed"):
+                self._on_endpoint_event(ev)
             elif kind == "accept":
                 self._on_accept(*ev[1:])
-            elif kind == "peer_closed":
-                ep = self._endpoints.get(ev[1])
-                if ep is not None:
-                    ep._on_peer_closed(ev[2])
             elif kind == "peer_lost":
                 exc_kind, msg = ev[2], ev[3]
                 for ep in list(self._endpoints.values()):
@@ -491,6 +509,20 @@ class Node:
                 if not self._started.done():
                     self._started.set_exception(exc)
                 self._finish(exc if isinstance(exc, Closed) else Closed(str(exc)))
+
+    def _on_endpoint_event(self, ev: tuple) -> None:
+        ep = self._endpoints.get(ev[1])
+        if ep is None:
+            # An endpoint whose opening has not completed here yet (its events can overtake
+            # the completion), kept while openings are under way; else a closed one's.
+            if self._on_done:
+                self._early.setdefault(ev[1], []).append(ev)
+            else:
+                self._early.clear()
+        elif ev[0] == "am":
+            ep._on_am(ev[2])
+        else:
+            ep._on_peer_closed(ev[2])
 
     def _on_accept(self, ep_id: int, remote_ep: int, shard: int, node: int, rshard: int) -> None:
         ep = Endpoint(self, ep_id, remote_ep, shard, node, rshard)
