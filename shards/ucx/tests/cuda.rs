@@ -1,0 +1,166 @@
+//! CUDA: the probe, the mode override and every device API, on whatever machine runs the test.
+//!
+//! Without a driver (CI, this project's build machine) every device API must return
+//! `CudaError::Unavailable` with the driver's reason and the probe must say "off" with that
+//! reason; with a GPU (the GPU machine, `scripts/gpu-check`) the same tests move real bytes
+//! through device memory instead.
+
+use shardcx_ucx::cuda::{
+    self, CudaDevice, CudaError, CudaMode, DeviceBuffer, ModeRequest, Unavailable,
+};
+use shardcx_ucx::{Context, Features};
+
+fn context() -> Context {
+    let mut config = shardcx_ucx::Config::from_env().expect("config");
+    config.set("TLS", "tcp").expect("tls");
+    Context::new(&config, Features::messaging()).expect("context")
+}
+
+/// The driver's reason to be unavailable here, or `None` on a machine with a CUDA device.
+fn unavailable() -> Option<Unavailable> {
+    match cuda::driver() {
+        Err(u) => Some(u),
+        Ok(d) if d.devices.is_empty() => Some(Unavailable::NoDevice),
+        Ok(_) => None,
+    }
+}
+
+#[test]
+fn ucx_reports_its_memory_types() {
+    let types = context().memory_types().expect("ucp_context_query");
+    assert!(types.host(), "{types} ({:#x})", types.bits());
+    assert!(types.to_string().contains("host"), "{types}");
+    // UCX 1.12 as ucx1-sys builds it has no CUDA transports.
+    let v = shardcx_ucx::version();
+    if v.loaded.0 == 1 && v.loaded.1 == 12 && v.matches() {
+        assert!(!types.cuda(), "the bundled UCX 1.12 reports CUDA: {types}");
+    }
+}
+
+#[test]
+fn auto_probe_is_off_with_the_driver_reason_or_picks_a_mode() {
+    let ctx = context();
+    let probe = cuda::probe(&ctx, ModeRequest::Auto).expect("auto never fails");
+    let ucx_cuda = probe.ucx_memory_types.as_ref().is_ok_and(|t| t.cuda());
+    match unavailable() {
+        Some(reason) => {
+            assert_eq!(probe.mode, CudaMode::Off);
+            assert_eq!(probe.off_reason, Some(reason.to_string()));
+            assert!(!reason.to_string().is_empty());
+        }
+        None if ucx_cuda => assert_eq!(probe.mode, CudaMode::ZeroCopy),
+        None => assert_eq!(probe.mode, CudaMode::Staging),
+    }
+    let off = cuda::probe(&ctx, ModeRequest::Off).expect("off never fails");
+    assert_eq!(off.mode, CudaMode::Off);
+    assert!(off
+        .off_reason
+        .expect("a reason")
+        .contains("SHARDCX_CUDA=off"));
+}
+
+#[test]
+fn forced_modes_this_machine_cannot_run_are_typed_errors() {
+    let ctx = context();
+    let types = ctx.memory_types().expect("memory types");
+    let zero_copy = cuda::probe(&ctx, ModeRequest::ZeroCopy);
+    if !types.cuda() {
+        assert_eq!(
+            zero_copy,
+            Err(CudaError::ZeroCopyUnsupported {
+                memory_types: types
+            })
+        );
+        let msg = zero_copy.expect_err("refused").to_string();
+        assert!(msg.contains("does not move CUDA memory"), "{msg}");
+    }
+    let staging = cuda::probe(&ctx, ModeRequest::Staging);
+    match unavailable() {
+        Some(reason) => assert_eq!(staging, Err(CudaError::Unavailable(reason))),
+        None => assert_eq!(staging.expect("staging").mode, CudaMode::Staging),
+    }
+}
+
+#[test]
+fn device_apis_return_typed_errors_or_move_bytes() {
+    match unavailable() {
+        Some(reason) => {
+            let want = CudaError::Unavailable(reason);
+            assert_eq!(CudaDevice::open(0).map(|_| ()), Err(want.clone()));
+            assert_eq!(
+                DeviceBuffer::alloc_on(0, 4096).map(|_| ()),
+                Err(want.clone())
+            );
+            assert_eq!(DeviceBuffer::alloc_on(3, 0).map(|_| ()), Err(want.clone()));
+            assert!(want.to_string().starts_with("cuda unavailable: "), "{want}");
+        }
+        None => {
+            let count = cuda::driver().expect("driver").devices.len();
+            assert_eq!(
+                CudaDevice::open(count).map(|_| ()),
+                Err(CudaError::NoSuchDevice {
+                    ordinal: count,
+                    count
+                })
+            );
+            let device = CudaDevice::open(0).expect("device 0");
+            device.make_current().expect("current");
+            let data: Vec<u8> = (0..(3 << 20) + 5).map(|i| (i * 7 + 1) as u8).collect();
+            let mut buf = DeviceBuffer::from_host(&device, &data).expect("from_host");
+            assert_eq!(buf.len(), data.len());
+            assert!(buf.is_ready().expect("query"));
+            assert_eq!(buf.to_vec().expect("to_vec"), data);
+            let mut part = vec![0u8; 100];
+            buf.copy_to_host(1000, &mut part).expect("part");
+            assert_eq!(part, data[1000..1100]);
+            buf.copy_from_host(10, &[0xAB; 5]).expect("patch");
+            let back = buf.to_vec().expect("to_vec");
+            assert_eq!(&back[10..15], &[0xAB; 5]);
+            assert_eq!(back[15..], data[15..]);
+            let oob = buf.copy_to_host(data.len() - 1, &mut [0u8; 2]);
+            assert!(matches!(oob, Err(CudaError::OutOfBounds { .. })), "{oob:?}");
+            let empty = DeviceBuffer::alloc(&device, 0).expect("empty");
+            assert!(empty.is_empty());
+        }
+    }
+}
+
+#[test]
+fn the_override_is_read_from_the_environment() {
+    // The only test of this binary that touches SHARDCX_CUDA.
+    for (value, want) in [
+        ("off", Ok(ModeRequest::Off)),
+        ("staging", Ok(ModeRequest::Staging)),
+        ("zero-copy", Ok(ModeRequest::ZeroCopy)),
+        ("auto", Ok(ModeRequest::Auto)),
+        (
+            "fast",
+            Err(CudaError::InvalidMode {
+                value: "fast".into(),
+            }),
+        ),
+    ] {
+        std::env::set_var(cuda::CUDA_MODE_ENV, value);
+        assert_eq!(ModeRequest::from_env(), want, "{value}");
+    }
+    std::env::remove_var(cuda::CUDA_MODE_ENV);
+    assert_eq!(ModeRequest::from_env(), Ok(ModeRequest::Auto));
+}
+
+/// Compile-time checks: device handles may move to another shard, a buffer is not shared.
+#[test]
+fn auto_traits() {
+    trait AmbiguousIfSync<A> {
+        fn some_item() {}
+    }
+    impl<T: ?Sized> AmbiguousIfSync<()> for T {}
+    impl<T: ?Sized + Sync> AmbiguousIfSync<u8> for T {}
+    // Compiles only if DeviceBuffer is NOT Sync.
+    let _ = <DeviceBuffer as AmbiguousIfSync<_>>::some_item;
+    fn send<T: Send>() {}
+    fn send_sync<T: Send + Sync>() {}
+    send::<DeviceBuffer>();
+    send_sync::<CudaDevice>();
+    send_sync::<CudaError>();
+    send_sync::<cuda::CudaProbe>();
+}
