@@ -78,6 +78,7 @@
 //! - UCX with `UCP_FEATURE_WAKEUP` (always requested) and the transports asked for.
 
 pub mod boot;
+pub mod cuda;
 pub mod driver;
 mod error;
 pub mod mesh;

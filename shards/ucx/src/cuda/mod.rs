@@ -60,6 +60,9 @@ pub enum Unavailable {
     /// The driver loaded but a call made while listing devices failed.
     #[error("the CUDA driver failed: {0}")]
     DriverFailed(String),
+    /// CUDA works here but was turned off (`SHARDCX_CUDA=off`).
+    #[error("turned off ({CUDA_MODE_ENV}=off)")]
+    TurnedOff,
 }
 
 /// An error of a CUDA operation.
@@ -211,10 +214,7 @@ impl ModeRequest {
             Ok(_) => Ok(()),
         };
         match self {
-            ModeRequest::Off => Ok((
-                CudaMode::Off,
-                Some(format!("turned off ({CUDA_MODE_ENV}=off)")),
-            )),
+            ModeRequest::Off => Ok((CudaMode::Off, Some(Unavailable::TurnedOff.to_string()))),
             ModeRequest::ZeroCopy if !ucx_moves_cuda => Err(CudaError::ZeroCopyUnsupported {
                 memory_types: ucx_memory_types.unwrap_or_default(),
             }),
