@@ -6,7 +6,8 @@
 //! through device memory instead.
 
 use shardcx_ucx::cuda::{
-    self, CudaDevice, CudaError, CudaMode, DeviceBuffer, ModeRequest, Unavailable,
+    self, CudaDevice, CudaError, CudaMode, DeviceBuffer, ModeRequest, PendingCopy, PinnedBuf,
+    Unavailable,
 };
 use shardcx_ucx::{Context, Features};
 
@@ -93,6 +94,8 @@ fn device_apis_return_typed_errors_or_move_bytes() {
             );
             assert_eq!(DeviceBuffer::alloc_on(3, 0).map(|_| ()), Err(want.clone()));
             assert!(want.to_string().starts_with("cuda unavailable: "), "{want}");
+            // No device value can exist here, so nothing else can be reached: every other
+            // operation (copies, pinned buffers, events) hangs off a `CudaDevice`.
         }
         None => {
             let count = cuda::driver().expect("driver").devices.len();
@@ -121,6 +124,36 @@ fn device_apis_return_typed_errors_or_move_bytes() {
             assert!(matches!(oob, Err(CudaError::OutOfBounds { .. })), "{oob:?}");
             let empty = DeviceBuffer::alloc(&device, 0).expect("empty");
             assert!(empty.is_empty());
+
+            // Asynchronous copies through pinned memory, polled, never blocking.
+            let wait = |mut p: PendingCopy| loop {
+                if let Some(r) = p.poll() {
+                    assert!(p.is_done());
+                    return r.map_err(|(e, _)| e).expect("copy");
+                }
+                std::thread::yield_now();
+            };
+            let pinned = PinnedBuf::alloc(&device, 1 << 20).expect("pinned");
+            assert!(pinned.as_slice().iter().all(|&b| b == 0));
+            let pinned = wait(buf.copy_to_pinned(2048, pinned, 1 << 20).expect("queued"));
+            assert_eq!(pinned.as_slice(), &back[2048..2048 + (1 << 20)]);
+            let mut pinned = pinned;
+            pinned.as_mut_slice().fill(0x5A);
+            let pinned = wait(buf.copy_from_pinned(0, pinned, 4096).expect("queued"));
+            assert!(buf.is_ready().expect("query"));
+            assert_eq!(
+                &buf.to_vec().expect("to_vec")[..4097],
+                &[&[0x5A; 4096][..], &back[4096..4097]].concat()[..]
+            );
+            // Out of range on either side: refused, the pinned buffer handed back.
+            let (e, pinned) = buf
+                .copy_to_pinned(0, pinned, (1 << 20) + 1)
+                .expect_err("too long");
+            assert!(matches!(e, CudaError::OutOfBounds { .. }), "{e}");
+            let (e, _pinned) = buf
+                .copy_from_pinned(data.len() - 10, pinned, 11)
+                .expect_err("oob");
+            assert!(matches!(e, CudaError::OutOfBounds { .. }), "{e}");
         }
     }
 }
@@ -160,6 +193,8 @@ fn auto_traits() {
     fn send<T: Send>() {}
     fn send_sync<T: Send + Sync>() {}
     send::<DeviceBuffer>();
+    send::<PinnedBuf>();
+    send::<PendingCopy>();
     send_sync::<CudaDevice>();
     send_sync::<CudaError>();
     send_sync::<cuda::CudaProbe>();

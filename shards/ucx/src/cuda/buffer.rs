@@ -116,6 +116,11 @@ impl CudaDevice {
         make_current(self.inner.context)
     }
 
+    /// The stream this device value queues its copies on.
+    pub(super) fn stream(&self) -> sys::CUstream {
+        self.inner.stream
+    }
+
     /// Waits, blocking the thread, until `event` has completed.
     fn wait(&self, event: sys::CUevent) -> Result<(), CudaError> {
         let sync = drv::cu_event_synchronize()?;
@@ -276,7 +281,12 @@ impl DeviceBuffer {
         self.device.wait(self.event)
     }
 
-    fn check_range(&self, offset: usize, len: usize) -> Result<(), CudaError> {
+    /// The stream of this buffer's device.
+    pub(super) fn stream(&self) -> sys::CUstream {
+        self.device.stream()
+    }
+
+    pub(super) fn check_range(&self, offset: usize, len: usize) -> Result<(), CudaError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
             _ => Err(CudaError::OutOfBounds {

@@ -100,6 +100,9 @@ entry_points! {
     cu_event_synchronize = "cuEventSynchronize": fn(sys::CUevent);
     cu_mem_alloc = "cuMemAlloc_v2": fn(*mut sys::CUdeviceptr, usize);
     cu_mem_free = "cuMemFree_v2": fn(sys::CUdeviceptr);
+    cu_stream_synchronize = "cuStreamSynchronize": fn(sys::CUstream);
+    cu_mem_host_alloc = "cuMemHostAlloc": fn(*mut *mut c_void, usize, c_uint);
+    cu_mem_free_host = "cuMemFreeHost": fn(*mut c_void);
     cu_memcpy_htod_async = "cuMemcpyHtoDAsync_v2":
         fn(sys::CUdeviceptr, *const c_void, usize, sys::CUstream);
     cu_memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2":

@@ -32,11 +32,13 @@
 
 mod buffer;
 mod driver;
+mod pinned;
 
 use std::fmt;
 
 pub use buffer::{CudaDevice, DeviceBuffer};
 pub use driver::{driver, DeviceInfo, DriverInfo};
+pub use pinned::{PendingCopy, PinnedBuf};
 
 use crate::context::MemoryTypes;
 
