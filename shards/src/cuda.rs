@@ -11,12 +11,15 @@
 //! driver, an automatic probe says "off" and why, and nothing else changes.
 //!
 //! What the modes move today: see the README's "CUDA" section. The staging scheduler lives in
-//! [`proto::staging`](crate::proto::staging).
+//! [`proto::staging`](crate::proto::staging); [`CudaCopyEngine`] is its copy engine on a GPU
+//! (not yet on the data path).
 
 pub use crate::ucx::cuda::{
     driver, probe, CudaDevice, CudaError, CudaMode, CudaProbe, DeviceBuffer, DeviceInfo,
-    DriverInfo, ModeRequest, Unavailable, CUDA_MODE_ENV,
+    DriverInfo, ModeRequest, PendingCopy, PinnedBuf, Unavailable, CUDA_MODE_ENV,
 };
+
+use crate::proto::staging::{BufferId, CopyDirection, CopyEngine, CopyOp};
 
 /// What one shard found at start: the probe, and the device it opened when the mode is not
 /// off.
@@ -24,6 +27,119 @@ pub use crate::ucx::cuda::{
 pub struct ShardCuda {
     probe: CudaProbe,
     device: Option<CudaDevice>,
+}
+
+/// The staging pipeline's [`CopyEngine`] on a GPU: copies between one [`DeviceBuffer`] and a set
+/// of pinned bounce buffers, queued on the device's stream, their completions seen by polling
+/// one event per copy (never blocking).
+///
+/// The bounce buffers live here between operations: the network borrows one with
+/// [`CudaCopyEngine::buffer`] (to send from it or receive into it, by reference) or takes it
+/// with [`CudaCopyEngine::take`] and gives it back with [`CudaCopyEngine::put`] (an operation
+/// that owns its buffer). Dropping the engine waits for copies still queued (see
+/// [`PendingCopy`]).
+#[derive(Debug)]
+pub struct CudaCopyEngine<'a> {
+    device: &'a mut DeviceBuffer,
+    slots: Vec<Option<PinnedBuf>>,
+    pending: Vec<(u32, BufferId, PendingCopy)>,
+}
+
+/// Why [`CudaCopyEngine`] could not queue or finish a copy.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StagingCopyError {
+    /// The driver refused or failed the copy.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// The scheduler named a bounce buffer that is not in the engine (out of range, or taken
+    /// by the network and not put back).
+    #[error("staging: bounce buffer {0} is not here")]
+    BufferMissing(usize),
+}
+
+impl<'a> CudaCopyEngine<'a> {
+    /// An engine copying between `device` and `bounce` (buffer `i` is [`BufferId`]`(i)`; each
+    /// at least the scheduler's chunk long).
+    pub fn new(device: &'a mut DeviceBuffer, bounce: Vec<PinnedBuf>) -> Self {
+        Self {
+            device,
+            slots: bounce.into_iter().map(Some).collect(),
+            pending: Vec::new(),
+        }
+    }
+
+    /// Bounce buffer `id`, when no copy owns it and the network has not taken it.
+    pub fn buffer(&mut self, id: BufferId) -> Option<&mut PinnedBuf> {
+        self.slots.get_mut(id.0)?.as_mut()
+    }
+
+    /// Takes bounce buffer `id` out (for an operation that owns its buffer).
+    pub fn take(&mut self, id: BufferId) -> Option<PinnedBuf> {
+        self.slots.get_mut(id.0)?.take()
+    }
+
+    /// Puts bounce buffer `id` back; hands it back if the slot does not exist or is full.
+    pub fn put(&mut self, id: BufferId, buf: PinnedBuf) -> Result<(), PinnedBuf> {
+        match self.slots.get_mut(id.0) {
+            Some(slot @ None) => {
+                *slot = Some(buf);
+                Ok(())
+            }
+            _ => Err(buf),
+        }
+    }
+
+    /// Copies still queued.
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+impl CopyEngine for CudaCopyEngine<'_> {
+    type Error = StagingCopyError;
+
+    fn start(&mut self, op: CopyOp) -> Result<(), StagingCopyError> {
+        let c = op.chunk;
+        let buf = self
+            .take(c.buffer)
+            .ok_or(StagingCopyError::BufferMissing(c.buffer.0))?;
+        let queued = match op.direction {
+            CopyDirection::DeviceToHost => {
+                self.device.copy_to_pinned(c.offset as usize, buf, c.len)
+            }
+            CopyDirection::HostToDevice => {
+                self.device.copy_from_pinned(c.offset as usize, buf, c.len)
+            }
+        };
+        match queued {
+            Ok(pending) => {
+                self.pending.push((c.index, c.buffer, pending));
+                Ok(())
+            }
+            Err((e, buf)) => {
+                // The slot was emptied just above.
+                let _ = self.put(c.buffer, buf);
+                Err(e.into())
+            }
+        }
+    }
+
+    fn poll_complete(&mut self) -> Option<(u32, Result<(), StagingCopyError>)> {
+        let (i, done) = self
+            .pending
+            .iter_mut()
+            .enumerate()
+            .find_map(|(i, (_, _, p))| p.poll().map(|r| (i, r)))?;
+        let (index, id, _) = self.pending.swap_remove(i);
+        let (buf, result) = match done {
+            Ok(buf) => (buf, Ok(())),
+            Err((e, buf)) => (buf, Err(e.into())),
+        };
+        // The slot was emptied by `start` and stays empty while the copy runs.
+        let _ = self.put(id, buf);
+        Some((index, result))
+    }
 }
 
 impl ShardCuda {

@@ -6,7 +6,11 @@
 
 use std::rc::Rc;
 
-use shardcx_shards::cuda::{driver, CudaError, CudaMode, ModeRequest, Unavailable};
+use shardcx_shards::cuda::{
+    driver, CudaCopyEngine, CudaDevice, CudaError, CudaMode, DeviceBuffer, ModeRequest, PinnedBuf,
+    Unavailable,
+};
+use shardcx_shards::proto::staging::{Direction, Staging, StagingConfig, State};
 use shardcx_shards::{BootError, Placement, ShardCtx, ShardsBuilder};
 
 fn builder(request: ModeRequest) -> ShardsBuilder {
@@ -18,10 +22,11 @@ fn builder(request: ModeRequest) -> ShardsBuilder {
         .cuda(request)
 }
 
-/// (mode, off reason, what an allocation of 1 KiB returned) on each shard.
-fn modes(
-    request: ModeRequest,
-) -> Result<Vec<(CudaMode, Option<String>, Result<usize, CudaError>)>, BootError> {
+/// What one shard saw: its mode, why it is off, what an allocation of 1 KiB returned.
+type Seen = (CudaMode, Option<String>, Result<usize, CudaError>);
+
+/// What each shard saw.
+fn modes(request: ModeRequest) -> Result<Vec<Seen>, BootError> {
     builder(request).run(|ctx: Rc<ShardCtx>| async move {
         let cuda = ctx.cuda();
         assert_eq!(cuda.device().is_some(), cuda.mode() != CudaMode::Off);
@@ -85,4 +90,66 @@ fn a_forced_mode_this_machine_cannot_run_fails_the_start() {
             other => panic!("{request}: expected a CUDA boot error, got {other:?}"),
         }
     }
+}
+
+/// The staging scheduler driving real CUDA copies: a device buffer out through pinned bounce
+/// buffers to a "wire" vector, and back into a second device buffer, in both directions with
+/// several chunks in flight. Needs a GPU; says so and returns where there is none.
+#[test]
+fn staged_transfers_through_pinned_bounce_buffers() {
+    if !driver().is_ok_and(|d| !d.devices.is_empty()) {
+        eprintln!("skipped: no CUDA device ({:?})", driver().err());
+        return;
+    }
+    let device = CudaDevice::open(0).expect("device 0");
+    let cfg = StagingConfig {
+        chunk: 1 << 20,
+        bounce_buffers: 3,
+    };
+    let len = (5 << 20) + 12345;
+    let data: Vec<u8> = (0..len).map(|i| (i * 13 + (i >> 20)) as u8).collect();
+    let bounce = || {
+        (0..cfg.bounce_buffers)
+            .map(|_| PinnedBuf::alloc(&device, cfg.chunk).expect("pinned"))
+            .collect::<Vec<_>>()
+    };
+
+    // Device -> bounce -> wire.
+    let mut src = DeviceBuffer::from_host(&device, &data).expect("source");
+    let mut wire = vec![0u8; len];
+    let mut engine = CudaCopyEngine::new(&mut src, bounce());
+    let mut s = Staging::new(Direction::Send, len as u64, cfg).expect("staging");
+    while !s.state().is_final() {
+        s.pump(&mut engine).expect("copies");
+        while let Some(c) = s.poll_send() {
+            let buf = engine.buffer(c.buffer).expect("the network's buffer");
+            wire[c.offset as usize..c.offset as usize + c.len]
+                .copy_from_slice(&buf.as_slice()[..c.len]);
+            s.handle_sent(c.index, true).expect("sent");
+        }
+    }
+    assert_eq!(s.state(), State::Done);
+    assert_eq!(engine.in_flight(), 0);
+    drop(engine);
+    assert!(wire == data, "the wire differs from the device buffer");
+
+    // Wire -> bounce -> device.
+    let mut dst = DeviceBuffer::alloc(&device, len).expect("destination");
+    let mut engine = CudaCopyEngine::new(&mut dst, bounce());
+    let mut s = Staging::new(Direction::Recv, len as u64, cfg).expect("staging");
+    while !s.state().is_final() {
+        s.pump(&mut engine).expect("copies");
+        while let Some(c) = s.poll_recv() {
+            let buf = engine.buffer(c.buffer).expect("the network's buffer");
+            buf.as_mut_slice()[..c.len]
+                .copy_from_slice(&wire[c.offset as usize..c.offset as usize + c.len]);
+            s.handle_received(c.index, true).expect("received");
+        }
+    }
+    assert_eq!(s.state(), State::Done);
+    drop(engine);
+    assert!(
+        dst.to_vec().expect("read back") == data,
+        "the device buffer differs"
+    );
 }
