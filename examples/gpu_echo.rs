@@ -96,7 +96,11 @@ fn node(tls: &str, id: u64) -> shardcx::NodeBuilder {
 }
 
 /// The server: echo every message back, header and payload unchanged.
-fn serve(tls: &str, bound: mpsc::Sender<SocketAddr>, stop: Arc<AtomicBool>) {
+fn serve(
+    tls: &str,
+    bound: mpsc::Sender<SocketAddr>,
+    stop: Arc<AtomicBool>,
+) -> Result<(), shardcx::Error> {
     node(tls, 2)
         .listen("127.0.0.1:0".parse().unwrap())
         .on_am(ECHO, || {
@@ -115,7 +119,7 @@ fn serve(tls: &str, bound: mpsc::Sender<SocketAddr>, stop: Arc<AtomicBool>) {
                 }
             }
         })
-        .expect("server node");
+        .map(drop)
 }
 
 thread_local! {
@@ -209,12 +213,18 @@ fn main() {
         let (tls, stop) = (args.tls.clone(), stop.clone());
         std::thread::spawn(move || serve(&tls, bound_tx, stop))
     };
-    let addr = bound_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("server listening");
+    let Ok(addr) = bound_rx.recv_timeout(Duration::from_secs(30)) else {
+        // The server never listened: say why (a forced CUDA mode this machine cannot run,
+        // say) and fail.
+        match server.join() {
+            Ok(Err(e)) => eprintln!("gpu_echo: the server node did not start: {e}"),
+            _ => eprintln!("gpu_echo: the server node did not start"),
+        }
+        std::process::exit(1);
+    };
     let lines = client(&args, addr);
     stop.store(true, Ordering::Release);
-    server.join().expect("server thread");
+    server.join().expect("server thread").expect("server node");
     for l in lines {
         println!("{l}");
     }
