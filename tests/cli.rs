@@ -284,6 +284,69 @@ fn info_follows_the_cuda_override() {
     }
 }
 
+/// With a CUDA driver and a device (the fake `libcuda` of `shards/ucx/tests/fake_cuda`, built
+/// with the system C compiler, where there is no real one), `info` names the driver's CUDA
+/// version and each device with its memory, and the mode (staging: the bundled UCX does not
+/// move CUDA memory).
+#[test]
+fn info_names_the_driver_and_devices_of_a_fake_driver() {
+    if shardcx::cuda::driver().is_ok() {
+        eprintln!("skipped: a real CUDA driver is here (info_reports_ucx_memlock_cores_and_cuda checked it)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("shardcx-cli-fake-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("shards/ucx/tests/fake_cuda/libcuda.c"),
+        )
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+        return;
+    }
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    let run = |devices: &str, json: bool| {
+        let out = shardcx()
+            .arg("info")
+            .args(json.then_some("--json"))
+            .env("LD_LIBRARY_PATH", &path)
+            .env("FAKE_CUDA_DEVICES", devices)
+            .env_remove(shardcx::cuda::CUDA_MODE_ENV)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = run("2", false);
+    let j: serde_json::Value = serde_json::from_str(&run("2", true)).unwrap();
+    let none = run("0", false);
+    let _ = std::fs::remove_dir_all(&dir);
+    for want in [
+        "CUDA driver:      CUDA 12.6 (12060)\n",
+        "CUDA device 0:    Fake GPU 0, 8.0 GiB\n",
+        "CUDA device 1:    Fake GPU 1, 8.0 GiB\n",
+        "CUDA:             staging\n",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert_eq!(j["cuda"]["mode"], "staging", "{j}");
+    assert_eq!(j["cuda"]["driver"]["cuda_version"], "12.6", "{j}");
+    assert_eq!(j["cuda"]["devices"][1]["name"], "Fake GPU 1", "{j}");
+    assert_eq!(j["cuda"]["devices"][1]["memory_bytes"], 8u64 << 30, "{j}");
+    assert!(none.contains("CUDA devices:     none\n"), "{none}");
+    assert!(
+        none.contains("CUDA:             off: no CUDA device\n"),
+        "{none}"
+    );
+}
+
 /// Help per subcommand, and completions a shell can load.
 #[test]
 fn help_and_completions() {

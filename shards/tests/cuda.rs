@@ -1,6 +1,11 @@
 //! The CUDA probe on running shards: every shard probes at start and keeps its mode; a forced
 //! mode the machine cannot run fails the start with a typed error; on a shard whose mode is
 //! off, device allocation returns the reason.
+//!
+//! Without a GPU but with a C compiler, [`gpu_branches_against_a_fake_driver`] runs the other
+//! tests again in a child process that loads the fake `libcuda` of
+//! `shards/ucx/tests/fake_cuda` (device memory in host memory, copies done at once), so that
+//! their GPU branches (the per-shard device, staged transfers through `CudaCopyEngine`) run too.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
 
@@ -12,6 +17,9 @@ use shardcx_shards::cuda::{
 };
 use shardcx_shards::proto::staging::{Direction, Staging, StagingConfig, State};
 use shardcx_shards::{BootError, Placement, ShardCtx, ShardsBuilder};
+
+/// Set in the child process that runs against the fake driver.
+const FAKE_ENV: &str = "SHARDCX_TEST_FAKE_CUDA";
 
 fn builder(request: ModeRequest) -> ShardsBuilder {
     ShardsBuilder::new()
@@ -97,6 +105,13 @@ fn a_forced_mode_this_machine_cannot_run_fails_the_start() {
 /// several chunks in flight. Needs a GPU; says so and returns where there is none.
 #[test]
 fn staged_transfers_through_pinned_bounce_buffers() {
+    if std::env::var_os(FAKE_ENV).is_some() {
+        assert!(
+            driver().is_ok(),
+            "the fake driver loads: {:?}",
+            driver().err()
+        );
+    }
     if !driver().is_ok_and(|d| !d.devices.is_empty()) {
         eprintln!("skipped: no CUDA device ({:?})", driver().err());
         return;
@@ -152,4 +167,44 @@ fn staged_transfers_through_pinned_bounce_buffers() {
         dst.to_vec().expect("read back") == data,
         "the device buffer differs"
     );
+}
+
+/// Runs the other tests again against the fake driver (see the module docs).
+#[test]
+fn gpu_branches_against_a_fake_driver() {
+    if std::env::var_os(FAKE_ENV).is_some() || driver().is_ok() {
+        return; // The child itself, or a real driver that the tests already ran against.
+    }
+    let src =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ucx/tests/fake_cuda/libcuda.c");
+    let dir = std::env::temp_dir().join(format!("shardcx-shards-fake-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&src)
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+        return;
+    }
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--skip", "gpu_branches_against_a_fake_driver"])
+        .env("LD_LIBRARY_PATH", path)
+        .env(FAKE_ENV, "1")
+        .env_remove(shardcx_shards::cuda::CUDA_MODE_ENV)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "against the fake driver:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("test result: ok. 3 passed"), "{text}");
 }

@@ -4,12 +4,36 @@
 //! `CudaError::Unavailable` with the driver's reason and the probe must say "off" with that
 //! reason; with a GPU (the GPU machine, `scripts/gpu-check`) the same tests move real bytes
 //! through device memory instead.
+//!
+//! Where there is no GPU but a C compiler, [`gpu_branches_against_a_fake_driver`] also runs
+//! every other test of this file again in a child process that loads `tests/fake_cuda`'s fake
+//! `libcuda` (device memory in host memory, copies done at once): the GPU branches then run
+//! too, checking their bookkeeping (not CUDA itself) on every machine.
 
 use shardcx_ucx::cuda::{
     self, CudaDevice, CudaError, CudaMode, DeviceBuffer, ModeRequest, PendingCopy, PinnedBuf,
     Unavailable,
 };
 use shardcx_ucx::{Context, Features};
+
+/// Set in the child process that runs against the fake driver.
+const FAKE_ENV: &str = "SHARDCX_TEST_FAKE_CUDA";
+
+/// Builds the fake driver into a fresh directory with the system C compiler (`cc`); `None`
+/// when there is none.
+fn build_fake_driver() -> Option<std::path::PathBuf> {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake_cuda/libcuda.c");
+    let dir = std::env::temp_dir().join(format!("shardcx-fake-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let lib = dir.join("libcuda.so");
+    let status = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .ok()?;
+    status.success().then_some(dir)
+}
 
 fn context() -> Context {
     let mut config = shardcx_ucx::Config::from_env().expect("config");
@@ -84,6 +108,10 @@ fn forced_modes_this_machine_cannot_run_are_typed_errors() {
 
 #[test]
 fn device_apis_return_typed_errors_or_move_bytes() {
+    if std::env::var_os(FAKE_ENV).is_some() {
+        let d = cuda::driver().expect("the fake driver loads");
+        assert_eq!(d.devices[0].name, "Fake GPU 0", "{d:?}");
+    }
     match unavailable() {
         Some(reason) => {
             let want = CudaError::Unavailable(reason);
@@ -178,6 +206,46 @@ fn the_override_is_read_from_the_environment() {
     }
     std::env::remove_var(cuda::CUDA_MODE_ENV);
     assert_eq!(ModeRequest::from_env(), Ok(ModeRequest::Auto));
+}
+
+/// Runs the other tests again against the fake driver (see the module docs).
+#[test]
+fn gpu_branches_against_a_fake_driver() {
+    if std::env::var_os(FAKE_ENV).is_some() {
+        return; // The child itself.
+    }
+    if cuda::driver().is_ok() {
+        eprintln!("skipped: a real CUDA driver is here, the tests ran against it");
+        return;
+    }
+    let Some(dir) = build_fake_driver() else {
+        eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+        return;
+    };
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            "--skip",
+            "gpu_branches_against_a_fake_driver",
+            "--test-threads",
+            "1",
+        ])
+        .env("LD_LIBRARY_PATH", path)
+        .env(FAKE_ENV, "1")
+        .env_remove(cuda::CUDA_MODE_ENV)
+        .output()
+        .expect("run the tests again");
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "against the fake driver:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("test result: ok. 6 passed"), "{text}");
 }
 
 /// Compile-time checks: device handles may move to another shard, a buffer is not shared.
