@@ -179,8 +179,9 @@ impl CudaMode {
 }
 
 impl ModeRequest {
-    /// The request in [`CUDA_MODE_ENV`]: unset or empty is [`ModeRequest::Auto`]; anything but
-    /// the four names is [`CudaError::InvalidMode`].
+    /// The request in [`CUDA_MODE_ENV`]: unset or empty is [`ModeRequest::Auto`]; otherwise one
+    /// of `off`, `staging`, `zero-copy`, `auto` (any case, surrounding blanks ignored), and
+    /// anything else is [`CudaError::InvalidMode`].
     pub fn from_env() -> Result<Self, CudaError> {
         match std::env::var(CUDA_MODE_ENV) {
             Ok(v) => v.parse(),
@@ -241,9 +242,9 @@ impl std::str::FromStr for ModeRequest {
     fn from_str(s: &str) -> Result<Self, CudaError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(ModeRequest::Auto),
-            "off" | "0" | "none" => Ok(ModeRequest::Off),
+            "off" => Ok(ModeRequest::Off),
             "staging" => Ok(ModeRequest::Staging),
-            "zero-copy" | "zerocopy" | "zero_copy" => Ok(ModeRequest::ZeroCopy),
+            "zero-copy" => Ok(ModeRequest::ZeroCopy),
             _ => Err(CudaError::InvalidMode {
                 value: s.to_string(),
             }),
@@ -310,11 +311,11 @@ mod tests {
             (" OFF ", ModeRequest::Off),
             ("staging", ModeRequest::Staging),
             ("zero-copy", ModeRequest::ZeroCopy),
-            ("zerocopy", ModeRequest::ZeroCopy),
+            ("Zero-Copy", ModeRequest::ZeroCopy),
         ] {
             assert_eq!(s.parse::<ModeRequest>(), Ok(want), "{s:?}");
         }
-        for bad in ["on", "cuda", "zero copy", "stage"] {
+        for bad in ["on", "cuda", "zero copy", "zerocopy", "stage", "0"] {
             assert_eq!(
                 bad.parse::<ModeRequest>(),
                 Err(CudaError::InvalidMode { value: bad.into() })
