@@ -34,6 +34,8 @@ pub struct PinnedBuf {
 pub struct PendingCopy {
     buf: Option<PinnedBuf>,
     event: sys::CUevent,
+    /// Keeps the context that owns `event` alive until the event is destroyed.
+    _device: CudaDevice,
 }
 
 impl PinnedBuf {
@@ -193,6 +195,7 @@ impl super::DeviceBuffer {
             Ok(()) => Ok(PendingCopy {
                 buf: Some(buf),
                 event,
+                _device: self.device().clone(),
             }),
             Err(e) => {
                 // The copy is queued but its end cannot be seen through an event: wait for the
