@@ -17,6 +17,7 @@ pub use node::{
 };
 pub use rma::{Region, RemoteRegion, TrustedDescriptor, TrustedRegion};
 pub use rpc::{FunctionId, Rpc, RpcConfig, RpcContext, RpcError, RpcFunction, RpcStats};
+pub use shardcx_shards::cuda::{CudaDevice, CudaError, CudaMode, DeviceBuffer};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
 pub use shardcx_shards::{proto, ucx, SendBuf};
 pub use shutdown::{Shutdown, Stopped, DEFAULT_DRAIN_DEADLINE};
@@ -24,3 +25,5 @@ pub use tag::{MAX_USER_TAG, TAG_MASK_ANY, TAG_MASK_EXACT};
 
 /// The runtime inside a core: shards, their progress drivers, pools and cross-shard forwarding.
 pub use shardcx_shards as shards;
+/// CUDA device memory: the probe, the mode each shard runs in (`SHARDCX_CUDA`), device buffers.
+pub use shardcx_shards::cuda;

@@ -425,6 +425,13 @@ impl NodeBuilder {
         self
     }
 
+    /// The CUDA mode every shard asks for (default: `SHARDCX_CUDA`, else probe); see
+    /// [`crate::cuda`] and the README's "CUDA" section.
+    pub fn cuda(mut self, request: crate::cuda::ModeRequest) -> Self {
+        self.shards = self.shards.cuda(request);
+        self
+    }
+
     /// Connection settings (timeouts, heartbeats).
     pub fn net(mut self, cfg: NetConfig) -> Self {
         self.shards = self.shards.net(cfg);

@@ -10,8 +10,12 @@ mod common;
 use common::{shardcx, NodeProc};
 
 #[test]
-fn info_reports_ucx_memlock_cores_and_no_cuda() {
-    let out = shardcx().arg("info").output().unwrap();
+fn info_reports_ucx_memlock_cores_and_cuda() {
+    let out = shardcx()
+        .arg("info")
+        .env_remove(shardcx::cuda::CUDA_MODE_ENV)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "info failed: {out:?}");
     for want in [
@@ -20,9 +24,46 @@ fn info_reports_ucx_memlock_cores_and_no_cuda() {
         "io_uring:",
         "locked memory:",
         "cores:",
-        "CUDA:             none",
+        "CUDA driver:",
+        "UCX memory types: ",
+        "CUDA:             ",
     ] {
         assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    // The command probes as this process does: with no driver, CUDA is off and the line says
+    // why; with one, it names the driver's CUDA version and every device.
+    let cuda = text.lines().find(|l| l.starts_with("CUDA:")).unwrap();
+    let driver = text
+        .lines()
+        .find(|l| l.starts_with("CUDA driver:"))
+        .unwrap();
+    match shardcx::cuda::driver() {
+        Err(reason) => {
+            assert_eq!(cuda, format!("CUDA:             off: {reason}"));
+            assert_eq!(driver, format!("CUDA driver:      none: {reason}"));
+        }
+        Ok(d) => {
+            let (major, minor) = d.version_pair();
+            assert!(
+                driver.contains(&format!("CUDA {major}.{minor}")),
+                "{driver}"
+            );
+            for dev in &d.devices {
+                assert!(
+                    text.contains(&dev.name),
+                    "{} missing from:\n{text}",
+                    dev.name
+                );
+            }
+            if d.devices.is_empty() {
+                assert_eq!(cuda, "CUDA:             off: no CUDA device");
+            } else {
+                assert!(
+                    cuda == "CUDA:             staging" || cuda == "CUDA:             zero-copy",
+                    "{cuda}"
+                );
+            }
+        }
     }
     // The command runs with this test's library path, so it loads the same UCX as this process.
     let v = shardcx::ucx::version();
@@ -193,6 +234,117 @@ fn the_binary_runs_anywhere_and_says_which_ucx_it_loaded() {
     );
     assert!(!j["cpus"].as_array().unwrap().is_empty(), "{j}");
     assert!(j["ucx"]["transports"].as_array().is_some(), "{j}");
+}
+
+/// `SHARDCX_CUDA` reaches `info`: off is off with that reason, a bad value and a forced mode the
+/// machine cannot run are reported (as errors in the CUDA line, not a failed command or a panic),
+/// and `info --json` carries the same.
+#[test]
+fn info_follows_the_cuda_override() {
+    let run = |value: &str, json: bool| {
+        let out = shardcx()
+            .arg("info")
+            .args(json.then_some("--json"))
+            .env(shardcx::cuda::CUDA_MODE_ENV, value)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "SHARDCX_CUDA={value}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let cuda_line = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("CUDA:"))
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        cuda_line(&run("off", false)),
+        "CUDA:             off: turned off (SHARDCX_CUDA=off)"
+    );
+    let bad = cuda_line(&run("sometimes", false));
+    assert!(bad.starts_with("CUDA:             ERROR: "), "{bad}");
+    assert!(bad.contains("\"sometimes\" is not one of"), "{bad}");
+    let j: serde_json::Value = serde_json::from_str(&run("off", true)).unwrap();
+    assert_eq!(j["cuda"]["mode"], "off", "{j}");
+    assert_eq!(j["cuda"]["request"], "off", "{j}");
+    assert!(j["cuda"]["ucx_memory_types"].as_array().is_some(), "{j}");
+    // Zero-copy on a UCX that does not move CUDA memory (the bundled 1.12) is refused.
+    let ucx_cuda = j["cuda"]["ucx_moves_cuda"].as_bool().unwrap();
+    let zero_copy = run("zero-copy", true);
+    let j: serde_json::Value = serde_json::from_str(&zero_copy).unwrap();
+    if ucx_cuda {
+        assert!(
+            j["cuda"]["error"].is_null() || shardcx::cuda::driver().is_err(),
+            "{j}"
+        );
+    } else {
+        assert!(j["cuda"]["mode"].is_null(), "{j}");
+        let err = j["cuda"]["error"].as_str().unwrap();
+        assert!(err.contains("does not move CUDA memory"), "{err}");
+    }
+}
+
+/// With a CUDA driver and a device (the fake `libcuda` of `shards/ucx/tests/fake_cuda`, built
+/// with the system C compiler, where there is no real one), `info` names the driver's CUDA
+/// version and each device with its memory, and the mode (staging: the bundled UCX does not
+/// move CUDA memory).
+#[test]
+fn info_names_the_driver_and_devices_of_a_fake_driver() {
+    if shardcx::cuda::driver().is_ok() {
+        eprintln!("skipped: a real CUDA driver is here (info_reports_ucx_memlock_cores_and_cuda checked it)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("shardcx-cli-fake-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("shards/ucx/tests/fake_cuda/libcuda.c"),
+        )
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+        return;
+    }
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    let run = |devices: &str, json: bool| {
+        let out = shardcx()
+            .arg("info")
+            .args(json.then_some("--json"))
+            .env("LD_LIBRARY_PATH", &path)
+            .env("FAKE_CUDA_DEVICES", devices)
+            .env_remove(shardcx::cuda::CUDA_MODE_ENV)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = run("2", false);
+    let j: serde_json::Value = serde_json::from_str(&run("2", true)).unwrap();
+    let none = run("0", false);
+    let _ = std::fs::remove_dir_all(&dir);
+    for want in [
+        "CUDA driver:      CUDA 12.6 (12060)\n",
+        "CUDA device 0:    Fake GPU 0, 8.0 GiB\n",
+        "CUDA device 1:    Fake GPU 1, 8.0 GiB\n",
+        "CUDA:             staging\n",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert_eq!(j["cuda"]["mode"], "staging", "{j}");
+    assert_eq!(j["cuda"]["driver"]["cuda_version"], "12.6", "{j}");
+    assert_eq!(j["cuda"]["devices"][1]["name"], "Fake GPU 1", "{j}");
+    assert_eq!(j["cuda"]["devices"][1]["memory_bytes"], 8u64 << 30, "{j}");
+    assert!(none.contains("CUDA devices:     none\n"), "{none}");
+    assert!(
+        none.contains("CUDA:             off: no CUDA device\n"),
+        "{none}"
+    );
 }
 
 /// Help per subcommand, and completions a shell can load.

@@ -41,6 +41,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use glommio::{LocalExecutorBuilder, Placement as GPlacement};
 
+use crate::cuda::{ModeRequest, ShardCuda};
 use crate::driver::{self, Driver, DriverConfig, DriverStats};
 use crate::error::BootError;
 use crate::mesh::{self, MeshConfig, MeshEnds, MeshState};
@@ -86,6 +87,8 @@ pub struct ShardsBuilder {
     listen: Option<SocketAddr>,
     net: NetConfig,
     on_start: Option<StartHook>,
+    // `None`: `SHARDCX_CUDA`, read by `run`.
+    cuda: Option<ModeRequest>,
     // Resolved by `run` and shared by the shards of one run.
     settings: Option<NodeSettings>,
     gate: Option<Arc<StartGate>>,
@@ -232,6 +235,7 @@ pub struct ShardCtx {
     stats: Rc<DriverStats>,
     mesh: Rc<MeshState>,
     net: Rc<NetState>,
+    cuda: ShardCuda,
     // Dropped last: the worker and the pool's memory hold the context alive themselves, this
     // keeps it for `context()`.
     context: Context,
@@ -256,6 +260,7 @@ impl ShardsBuilder {
             listen: None,
             net: NetConfig::default(),
             on_start: None,
+            cuda: None,
             settings: None,
             gate: None,
         }
@@ -271,6 +276,13 @@ impl ShardsBuilder {
         H: Fn(&Rc<ShardCtx>) + Send + Sync + 'static,
     {
         self.on_start = Some(StartHook(Arc::new(hook)));
+        self
+    }
+
+    /// The CUDA mode every shard asks for (see [`crate::cuda`]); by default `SHARDCX_CUDA`, or
+    /// [`ModeRequest::Auto`] when it is unset.
+    pub fn cuda(mut self, request: ModeRequest) -> Self {
+        self.cuda = Some(request);
         self
     }
 
@@ -406,11 +418,18 @@ impl ShardsBuilder {
             Some(bytes) => bytes,
             None => self.io_memory_for(memlock_limit())?,
         };
+        let cuda = match self.cuda {
+            Some(request) => request,
+            None => {
+                ModeRequest::from_env().map_err(|source| BootError::Cuda { shard: 0, source })?
+            }
+        };
         // One identity for every shard of this run.
         let gate = Arc::new(StartGate::new(self.shard_count));
         let recipe = Self {
             settings: Some(self.node_settings()?),
             gate: Some(gate.clone()),
+            cuda: Some(cuda),
             ..self
         };
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -548,6 +567,10 @@ impl ShardsBuilder {
         let mut features = self.features;
         features.wakeup = true;
         let context = Context::new(&config, features).map_err(ucx)?;
+        // Before the worker: a shard that moves device memory has its CUDA context current on
+        // its thread when UCX sets up its transports.
+        let cuda = ShardCuda::start(&context, shard, self.cuda.unwrap_or_default())
+            .map_err(|source| BootError::Cuda { shard, source })?;
         let worker = Worker::new(&context).map_err(ucx)?;
         let pool = ShardPool::new(&context, self.arena_len).map_err(|e| match e {
             PoolNewError::Ucx(source) => BootError::Ucx { shard, source },
@@ -577,6 +600,7 @@ impl ShardsBuilder {
             stats,
             mesh: mesh.clone(),
             net,
+            cuda,
             context,
         });
         let installed = net::install(&ctx);
@@ -729,6 +753,11 @@ impl ShardCtx {
     /// This shard's UCX context.
     pub fn context(&self) -> &Context {
         &self.context
+    }
+
+    /// This shard's CUDA mode and device (see [`crate::cuda`]).
+    pub fn cuda(&self) -> &ShardCuda {
+        &self.cuda
     }
 
     /// This shard's registered memory pool.

@@ -77,6 +77,18 @@ pub enum BootError {
         /// The shard that failed.
         failed: usize,
     },
+    /// The CUDA mode asked for (`SHARDCX_CUDA` or [`ShardsBuilder::cuda`]) cannot run here, or
+    /// the shard's device could not be opened.
+    ///
+    /// [`ShardsBuilder::cuda`]: crate::ShardsBuilder::cuda
+    #[error("shard {shard}: {source}")]
+    Cuda {
+        /// The shard's index.
+        shard: usize,
+        /// The CUDA error.
+        #[source]
+        source: crate::ucx::cuda::CudaError,
+    },
     /// A setting was invalid.
     #[error("invalid setting: {0}")]
     Config(&'static str),

@@ -62,7 +62,9 @@
 //! [`ShardsBuilder`], [`Placement`], [`DriverConfig`], [`NetConfig`], [`BootError`],
 //! [`NetError`], [`RemoteNode`] and [`Directory`] are `Send`: they are settings, handles and
 //! results that cross threads. [`ShardCtx`] and [`ShardPool`] are `!Send`: they
-//! hold UCX handles made for one thread, and `Rc`/`RefCell` state.
+//! hold UCX handles made for one thread, and `Rc`/`RefCell` state. A shard's
+//! [`cuda::ShardCuda`] (its CUDA mode, probe and device) holds process-wide driver handles only
+//! and is `Send + Sync`.
 //!
 //! ## What the machine needs
 //!
@@ -76,8 +78,11 @@
 //! - Connections between nodes: the `tcp` transport for the listener and socket-address
 //!   connects (UCX 1.12), and `/dev/urandom` for node ids and handshake nonces.
 //! - UCX with `UCP_FEATURE_WAKEUP` (always requested) and the transports asked for.
+//! - CUDA is optional: each shard probes at start ([`cuda`]); without `libcuda` or a device it
+//!   runs with CUDA off and says why.
 
 pub mod boot;
+pub mod cuda;
 pub mod driver;
 mod error;
 pub mod mesh;

@@ -34,4 +34,8 @@ fn settings_and_errors_cross_threads() {
     send_sync::<MeshConfig>();
     send_sync::<ForwardError>();
     send_sync::<BootError>();
+    send_sync::<shardcx_shards::cuda::ModeRequest>();
+    send_sync::<shardcx_shards::cuda::CudaError>();
+    // A shard's CUDA state holds process-wide driver handles only (see `CudaDevice`).
+    send_sync::<shardcx_shards::cuda::ShardCuda>();
 }

@@ -255,7 +255,8 @@ fn info(json: bool) -> Result<(), Failure> {
     } else {
         "WARNING: the loaded library is not compatible with this build"
     };
-    let transports = match shardcx::ucx::Context::from_env(shardcx::ucx::Features::messaging()) {
+    let context = shardcx::ucx::Context::from_env(shardcx::ucx::Features::messaging());
+    let transports = match &context {
         // `ucp_context_print_info` lists "resource N : md M dev D flags -- tl/device".
         Ok(ctx) => Ok(ctx
             .info()
@@ -266,11 +267,11 @@ fn info(json: bool) -> Result<(), Failure> {
             .collect::<Vec<String>>()),
         Err(e) => Err(e.to_string()),
     };
+    let cuda = CudaReport::new(context.as_ref().ok());
     let io_uring = io_uring_status();
     let cpus = cpu_list();
     let limit = memlock_limit();
     let io_memory = ShardsBuilder::new().io_memory_for(limit);
-    let cuda = "none: this build of shardcx has no CUDA support yet";
     let mut out = String::new();
     if json {
         let j = serde_json::json!({
@@ -290,7 +291,7 @@ fn info(json: bool) -> Result<(), Failure> {
             "io_memory_per_shard_bytes": io_memory.as_ref().ok(),
             "io_memory_error": io_memory.as_ref().err().map(|e| e.to_string()),
             "cpus": cpus,
-            "cuda": cuda,
+            "cuda": cuda.json(),
         });
         out = format!("{j:#}\n");
     } else {
@@ -350,11 +351,120 @@ fn info(json: bool) -> Result<(), Failure> {
             cpus.len(),
             cpus
         );
-        let _ = writeln!(out, "CUDA:             {cuda}");
+        cuda.text(&mut out);
     }
     // One write; a closed pipe (`shardcx info | head -1`) is not an error worth a panic.
     let _ = std::io::stdout().lock().write_all(out.as_bytes());
     Ok(())
+}
+
+/// What `info` says about CUDA: the driver, its devices, the loaded UCX's memory types and the
+/// mode a shard would run in (the same probe every shard makes at start).
+struct CudaReport {
+    driver: Result<&'static shardcx::cuda::DriverInfo, shardcx::cuda::Unavailable>,
+    request: Result<shardcx::cuda::ModeRequest, shardcx::CudaError>,
+    /// `None` when no UCX context could be made (both).
+    probe: Option<Result<shardcx::cuda::CudaProbe, shardcx::CudaError>>,
+    memory_types: Option<Result<shardcx::ucx::MemoryTypes, String>>,
+}
+
+impl CudaReport {
+    fn new(context: Option<&shardcx::ucx::Context>) -> Self {
+        let request = shardcx::cuda::ModeRequest::from_env();
+        let probe = match (&request, context) {
+            (Ok(r), Some(ctx)) => Some(shardcx::cuda::probe(ctx, *r)),
+            _ => None,
+        };
+        Self {
+            driver: shardcx::cuda::driver(),
+            request,
+            probe,
+            memory_types: context.map(|c| c.memory_types().map_err(|e| e.to_string())),
+        }
+    }
+
+    /// The mode line: `off: REASON`, `staging`, `zero-copy`, or `ERROR: ...`.
+    fn mode(&self) -> String {
+        match (&self.request, &self.probe) {
+            (Err(e), _) => format!("ERROR: {e}"),
+            (Ok(_), None) => "unknown: no UCX context could be made".to_string(),
+            (Ok(_), Some(Err(e))) => format!("ERROR: {e}"),
+            (Ok(_), Some(Ok(p))) => match &p.off_reason {
+                Some(reason) => format!("off: {reason}"),
+                None => p.mode.to_string(),
+            },
+        }
+    }
+
+    fn text(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let _ = match &self.driver {
+            Ok(d) => {
+                let (major, minor) = d.version_pair();
+                writeln!(
+                    out,
+                    "CUDA driver:      CUDA {major}.{minor} ({})",
+                    d.version
+                )
+            }
+            Err(u) => writeln!(out, "CUDA driver:      none: {u}"),
+        };
+        if let Ok(d) = &self.driver {
+            if d.devices.is_empty() {
+                let _ = writeln!(out, "CUDA devices:     none");
+            }
+            for dev in &d.devices {
+                let _ = writeln!(
+                    out,
+                    "CUDA device {}:    {}, {:.1} GiB",
+                    dev.ordinal,
+                    dev.name,
+                    dev.total_memory as f64 / f64::from(1u32 << 30)
+                );
+            }
+        }
+        let _ = match &self.memory_types {
+            Some(Ok(t)) => writeln!(
+                out,
+                "UCX memory types: {t} ({})",
+                if t.cuda() {
+                    "moves CUDA memory: zero-copy possible"
+                } else {
+                    "no CUDA memory: device data would be staged through host memory"
+                }
+            ),
+            Some(Err(e)) => writeln!(out, "UCX memory types: unknown: {e}"),
+            None => Ok(()),
+        };
+        let _ = writeln!(out, "CUDA:             {}", self.mode());
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let (mode, off_reason, error) = match (&self.request, &self.probe) {
+            (Err(e), _) | (Ok(_), Some(Err(e))) => (None, None, Some(e.to_string())),
+            (Ok(_), None) => (None, None, Some("no UCX context could be made".to_string())),
+            (Ok(_), Some(Ok(p))) => (Some(p.mode.as_str()), p.off_reason.clone(), None),
+        };
+        let memory_types = self.memory_types.as_ref();
+        serde_json::json!({
+            "mode": mode,
+            "off_reason": off_reason,
+            "error": error,
+            "request": self.request.as_ref().ok().map(|r| r.as_str()),
+            "driver": self.driver.as_ref().ok().map(|d| serde_json::json!({
+                "cuda_version": format!("{}.{}", d.version_pair().0, d.version_pair().1),
+                "version_raw": d.version,
+            })),
+            "driver_error": self.driver.as_ref().err().map(|u| u.to_string()),
+            "devices": self.driver.as_ref().map(|d| d.devices.iter().map(|dev| serde_json::json!({
+                "ordinal": dev.ordinal,
+                "name": dev.name,
+                "memory_bytes": dev.total_memory,
+            })).collect::<Vec<_>>()).unwrap_or_default(),
+            "ucx_memory_types": memory_types.and_then(|t| t.as_ref().ok()).map(|t| t.names()),
+            "ucx_moves_cuda": memory_types.and_then(|t| t.as_ref().ok()).map(|t| t.cuda()),
+        })
+    }
 }
 
 /// Whether glommio can set up io_uring here (it makes one executor on a thread of its own).

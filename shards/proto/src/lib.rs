@@ -45,6 +45,9 @@
 //!   grantee checks for put / get), and the RMA frame payloads.
 //! * [`rpc`] — the RPC envelope: request prefix (schema hash, [`CallFlags`]) before the rkyv
 //!   argument archive, error bodies ([`RpcErrorCode`], detail, message) and cancel frames.
+//! * [`staging`] — [`Staging`]: the scheduler of CUDA's staging pipeline (device memory moved in
+//!   1–4 MiB chunks through host bounce buffers, copies overlapped with the network), written
+//!   against a [`CopyEngine`] trait.
 //! * [`rng`] — [`Rng`], a small seeded generator (xoshiro256**), for jitter and simulation.
 //! * [`fuzzing`] — the decoder checks run by the cargo-fuzz targets in `fuzz/` and by the
 //!   corpus replay test.
@@ -95,6 +98,7 @@ pub mod rng;
 pub mod rpc;
 pub mod shard_map;
 pub mod sim;
+pub mod staging;
 pub mod time;
 pub mod wire;
 
@@ -116,6 +120,7 @@ pub use rpc::{
     ErrorBody, RequestEnvelope, RpcErrorCode, RpcWireError, MAX_ERROR_MESSAGE, REQUEST_PREFIX_LEN,
 };
 pub use shard_map::{ShardCountError, ShardMap};
+pub use staging::{CopyEngine, Staging, StagingConfig};
 pub use time::Timestamp;
 pub use wire::{FrameFlags, FrameHeader, FrameKind, Limits, Tag, TagKind, TagMask, WireError};
 
@@ -135,6 +140,7 @@ mod tests {
         assert_send_sync::<PendingTable<Vec<u8>>>();
         assert_send_sync::<DedupWindow<Vec<u8>>>();
         assert_send_sync::<CreditWindow>();
+        assert_send_sync::<Staging>();
         assert_send_sync::<SizeClassPool>();
         assert_send_sync::<ShardMap>();
         assert_send_sync::<Rails>();

@@ -104,6 +104,60 @@ impl Features {
     }
 }
 
+/// A set of UCX memory types (`ucs_memory_type_t` bits), as `ucp_context_query` reports them.
+///
+/// Kept as raw bits: UCX releases after 1.12 added types (and moved `UCS_MEMORY_TYPE_UNKNOWN`),
+/// so only the first five, unchanged since 1.12, are named; the others print as `type N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct MemoryTypes(u64);
+
+impl MemoryTypes {
+    /// The names of bits 0..5, the same in every UCX since 1.12.
+    const NAMES: [&'static str; 5] = ["host", "cuda", "cuda-managed", "rocm", "rocm-managed"];
+
+    /// The set with these raw bits (bit `n` is `ucs_memory_type_t` value `n`).
+    pub const fn from_bits(bits: u64) -> Self {
+        Self(bits)
+    }
+
+    /// The raw bits.
+    pub fn bits(self) -> u64 {
+        self.0
+    }
+
+    /// Whether ordinary host memory is in the set (`UCS_MEMORY_TYPE_HOST`, 0).
+    pub fn host(self) -> bool {
+        self.0 & 1 != 0
+    }
+
+    /// Whether CUDA device memory is in the set (`UCS_MEMORY_TYPE_CUDA`, 1).
+    pub fn cuda(self) -> bool {
+        self.0 & (1 << 1) != 0
+    }
+
+    /// The names of the types in the set (`host`, `cuda`, ..., `type N` for later ones).
+    pub fn names(self) -> Vec<String> {
+        (0..64)
+            .filter(|bit| self.0 & (1u64 << bit) != 0)
+            .map(|bit| match Self::NAMES.get(bit) {
+                Some(name) => (*name).to_string(),
+                None => format!("type {bit}"),
+            })
+            .collect()
+    }
+}
+
+impl std::fmt::Display for MemoryTypes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = self.names();
+        if names.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&names.join(", "))
+        }
+    }
+}
+
 pub(crate) struct ContextInner {
     pub(crate) handle: sys::ucp_context_h,
     pub(crate) features: Features,
@@ -170,6 +224,25 @@ impl Context {
     /// The features this context was created with.
     pub fn features(&self) -> Features {
         self.inner.features
+    }
+
+    /// The memory types this context can move (`ucp_context_query`'s `memory_types`): whether
+    /// the loaded UCX accepts CUDA device pointers ([`MemoryTypes::cuda`]).
+    pub fn memory_types(&self) -> Result<MemoryTypes> {
+        // Every field written with a declared value; only `memory_types` is asked for, so UCX
+        // writes nothing else (the mask is how ucp.h keeps this struct ABI-compatible).
+        let mut attr = sys::ucp_context_attr_t {
+            field_mask: ffi::UCP_ATTR_FIELD_MEMORY_TYPES,
+            request_size: 0,
+            thread_mode: sys::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE,
+            memory_types: 0,
+            name: [0; 32],
+        };
+        // SAFETY: ucp.h (`ucp_context_query`): `context_p` is a live context and `attr` a valid
+        // struct whose `field_mask` selects the fields UCX fills in, here `memory_types` only (a
+        // plain `uint64_t`, so no enum value can come back).
+        check(unsafe { ffi::ucp_context_query(self.inner.handle, &mut attr) })?;
+        Ok(MemoryTypes::from_bits(attr.memory_types))
     }
 
     /// UCX's description of this context: transports and devices it found.

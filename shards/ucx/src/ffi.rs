@@ -95,6 +95,10 @@ extern "C" {
         rkey_buffer_p: *mut *mut c_void,
         size_p: *mut sys::size_t,
     ) -> RawStatus;
+    pub(crate) fn ucp_context_query(
+        context: sys::ucp_context_h,
+        attr: *mut sys::ucp_context_attr_t,
+    ) -> RawStatus;
     pub(crate) fn ucp_worker_query(
         worker: sys::ucp_worker_h,
         attr: *mut sys::ucp_worker_attr_t,
@@ -213,6 +217,8 @@ pub(crate) fn err_cb(f: ErrCb) -> sys::ucp_err_handler_cb_t {
 // `ucp_params_field` (ucp.h).
 pub(crate) const UCP_PARAM_FIELD_FEATURES: u64 = 1 << 0;
 pub(crate) const UCP_PARAM_FIELD_NAME: u64 = 1 << 8;
+// `ucp_context_attr_field`.
+pub(crate) const UCP_ATTR_FIELD_MEMORY_TYPES: u64 = 1 << 2;
 // `ucp_feature`.
 pub(crate) const UCP_FEATURE_TAG: u64 = 1 << 0;
 pub(crate) const UCP_FEATURE_RMA: u64 = 1 << 1;

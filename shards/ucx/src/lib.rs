@@ -31,6 +31,13 @@
 //!   and either keeps the eager data ([`AmData`], a UCX descriptor kept past the callback) or
 //!   pulls rendezvous data into a buffer it chooses ([`AmRndv`] + [`Worker::am_recv_data`]).
 //!
+//! - CUDA ([`cuda`]): the driver, loaded at run time through cudarc (no toolkit or `libcuda`
+//!   at build time), a probe that decides a [`cuda::CudaMode`] per context (off, staging,
+//!   zero-copy, from the driver, its devices and [`Context::memory_types`]),
+//!   [`cuda::DeviceBuffer`] (`cuMemAlloc` with the event of its last work) and
+//!   [`cuda::PinnedBuf`] (pinned host memory, an [`IoBuf`]). A device pointer is never an
+//!   [`IoBuf`]: it must reach UCX only in zero-copy mode, which nothing does yet.
+//!
 //! ## Status codes and enums
 //!
 //! ucx1-sys 0.1 turns almost every C enum into a Rust enum, and a value outside its variants is
@@ -44,7 +51,9 @@
 //! Workers are created with `UCS_THREAD_MODE_SINGLE`. [`Context`], [`Worker`], [`Endpoint`],
 //! [`Listener`], [`MemHandle`], [`RemoteKey`] and the operation futures are built on `Rc` and
 //! are neither `Send` nor `Sync`: each belongs to the thread that made it. [`WorkerAddress`]
-//! and [`PackedRkey`] are plain bytes and may travel between threads.
+//! and [`PackedRkey`] are plain bytes and may travel between threads. The CUDA handles are
+//! process-wide driver objects: [`cuda::CudaDevice`] is `Send + Sync`, [`cuda::DeviceBuffer`],
+//! [`cuda::PinnedBuf`] and [`cuda::PendingCopy`] are `Send` (each states why).
 //!
 //! ## What the machine needs
 //!
@@ -52,12 +61,15 @@
 //! links `libucp` dynamically. [`version()`] reports which library was loaded at run time. No
 //! RDMA hardware is needed: UCX runs over shared memory (`posix`, `sysv`, `cma`) and `tcp` on
 //! loopback. Connecting by socket address needs `tcp` (UCX 1.12's connection manager runs over
-//! it); with shared memory only, connect by [`WorkerAddress`].
+//! it); with shared memory only, connect by [`WorkerAddress`]. CUDA needs nothing at build time;
+//! at run time an NVIDIA driver (`libcuda`, CUDA 12 or later) and a device, else every device
+//! API returns [`cuda::CudaError::Unavailable`].
 
 mod affinity;
 mod am;
 mod buf;
 mod context;
+pub mod cuda;
 mod driver;
 mod endpoint;
 mod ffi;
@@ -72,7 +84,7 @@ mod worker;
 pub use affinity::{release_async_thread, set_async_thread_cpus, thread_cpus, threads_named};
 pub use am::{AmData, AmIdRaw, AmPayload, AmPayloadBufs, AmProto, AmRecvData, AmRndv, AmSend};
 pub use buf::{AlignedBuf, IoBuf, IoBufMut, MemoryType, SendBuf};
-pub use context::{Config, Context, Features};
+pub use context::{Config, Context, Features, MemoryTypes};
 pub use driver::{block_on, block_on_with, DEFAULT_SPIN};
 pub use endpoint::{Close, CloseMode, Endpoint, EpFailed, EpOptions, ErrorMode};
 pub use listener::{Accept, ConnRequest, Listener};

@@ -1,0 +1,210 @@
+//! The CUDA probe on running shards: every shard probes at start and keeps its mode; a forced
+//! mode the machine cannot run fails the start with a typed error; on a shard whose mode is
+//! off, device allocation returns the reason.
+//!
+//! Without a GPU but with a C compiler, [`gpu_branches_against_a_fake_driver`] runs the other
+//! tests again in a child process that loads the fake `libcuda` of
+//! `shards/ucx/tests/fake_cuda` (device memory in host memory, copies done at once), so that
+//! their GPU branches (the per-shard device, staged transfers through `CudaCopyEngine`) run too.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
+
+use std::rc::Rc;
+
+use shardcx_shards::cuda::{
+    driver, CudaCopyEngine, CudaDevice, CudaError, CudaMode, DeviceBuffer, ModeRequest, PinnedBuf,
+    Unavailable,
+};
+use shardcx_shards::proto::staging::{Direction, Staging, StagingConfig, State};
+use shardcx_shards::{BootError, Placement, ShardCtx, ShardsBuilder};
+
+/// Set in the child process that runs against the fake driver.
+const FAKE_ENV: &str = "SHARDCX_TEST_FAKE_CUDA";
+
+fn builder(request: ModeRequest) -> ShardsBuilder {
+    ShardsBuilder::new()
+        .shard_count(2)
+        .placement(Placement::Unpinned)
+        .transports("sm,self")
+        .io_memory(1 << 20)
+        .cuda(request)
+}
+
+/// What one shard saw: its mode, why it is off, what an allocation of 1 KiB returned.
+type Seen = (CudaMode, Option<String>, Result<usize, CudaError>);
+
+/// What each shard saw.
+fn modes(request: ModeRequest) -> Result<Vec<Seen>, BootError> {
+    builder(request).run(|ctx: Rc<ShardCtx>| async move {
+        let cuda = ctx.cuda();
+        assert_eq!(cuda.device().is_some(), cuda.mode() != CudaMode::Off);
+        (
+            cuda.mode(),
+            cuda.probe().off_reason.clone(),
+            cuda.alloc(1024).map(|b| b.len()),
+        )
+    })
+}
+
+#[test]
+fn every_shard_probes_and_an_off_shard_refuses_device_memory() {
+    let got = modes(ModeRequest::Auto).expect("auto always starts");
+    assert_eq!(got.len(), 2);
+    let no_device = match driver() {
+        Err(u) => Some(u),
+        Ok(d) if d.devices.is_empty() => Some(Unavailable::NoDevice),
+        Ok(_) => None,
+    };
+    for (mode, reason, alloc) in got {
+        match &no_device {
+            Some(u) => {
+                assert_eq!(mode, CudaMode::Off);
+                assert_eq!(reason, Some(u.to_string()));
+                assert_eq!(alloc, Err(CudaError::Unavailable(u.clone())));
+            }
+            None => {
+                assert_ne!(mode, CudaMode::Off);
+                assert_eq!(alloc, Ok(1024));
+            }
+        }
+    }
+    for (mode, reason, alloc) in modes(ModeRequest::Off).expect("off always starts") {
+        assert_eq!(mode, CudaMode::Off);
+        assert!(reason.unwrap().contains("SHARDCX_CUDA=off"));
+        assert!(matches!(alloc, Err(CudaError::Unavailable(_))), "{alloc:?}");
+    }
+}
+
+#[test]
+fn a_forced_mode_this_machine_cannot_run_fails_the_start() {
+    if driver().is_ok_and(|d| !d.devices.is_empty()) {
+        // Staging runs wherever there is a device; zero-copy depends on the UCX loaded, which
+        // tests/cuda.rs of shardcx-ucx checks.
+        let got = modes(ModeRequest::Staging).expect("staging with a device");
+        assert!(got.iter().all(|(m, _, _)| *m == CudaMode::Staging));
+        return;
+    }
+    for request in [ModeRequest::Staging, ModeRequest::ZeroCopy] {
+        match modes(request) {
+            Err(BootError::Cuda { source, .. }) => {
+                assert!(
+                    matches!(
+                        source,
+                        CudaError::Unavailable(_) | CudaError::ZeroCopyUnsupported { .. }
+                    ),
+                    "{request}: {source:?}"
+                );
+            }
+            other => panic!("{request}: expected a CUDA boot error, got {other:?}"),
+        }
+    }
+}
+
+/// The staging scheduler driving real CUDA copies: a device buffer out through pinned bounce
+/// buffers to a "wire" vector, and back into a second device buffer, in both directions with
+/// several chunks in flight. Needs a GPU; says so and returns where there is none.
+#[test]
+fn staged_transfers_through_pinned_bounce_buffers() {
+    if std::env::var_os(FAKE_ENV).is_some() {
+        assert!(
+            driver().is_ok(),
+            "the fake driver loads: {:?}",
+            driver().err()
+        );
+    }
+    if !driver().is_ok_and(|d| !d.devices.is_empty()) {
+        eprintln!("skipped: no CUDA device ({:?})", driver().err());
+        return;
+    }
+    let device = CudaDevice::open(0).expect("device 0");
+    let cfg = StagingConfig {
+        chunk: 1 << 20,
+        bounce_buffers: 3,
+    };
+    let len = (5 << 20) + 12345;
+    let data: Vec<u8> = (0..len).map(|i| (i * 13 + (i >> 20)) as u8).collect();
+    let bounce = || {
+        (0..cfg.bounce_buffers)
+            .map(|_| PinnedBuf::alloc(&device, cfg.chunk).expect("pinned"))
+            .collect::<Vec<_>>()
+    };
+
+    // Device -> bounce -> wire.
+    let mut src = DeviceBuffer::from_host(&device, &data).expect("source");
+    let mut wire = vec![0u8; len];
+    let mut engine = CudaCopyEngine::new(&mut src, bounce());
+    let mut s = Staging::new(Direction::Send, len as u64, cfg).expect("staging");
+    while !s.state().is_final() {
+        s.pump(&mut engine).expect("copies");
+        while let Some(c) = s.poll_send() {
+            let buf = engine.buffer(c.buffer).expect("the network's buffer");
+            wire[c.offset as usize..c.offset as usize + c.len]
+                .copy_from_slice(&buf.as_slice()[..c.len]);
+            s.handle_sent(c.index, true).expect("sent");
+        }
+    }
+    assert_eq!(s.state(), State::Done);
+    assert_eq!(engine.in_flight(), 0);
+    drop(engine);
+    assert!(wire == data, "the wire differs from the device buffer");
+
+    // Wire -> bounce -> device.
+    let mut dst = DeviceBuffer::alloc(&device, len).expect("destination");
+    let mut engine = CudaCopyEngine::new(&mut dst, bounce());
+    let mut s = Staging::new(Direction::Recv, len as u64, cfg).expect("staging");
+    while !s.state().is_final() {
+        s.pump(&mut engine).expect("copies");
+        while let Some(c) = s.poll_recv() {
+            let buf = engine.buffer(c.buffer).expect("the network's buffer");
+            buf.as_mut_slice()[..c.len]
+                .copy_from_slice(&wire[c.offset as usize..c.offset as usize + c.len]);
+            s.handle_received(c.index, true).expect("received");
+        }
+    }
+    assert_eq!(s.state(), State::Done);
+    drop(engine);
+    assert!(
+        dst.to_vec().expect("read back") == data,
+        "the device buffer differs"
+    );
+}
+
+/// Runs the other tests again against the fake driver (see the module docs).
+#[test]
+fn gpu_branches_against_a_fake_driver() {
+    if std::env::var_os(FAKE_ENV).is_some() || driver().is_ok() {
+        return; // The child itself, or a real driver that the tests already ran against.
+    }
+    let src =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ucx/tests/fake_cuda/libcuda.c");
+    let dir = std::env::temp_dir().join(format!("shardcx-shards-fake-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&src)
+        .status();
+    if !built.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+        return;
+    }
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
+        _ => dir.display().to_string(),
+    };
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--skip", "gpu_branches_against_a_fake_driver"])
+        .env("LD_LIBRARY_PATH", path)
+        .env(FAKE_ENV, "1")
+        .env_remove(shardcx_shards::cuda::CUDA_MODE_ENV)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "against the fake driver:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("test result: ok. 3 passed"), "{text}");
+}
