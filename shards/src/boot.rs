@@ -103,10 +103,13 @@ fn keep_first(first: &mut Option<BootError>, e: BootError) {
     }
 }
 
-/// Where the shards of one run wait for each other at the end of their start-up: no shard runs
-/// its closure unless every shard started (a listener that cannot bind, a UCX worker refused,
-/// a panic during start-up), so a failed start ends the whole run with its error instead of
-/// leaving the other shards serving without it.
+/// Where the shards of a listening node wait for each other at the end of their start-up: no
+/// shard runs its closure unless every shard started (a listener that cannot bind, a UCX worker
+/// refused, a panic during start-up), so a failed start ends the whole run with its error
+/// instead of leaving the other shards serving without it. A node that does not listen does not
+/// wait (waiting made `more_shards_than_cores` in `tests/mesh.rs`, 5 shards with nested cycles
+/// on tiny lanes, hang past its 60 s limit on the 2-core machine: a latent mesh stall when every
+/// shard starts forwarding at once, not understood yet).
 #[derive(Debug)]
 struct StartGate {
     /// Shards that have not arrived yet.
@@ -158,6 +161,11 @@ impl GateGuard {
     async fn started(mut self) -> Result<(), usize> {
         self.arrived = true;
         self.gate.started(self.shard).await
+    }
+
+    /// Started, not waiting for the others.
+    fn skip(mut self) {
+        self.arrived = true;
     }
 
     fn failed(mut self) {
@@ -619,6 +627,11 @@ impl ShardsBuilder {
             Err(e) => Err(e),
         };
         let started = match started {
+            // Only a listening node waits (see `StartGate`).
+            Ok(()) if self.listen.is_none() => {
+                gate.skip();
+                Ok(())
+            }
             Ok(()) => gate
                 .started()
                 .await
