@@ -35,7 +35,6 @@ use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -91,95 +90,6 @@ pub struct ShardsBuilder {
     cuda: Option<ModeRequest>,
     // Resolved by `run` and shared by the shards of one run.
     settings: Option<NodeSettings>,
-    gate: Option<Arc<StartGate>>,
-}
-
-/// Keeps the first error of a run's shards, except that a shard's own failure wins over the
-/// others' [`BootError::Aborted`] because of it.
-fn keep_first(first: &mut Option<BootError>, e: BootError) {
-    let aborted = |e: &BootError| matches!(e, BootError::Aborted { .. });
-    if first.as_ref().is_none_or(|f| aborted(f) && !aborted(&e)) {
-        *first = Some(e);
-    }
-}
-
-/// Where the shards of a listening node wait for each other at the end of their start-up: no
-/// shard runs its closure unless every shard started (a listener that cannot bind, a UCX worker
-/// refused, a panic during start-up), so a failed start ends the whole run with its error
-/// instead of leaving the other shards serving without it. A node that does not listen does not
-/// wait (waiting made `more_shards_than_cores` in `tests/mesh.rs`, 5 shards with nested cycles
-/// on tiny lanes, hang past its 60 s limit on the 2-core machine: a latent mesh stall when every
-/// shard starts forwarding at once, not understood yet).
-#[derive(Debug)]
-struct StartGate {
-    /// Shards that have not arrived yet.
-    pending: AtomicUsize,
-    /// The first shard that failed, or `usize::MAX`.
-    failed: AtomicUsize,
-}
-
-/// How often a started shard looks at the gate while it waits for the others (start-up only).
-const START_GATE_POLL: Duration = Duration::from_millis(1);
-
-impl StartGate {
-    fn new(shards: usize) -> StartGate {
-        StartGate {
-            pending: AtomicUsize::new(shards),
-            failed: AtomicUsize::new(usize::MAX),
-        }
-    }
-
-    fn fail(&self, shard: usize) {
-        let _ =
-            self.failed
-                .compare_exchange(usize::MAX, shard, Ordering::AcqRel, Ordering::Acquire);
-    }
-
-    /// `shard` started: waits for the others; `Err(failed)` when one of them failed.
-    async fn started(&self, shard: usize) -> Result<(), usize> {
-        let _ = shard;
-        self.pending.fetch_sub(1, Ordering::AcqRel);
-        loop {
-            match self.failed.load(Ordering::Acquire) {
-                usize::MAX if self.pending.load(Ordering::Acquire) == 0 => return Ok(()),
-                usize::MAX => glommio::timer::sleep(START_GATE_POLL).await,
-                failed => return Err(failed),
-            }
-        }
-    }
-}
-
-/// Marks its shard failed at the gate unless it arrived: dropped by an early return or a
-/// panic during start-up.
-struct GateGuard {
-    gate: Arc<StartGate>,
-    shard: usize,
-    arrived: bool,
-}
-
-impl GateGuard {
-    async fn started(mut self) -> Result<(), usize> {
-        self.arrived = true;
-        self.gate.started(self.shard).await
-    }
-
-    /// Started, not waiting for the others.
-    fn skip(mut self) {
-        self.arrived = true;
-    }
-
-    fn failed(mut self) {
-        self.arrived = true;
-        self.gate.fail(self.shard);
-    }
-}
-
-impl Drop for GateGuard {
-    fn drop(&mut self) {
-        if !self.arrived {
-            self.gate.fail(self.shard);
-        }
-    }
 }
 
 /// The executors' preempt timer: how long task queues may run before the executor looks at
@@ -270,7 +180,6 @@ impl ShardsBuilder {
             on_start: None,
             cuda: None,
             settings: None,
-            gate: None,
         }
     }
 
@@ -433,13 +342,23 @@ impl ShardsBuilder {
             }
         };
         // One identity for every shard of this run.
-        let gate = Arc::new(StartGate::new(self.shard_count));
         let recipe = Self {
             settings: Some(self.node_settings()?),
-            gate: Some(gate.clone()),
             cuda: Some(cuda),
             ..self
         };
+        // A listen port that is taken fails the run here, before any shard starts: a shard 0
+        // that failed to listen would leave the others serving without it. (glommio binds with
+        // SO_REUSEPORT, which would let a second node share the port by mistake; a node racing
+        // this one to the same port between this bind and shard 0's is not caught.)
+        if let Some(addr) = recipe.listen.filter(|a| a.port() != 0) {
+            drop(
+                std::net::TcpListener::bind(addr).map_err(|e| BootError::Listen {
+                    shard: 0,
+                    reason: format!("cannot listen on {addr}: {e}"),
+                })?,
+            );
+        }
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut handles = Vec::with_capacity(recipe.shard_count);
         // Made before any executor starts; a shard whose ends are dropped unconnected (its
@@ -464,13 +383,9 @@ impl ShardsBuilder {
                         me.shard_main(shard, ends, f).await
                     }
                 })
-                .map_err(|e| {
-                    // The shards already running stop at the gate.
-                    gate.fail(shard);
-                    BootError::Executor {
-                        shard,
-                        reason: e.to_string(),
-                    }
+                .map_err(|e| BootError::Executor {
+                    shard,
+                    reason: e.to_string(),
                 })?;
             handles.push(h);
         }
@@ -479,7 +394,9 @@ impl ShardsBuilder {
         for (shard, h) in handles.into_iter().enumerate() {
             match h.join() {
                 Ok(Ok(v)) => out.push(v),
-                Ok(Err(e)) => keep_first(&mut first_err, e),
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
                 Err(e) => {
                     let err = match e {
                         glommio::GlommioError::BuilderError(
@@ -490,7 +407,7 @@ impl ShardsBuilder {
                             reason: other.to_string(),
                         },
                     };
-                    keep_first(&mut first_err, err);
+                    first_err.get_or_insert(err);
                 }
             }
         }
@@ -551,14 +468,6 @@ impl ShardsBuilder {
         // hanging the others.
         let mesh = ends.connect(self.mesh);
         let _leave = mesh.leave_guard();
-        let gate = GateGuard {
-            gate: self
-                .gate
-                .clone()
-                .ok_or(BootError::Config("start gate not made"))?,
-            shard,
-            arrived: false,
-        };
         let ucx = |source| BootError::Ucx { shard, source };
         let mut config = Config::from_env().map_err(ucx)?;
         if let Some(tls) = &self.transports {
@@ -625,21 +534,6 @@ impl ShardsBuilder {
         let started = match installed {
             Ok(()) => net::listen(&ctx).await,
             Err(e) => Err(e),
-        };
-        let started = match started {
-            // Only a listening node waits (see `StartGate`).
-            Ok(()) if self.listen.is_none() => {
-                gate.skip();
-                Ok(())
-            }
-            Ok(()) => gate
-                .started()
-                .await
-                .map_err(|failed| BootError::Aborted { shard, failed }),
-            Err(e) => {
-                gate.failed();
-                Err(e)
-            }
         };
         let out = match started {
             Ok(()) => Ok(f(ctx.clone()).await),

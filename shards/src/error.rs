@@ -68,15 +68,6 @@ pub enum BootError {
         /// What went wrong, as text.
         reason: String,
     },
-    /// The shard started, but another did not: no shard runs its closure unless every shard
-    /// started (the run's error is the failed shard's).
-    #[error("shard {shard}: stopped before serving: shard {failed} failed to start")]
-    Aborted {
-        /// The shard's index.
-        shard: usize,
-        /// The shard that failed.
-        failed: usize,
-    },
     /// The CUDA mode asked for (`SHARDCX_CUDA` or [`ShardsBuilder::cuda`]) cannot run here, or
     /// the shard's device could not be opened.
     ///

@@ -121,12 +121,8 @@ pub(super) async fn listen(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
                     reason: format!("cannot listen on {addr}: {e}"),
                 }
             }
-            // glommio binds with SO_REUSEPORT, which would let a second node share a port by
-            // mistake: a plain bind first refuses a port that is taken. (A node racing this
-            // one to the same port between the two binds is not caught.)
-            if addr.port() != 0 {
-                drop(std::net::TcpListener::bind(addr).map_err(|e| failed(addr)(&e))?);
-            }
+            // A port that is taken was refused before the shards started
+            // (`ShardsBuilder::run`); glommio binds with SO_REUSEPORT.
             let listener = TcpListener::bind(addr).map_err(|e| failed(addr)(&e))?;
             let local = listener.local_addr().map_err(|e| failed(addr)(&e))?;
             let _ = net.settings.listen_addr.set(local);
