@@ -98,7 +98,8 @@ impl Peer {
                 // Room for the tag trailer, so that it is not a second allocation.
                 let mut bytes = Vec::with_capacity(data.len() + TAG_TRAILER_LEN);
                 bytes.extend_from_slice(data);
-                Ok(ctx.tag_send(peer, tag, bytes).await?)
+                // On the rail to the peer's shard when it names one (`peer.shard(j)`).
+                Ok(ctx.tag_send(self.dest(), tag, bytes).await?)
             }),
         )
         .await

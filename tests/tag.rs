@@ -149,6 +149,64 @@ fn tagged_messages_both_ways_from_every_shard() {
     assert_eq!(routes.iter().filter(|&&own| own).count(), 2, "{routes:?}");
 }
 
+/// A tag sent to `peer.shard(j)` goes to the peer's shard `j` (on the rail to it), not to the
+/// shard of the sender's default rail.
+#[test]
+fn a_tag_sent_to_a_named_shard_arrives_there() {
+    let _g = serial();
+    let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
+    let addr_a = addr.clone();
+    let b = std::thread::spawn(move || {
+        let ready = Arc::new(AtomicU32::new(0));
+        node(B)
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |node: Node| {
+                let (addr, ready) = (addr.clone(), ready.clone());
+                async move {
+                    install_all(&node, &ready).await;
+                    if let Some(a) = node.listen_addr() {
+                        let _ = addr.set(a);
+                    }
+                    let a = Peer::new(A);
+                    let wait = Duration::from_secs(if node.shard().get() == 1 { 20 } else { 2 });
+                    a.tag_recv_within(0x600, TAG_MASK_EXACT, wait)
+                        .await
+                        .map(|(_, d)| d)
+                }
+            })
+            .expect("node B")
+    });
+    let a = std::thread::spawn(move || {
+        let ready = Arc::new(AtomicU32::new(0));
+        node(A)
+            .run(move |node: Node| {
+                let (addr, ready) = (addr_a.clone(), ready.clone());
+                async move {
+                    install_all(&node, &ready).await;
+                    wait_for(|| addr.get().is_some()).await;
+                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
+                    if node.shard().get() == 0 {
+                        b.shard(shardcx::ShardId::new(1))
+                            .tag_send(0x600, b"to shard 1")
+                            .await
+                            .expect("send");
+                    }
+                }
+            })
+            .expect("node A")
+    });
+    within(move || a.join().expect("node A panicked"));
+    let got = within(move || b.join().expect("node B panicked"));
+    // Shard 0's receive ends without a message (at its deadline, or when A leaves).
+    assert!(got[0].is_err(), "shard 0 got {:?}", got[0]);
+    assert_eq!(
+        got[1].as_deref().ok(),
+        Some(&b"to shard 1"[..]),
+        "{:?}",
+        got[1]
+    );
+}
+
 #[test]
 fn bad_calls_fail_cleanly() {
     let r = futures_lite::future::block_on(Peer::new(A).tag_send(1, b"x"));
