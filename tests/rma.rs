@@ -540,8 +540,10 @@ fn deadlines_end_every_access() {
     );
     let (addr, regions) = (server.addr, server.regions.clone());
     let timeout = Duration::from_millis(300);
+    // Every shard checks before any connects (a session is the node's, for all its shards).
+    let checked = Arc::new(AtomicUsize::new(0));
     let got = run_client(move |node: Node| {
-        let regions = regions.clone();
+        let (regions, checked) = (regions.clone(), checked.clone());
         async move {
             let d = regions[0]["rw"];
             // Before connecting: a typed connection error.
@@ -550,6 +552,11 @@ fn deadlines_end_every_access() {
                 matches!(r, Err(Error::Net(NetError::NotConnected { .. }))),
                 "{r:?}"
             );
+            checked.fetch_add(1, Ordering::AcqRel);
+            let until = Instant::now() + Duration::from_secs(30);
+            while checked.load(Ordering::Acquire) < node.shard_count() && Instant::now() < until {
+                sleep(Duration::from_millis(1)).await;
+            }
             let peer = node.connect(addr).await.expect("connect");
             // The descriptor of one node used through another peer.
             let r = Peer::new(STRANGER).get(&d, 0, 1).await;
