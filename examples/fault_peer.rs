@@ -257,6 +257,31 @@ struct Tally {
 
 /// The error's variant name (`Net.<variant>` for connection errors, `Node.<variant>` for the
 /// node's others), for the tally.
+impl Tally {
+    /// Records a call's outcome (`Ok(true)`: answered with the right CRC), how far past its
+    /// deadline it ended and when (from the start); true when it was acknowledged.
+    fn record(&mut self, r: &Result<bool, RpcError>, over: Duration, at: Duration) -> bool {
+        if over > LATE_SLACK {
+            self.late += 1;
+        }
+        self.max_over = self.max_over.max(over);
+        let failed = match r {
+            Ok(true) => {
+                self.ok += 1;
+                return true;
+            }
+            Ok(false) => "BadCrc".to_owned(),
+            Err(e) => {
+                self.first_error.get_or_insert(at);
+                self.last_error = Some(at);
+                error_kind(e)
+            }
+        };
+        *self.failed.entry(failed).or_default() += 1;
+        false
+    }
+}
+
 fn error_kind(e: &RpcError) -> String {
     let head = |d: String| {
         d.split(['(', ' ', '{'])
@@ -320,32 +345,17 @@ fn load(a: &LoadArgs) -> Result<(), String> {
                             tally.borrow_mut().sent += 1;
                             let r = rpc.call_within::<FaultPut>(peer, &put, deadline).await;
                             let took = t0.elapsed();
-                            let this_failed = !matches!(r, Ok(c) if c == crc);
-                            let failed = {
-                            let mut t = tally.borrow_mut();
-                            if took > deadline + LATE_SLACK {
-                                t.late += 1;
-                            }
-                            t.max_over = t.max_over.max(took.saturating_sub(deadline));
-                            match r {
-                                Ok(c) if c == crc => {
-                                    t.ok += 1;
-                                    if let Ok(mut f) = acked.lock() {
-                                        let at = start.elapsed().as_millis();
-                                        let _ = writeln!(f, "{src} {inc} {seq} {at}");
-                                    }
+                            let ok = tally.borrow_mut().record(
+                                &r.map(|c| c == crc),
+                                took.saturating_sub(deadline),
+                                start.elapsed(),
+                            );
+                            if ok {
+                                if let Ok(mut f) = acked.lock() {
+                                    let at = start.elapsed().as_millis();
+                                    let _ = writeln!(f, "{src} {inc} {seq} {at}");
                                 }
-                                Ok(_) => *t.failed.entry("BadCrc".into()).or_default() += 1,
-                                Err(e) => {
-                                    let at = start.elapsed();
-                                    t.first_error.get_or_insert(at);
-                                    t.last_error = Some(at);
-                                    *t.failed.entry(error_kind(&e)).or_default() += 1;
-                                }
-                            }
-                            this_failed
-                            };
-                            if failed {
+                            } else {
                                 // Do not spin on a dead peer: the next call reconnects.
                                 glommio::timer::sleep(Duration::from_millis(20)).await;
                             }
@@ -360,19 +370,22 @@ fn load(a: &LoadArgs) -> Result<(), String> {
                     t.await;
                 }
                 let t = tally.borrow();
-                let ms = |d: Option<Duration>| d.map_or("null".to_owned(), |d| d.as_millis().to_string());
-                let failed: Vec<String> =
-                    t.failed.iter().map(|(k, n)| format!("\"{k}\": {n}")).collect();
-                Ok::<String, String>(format!(
-                    "{{\"src\": {src}, \"inc\": {inc}, \"start_unix_ms\": {start_unix_ms}, \"sent\": {}, \"ok\": {}, \"late\": {}, \"max_over_ms\": {}, \"first_error_ms\": {}, \"last_error_ms\": {}, \"failed\": {{{}}}}}",
-                    t.sent,
-                    t.ok,
-                    t.late,
-                    t.max_over.as_millis(),
-                    ms(t.first_error),
-                    ms(t.last_error),
-                    failed.join(", ")
-                ))
+                let ms = |d: Option<Duration>| d.map(|d| d.as_millis() as u64);
+                Ok::<String, String>(
+                    serde_json::json!({
+                        "src": src,
+                        "inc": inc,
+                        "start_unix_ms": start_unix_ms as u64,
+                        "sent": t.sent,
+                        "ok": t.ok,
+                        "late": t.late,
+                        "max_over_ms": t.max_over.as_millis() as u64,
+                        "first_error_ms": ms(t.first_error),
+                        "last_error_ms": ms(t.last_error),
+                        "failed": t.failed,
+                    })
+                    .to_string(),
+                )
             }
         })
         .map_err(|e| e.to_string())?;

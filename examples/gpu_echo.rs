@@ -34,6 +34,9 @@ use glommio::timer::sleep;
 use shardcx::cuda::ModeRequest;
 use shardcx::{AmId, AmMsg, DeviceBuffer, Node, NodeId, OwnedAmMsg};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 const KEY: &[u8] = b"gpu_echo example pre-shared key";
 const ECHO: AmId = AmId::new(1);
 const REPLY: AmId = AmId::new(2);
@@ -43,7 +46,7 @@ const REPLY: AmId = AmId::new(2);
 #[command(name = "gpu_echo")]
 struct Args {
     /// Payload sizes (B, K, M suffixes), each sent once per round.
-    #[arg(long, value_delimiter = ',', default_value = "8,4K,1M,8M", value_parser = size)]
+    #[arg(long, value_delimiter = ',', default_value = "8,4K,1M,8M", value_parser = cli::size)]
     sizes: Vec<usize>,
     /// Rounds per size.
     #[arg(long, default_value_t = 3)]
@@ -53,23 +56,6 @@ struct Args {
     tls: String,
 }
 
-fn size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => s.split_at(i),
-        None => (s, ""),
-    };
-    let n: usize = digits.parse().map_err(|_| format!("not a size: {s:?}"))?;
-    let mult = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        _ => return Err(format!("not a size: {s:?}")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("too large: {s:?}"))
-}
-
 /// Why this machine cannot run the example, or `None` when it can.
 fn no_gpu_reason() -> Option<String> {
     match ModeRequest::from_env() {
@@ -77,11 +63,8 @@ fn no_gpu_reason() -> Option<String> {
         Ok(ModeRequest::Off) => return Some(format!("{}=off", shardcx::cuda::CUDA_MODE_ENV)),
         Ok(_) => {}
     }
-    match shardcx::cuda::driver() {
-        Err(u) => Some(u.to_string()),
-        Ok(d) if d.devices.is_empty() => Some("no CUDA device".into()),
-        Ok(_) => None,
-    }
+    shardcx::cuda::device_unavailable(shardcx::cuda::driver().as_ref().map(|d| *d))
+        .map(|u| u.to_string())
 }
 
 fn node(tls: &str, id: u64) -> shardcx::NodeBuilder {

@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
 use hdrhistogram::Histogram;
+use shardcx::bench::format_size;
 use shardcx::rma::{Permissions, RemoteRegion};
 use shardcx::rpc::{ArgsLocation, RndvBuf, Rpc, RpcContext};
 use shardcx::shards::ucx::AlignedBuf;
@@ -98,16 +99,6 @@ struct Opts {
     iters: u32,
     secs: Duration,
     tls: String,
-}
-
-fn format_size(n: usize) -> String {
-    if n >= 1 << 20 && n % (1 << 20) == 0 {
-        format!("{}M", n >> 20)
-    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
-        format!("{}K", n >> 10)
-    } else {
-        n.to_string()
-    }
 }
 
 /// Large RPC arguments and replies: in the call, into a buffer the server chose, by get, by put.

@@ -1,10 +1,13 @@
 //! Prometheus metrics of a running node ([`NodeBuilder::metrics`](crate::NodeBuilder::metrics),
 //! `shardcx node --metrics ADDR`).
 //!
-//! Off the hot path: every shard copies its counters into the node's board every
-//! [`PUBLISH_INTERVAL`] (a timer task; the counters themselves are the plain per-shard ones the
-//! shards keep anyway), and a small server thread answers `GET /metrics` from the board with
-//! the `prometheus-client` text encoding (OpenMetrics). Each series carries a `shard` label.
+//! Publishing and serving are off the hot path: every shard copies its counters into the
+//! node's board every [`PUBLISH_INTERVAL`] (a timer task), and a small server thread answers
+//! `GET /metrics` from the board with the `prometheus-client` text encoding (OpenMetrics). The
+//! counters are the shards' plain per-shard cells, kept whether metrics are served or not: the
+//! message path pays a few integer increments per frame (its [`NetStats`] borrow). RPC calls
+//! are timed for their histogram only on a node that serves metrics (two clock reads a call).
+//! Each series carries a `shard` label.
 //!
 //! The families, per shard (counters end in `_total`):
 //!
@@ -150,6 +153,11 @@ fn snapshot(ctx: &ShardCtx, (rpc, latency): (RpcStats, Vec<Latency>)) -> Snapsho
     }
 }
 
+/// `(value, count)` pairs as series labelled `label`.
+fn labelled(label: &'static str, pairs: &[(&'static str, u64)]) -> Series {
+    pairs.iter().map(|(v, n)| (Some((label, *v)), *n)).collect()
+}
+
 /// A traffic counter array as series labelled by `kind`.
 fn traffic(by: &[u64; Traffic::COUNT]) -> Series {
     Traffic::ALL
@@ -212,11 +220,14 @@ impl Collector for ShardsCollector {
             "Application frames sent, by path: in place (UCX took them at once), posted (owned buffer, no task switch), queued (for the rail's sender task).",
             Counter,
             &per(&|s| {
-                vec![
-                    (Some(("path", "in_place")), s.net.sent_in_place),
-                    (Some(("path", "posted")), s.net.sent_posted),
-                    (Some(("path", "queued")), s.net.sent_queued),
-                ]
+                labelled(
+                    "path",
+                    &[
+                        ("in_place", s.net.sent_in_place),
+                        ("posted", s.net.sent_posted),
+                        ("queued", s.net.sent_queued),
+                    ],
+                )
             }),
         )?;
         family(
@@ -226,19 +237,7 @@ impl Collector for ShardsCollector {
             Counter,
             &per(&|s| {
                 let n = &s.net;
-                vec![
-                    (
-                        Some(("reason", "unauthenticated")),
-                        n.dropped_unauthenticated,
-                    ),
-                    (Some(("reason", "malformed")), n.dropped_malformed),
-                    (Some(("reason", "misrouted")), n.dropped_misrouted),
-                    (Some(("reason", "no_handler")), n.dropped_no_handler),
-                    (Some(("reason", "too_large")), n.dropped_too_large),
-                    (Some(("reason", "expired")), n.dropped_expired),
-                    (Some(("reason", "unmatched_reply")), n.dropped_unmatched),
-                    (Some(("reason", "other")), n.dropped_other),
-                ]
+                labelled("reason", &n.dropped_by_reason())
             }),
         )?;
         family(
@@ -248,12 +247,15 @@ impl Collector for ShardsCollector {
             Counter,
             &per(&|s| {
                 let n = &s.net;
-                vec![
-                    (Some(("into", "pool")), n.rndv_pooled),
-                    (Some(("into", "recycled")), n.rndv_recycled),
-                    (Some(("into", "allocated")), n.rndv_allocated),
-                    (Some(("into", "declined")), n.declined),
-                ]
+                labelled(
+                    "into",
+                    &[
+                        ("pool", n.rndv_pooled),
+                        ("recycled", n.rndv_recycled),
+                        ("allocated", n.rndv_allocated),
+                        ("declined", n.declined),
+                    ],
+                )
             }),
         )?;
         family(
@@ -284,12 +286,15 @@ impl Collector for ShardsCollector {
             Counter,
             &per(&|s| {
                 let n = &s.net;
-                vec![
-                    (Some(("outcome", "served")), n.bootstraps_served),
-                    (Some(("outcome", "refused")), n.bootstraps_refused),
-                    (Some(("outcome", "timed_out")), n.bootstraps_timed_out),
-                    (Some(("outcome", "over_cap")), n.bootstraps_over_cap),
-                ]
+                labelled(
+                    "outcome",
+                    &[
+                        ("served", n.bootstraps_served),
+                        ("refused", n.bootstraps_refused),
+                        ("timed_out", n.bootstraps_timed_out),
+                        ("over_cap", n.bootstraps_over_cap),
+                    ],
+                )
             }),
         )?;
         family(
@@ -320,10 +325,13 @@ impl Collector for ShardsCollector {
             Counter,
             &per(&|s| {
                 let n = &s.net;
-                vec![
-                    (Some(("outcome", "refused")), n.pending_refused),
-                    (Some(("outcome", "expired")), n.pending_expired),
-                ]
+                labelled(
+                    "outcome",
+                    &[
+                        ("refused", n.pending_refused),
+                        ("expired", n.pending_expired),
+                    ],
+                )
             }),
         )?;
         family(
@@ -340,21 +348,24 @@ impl Collector for ShardsCollector {
             Counter,
             &per(&|s| {
                 let r = &s.rpc;
-                vec![
-                    (Some(("outcome", "served")), r.served),
-                    (Some(("outcome", "one_way")), r.one_way),
-                    (Some(("outcome", "failed")), r.failed),
-                    (Some(("outcome", "panicked")), r.panicked),
-                    (Some(("outcome", "unknown_function")), r.unknown_function),
-                    (Some(("outcome", "schema_mismatch")), r.schema_mismatch),
-                    (Some(("outcome", "malformed")), r.malformed),
-                    (Some(("outcome", "too_large")), r.too_large),
-                    (Some(("outcome", "too_old")), r.too_old),
-                    (Some(("outcome", "expired")), r.expired),
-                    (Some(("outcome", "cancelled")), r.cancelled),
-                    (Some(("outcome", "replayed")), r.replayed),
-                    (Some(("outcome", "duplicate_dropped")), r.duplicates_dropped),
-                ]
+                labelled(
+                    "outcome",
+                    &[
+                        ("served", r.served),
+                        ("one_way", r.one_way),
+                        ("failed", r.failed),
+                        ("panicked", r.panicked),
+                        ("unknown_function", r.unknown_function),
+                        ("schema_mismatch", r.schema_mismatch),
+                        ("malformed", r.malformed),
+                        ("too_large", r.too_large),
+                        ("too_old", r.too_old),
+                        ("expired", r.expired),
+                        ("cancelled", r.cancelled),
+                        ("replayed", r.replayed),
+                        ("duplicate_dropped", r.duplicates_dropped),
+                    ],
+                )
             }),
         )?;
         family(
@@ -370,10 +381,13 @@ impl Collector for ShardsCollector {
             "Cross-shard lane messages taken, by who took them (the progress driver, or the inbox task after a wake-up).",
             Counter,
             &per(&|s| {
-                vec![
-                    (Some(("by", "driver")), s.mesh.taken_by_driver),
-                    (Some(("by", "task")), s.mesh.taken_by_task),
-                ]
+                labelled(
+                    "by",
+                    &[
+                        ("driver", s.mesh.taken_by_driver),
+                        ("task", s.mesh.taken_by_task),
+                    ],
+                )
             }),
         )?;
         family(
@@ -438,13 +452,16 @@ impl Collector for ShardsCollector {
             Gauge,
             &per(&|s| {
                 let r = &s.rails;
-                vec![
-                    (Some(("state", "connecting")), r.connecting as u64),
-                    (Some(("state", "ready")), r.ready as u64),
-                    (Some(("state", "draining")), r.draining as u64),
-                    (Some(("state", "closing")), r.closing as u64),
-                    (Some(("state", "pending_opening")), r.pending_openings as u64),
-                ]
+                labelled(
+                    "state",
+                    &[
+                        ("connecting", r.connecting as u64),
+                        ("ready", r.ready as u64),
+                        ("draining", r.draining as u64),
+                        ("closing", r.closing as u64),
+                        ("pending_opening", r.pending_openings as u64),
+                    ],
+                )
             }),
         )?;
         family(
@@ -481,10 +498,13 @@ impl Collector for ShardsCollector {
             "Connects made by the node itself to a known peer address when an operation found no session, by outcome.",
             Counter,
             &per(&|s| {
-                vec![
-                    (Some(("outcome", "ok")), s.net.reconnects),
-                    (Some(("outcome", "failed")), s.net.reconnects_failed),
-                ]
+                labelled(
+                    "outcome",
+                    &[
+                        ("ok", s.net.reconnects),
+                        ("failed", s.net.reconnects_failed),
+                    ],
+                )
             }),
         )?;
         family(

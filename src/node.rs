@@ -139,6 +139,13 @@ pub(crate) struct ShardLocal {
     metrics: Option<Arc<crate::metrics::Board>>,
 }
 
+impl ShardLocal {
+    /// Whether the node serves metrics ([`NodeBuilder::metrics`]).
+    pub(crate) fn serves_metrics(&self) -> bool {
+        self.metrics.is_some()
+    }
+}
+
 /// Listen addresses of peers, for connecting on first use, and the back-off state of each.
 /// Read only when an operation finds no session, so a lock shared by the shards costs nothing
 /// on the fast path.

@@ -7,7 +7,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{shardcx, NodeProc};
+use common::{output_within, shardcx, NodeProc};
+#[path = "../shards/ucx/tests/fake_cuda/mod.rs"]
+mod fake_cuda;
+use fake_cuda::FakeDriver;
 
 #[test]
 fn info_reports_ucx_memlock_cores_and_cuda() {
@@ -294,24 +297,10 @@ fn info_names_the_driver_and_devices_of_a_fake_driver() {
         eprintln!("skipped: a real CUDA driver is here (info_reports_ucx_memlock_cores_and_cuda checked it)");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("shardcx-cli-fake-cuda-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let built = std::process::Command::new("cc")
-        .args(["-shared", "-fPIC", "-O1", "-o"])
-        .arg(dir.join("libcuda.so"))
-        .arg(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("shards/ucx/tests/fake_cuda/libcuda.c"),
-        )
-        .status();
-    if !built.is_ok_and(|s| s.success()) {
-        eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+    let Some(fake) = FakeDriver::build("cli") else {
         return;
-    }
-    let path = match std::env::var("LD_LIBRARY_PATH") {
-        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
-        _ => dir.display().to_string(),
     };
+    let path = fake.library_path();
     let run = |devices: &str, json: bool| {
         let out = shardcx()
             .arg("info")
@@ -327,7 +316,6 @@ fn info_names_the_driver_and_devices_of_a_fake_driver() {
     let text = run("2", false);
     let j: serde_json::Value = serde_json::from_str(&run("2", true)).unwrap();
     let none = run("0", false);
-    let _ = std::fs::remove_dir_all(&dir);
     for want in [
         "CUDA driver:      CUDA 12.6 (12060)\n",
         "CUDA device 0:    Fake GPU 0, 8.0 GiB\n",
@@ -481,7 +469,7 @@ fn vs_perftest_puts_perftest_figures_in_the_table_and_the_json() {
     let dir = std::env::temp_dir().join(format!("shardcx-cli-vs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("vs.json");
-    let mut child = shardcx()
+    let child = shardcx()
         .args([
             "bench",
             "--vs-perftest",
@@ -497,18 +485,8 @@ fn vs_perftest_puts_perftest_figures_in_the_table_and_the_json() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let until = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            panic!("bench --vs-perftest did not finish within 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, Duration::from_secs(120), "bench --vs-perftest");
+    let status = out.status;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(status.success(), "bench failed:\n{stdout}\n{stderr}");
@@ -550,7 +528,12 @@ fn the_readme_shows_the_current_help() {
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
     for args in [&["--help"][..], &["bench", "-h"]] {
-        let out = shardcx().args(args).output().unwrap();
+        // clap shows an environment fallback's value when set.
+        let out = shardcx()
+            .args(args)
+            .env_remove("SHARDCX_PSK_FILE")
+            .output()
+            .unwrap();
         assert!(out.status.success());
         let text = String::from_utf8(out.stdout).unwrap();
         let shown = format!("$ shardcx {}\n{text}", args.join(" "));
@@ -568,7 +551,7 @@ fn the_readme_shows_the_current_help() {
 fn node_on_a_taken_port_fails_promptly() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let mut child = shardcx()
+    let child = shardcx()
         .args([
             "node",
             "--listen",
@@ -582,18 +565,12 @@ fn node_on_a_taken_port_fails_promptly() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let until = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            panic!("shardcx node on a taken port still runs after 30 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(
+        child,
+        Duration::from_secs(30),
+        "shardcx node on a taken port",
+    );
+    let status = out.status;
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(

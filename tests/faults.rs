@@ -6,13 +6,13 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use shardcx::shards::net::bootstrap::fetch_directory_blocking;
 
 mod common;
-use common::{wait_for, NodeProc};
+use common::{shardcx, wait_for, NodeProc};
 
 /// Open file descriptors of the node.
 fn fds(node: &NodeProc) -> usize {
@@ -86,7 +86,7 @@ fn garbage_tcp_connections_leak_no_fds() {
 #[test]
 fn bench_fails_promptly_when_its_peer_is_stopped() {
     let node = NodeProc::start(2, &[], false);
-    let mut bench = Command::new(env!("CARGO_BIN_EXE_shardcx"))
+    let mut bench = shardcx()
         .args(["bench", "--connect", &node.addr.to_string()])
         .args(["--test", "am-lat", "--size", "8", "--duration", "20"])
         .args(["--shards", "1", "--transport", "tcp"])

@@ -178,13 +178,33 @@ fn a_node_serves_metrics_that_promtool_accepts_and_that_move() {
         "{after}"
     );
 
+    // A scraper that asks for OpenMetrics (as Prometheus does) gets it: counter families named
+    // without `_total`, and the closing `# EOF`.
+    let om = ureq::get(&format!("http://{metrics}/metrics"))
+        .set("Accept", "application/openmetrics-text; version=1.0.0")
+        .timeout(Duration::from_secs(10))
+        .call()
+        .unwrap();
+    assert!(
+        om.content_type()
+            .starts_with("application/openmetrics-text"),
+        "{}",
+        om.content_type()
+    );
+    let om = om.into_string().unwrap();
+    assert!(om.ends_with("# EOF\n"), "{om}");
+    assert!(
+        om.contains("# TYPE shardcx_frames_delivered counter\n"),
+        "{om}"
+    );
+
     // Anything but /metrics: 404.
     let err = ureq::get(&format!("http://{metrics}/")).call().unwrap_err();
     assert!(matches!(err, ureq::Error::Status(404, _)), "{err}");
 }
 
 /// A client node's own metrics: a histogram of its RPC calls' round trips per function (every
-/// call counted once, the buckets cumulative), its forwards, and promtool accepts it all.
+/// call counted once, the buckets cumulative), and promtool accepts it all.
 #[test]
 fn rpc_calls_are_timed_per_function() {
     const CALLS: u64 = 50;

@@ -18,8 +18,10 @@ use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+mod common;
+use common::serial;
 
 /// The example binary (built by `cargo test` for the examples' sake: see `scripts/test`).
 fn fault_peer() -> PathBuf {
@@ -29,11 +31,6 @@ fn fault_peer() -> PathBuf {
         .and_then(Path::parent)
         .map(|p| p.join("examples").join("fault_peer"))
         .unwrap()
-}
-
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn run(cmd: &[&str]) -> Result<(), String> {

@@ -51,7 +51,7 @@ pub(crate) fn seconds(s: &str) -> Result<Duration, String> {
         .map_err(|_| format!("{s:?} is not a number of seconds"))
 }
 
-/// A byte count with an optional k/m/g suffix (powers of 1024), e.g. `8`, `64k`, `1m`.
+/// A byte count with an optional k or m suffix (powers of 1024), e.g. `8`, `64k`, `1m`.
 pub(crate) fn size(s: &str) -> Result<usize, String> {
     shardcx::bench::parse_size(s).ok_or_else(|| format!("cannot read size {s:?} (e.g. 8, 64k, 1m)"))
 }

@@ -183,11 +183,7 @@ fn serve(port: u16) -> Result<(), String> {
         _ => None,
     })?;
     let header = side.recv(ep)?;
-    let pings = header
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map(u64::from_le_bytes)
-        .ok_or("bad header")?;
+    let pings = bridge::read_u64(&header, 0).ok_or("bad header")?;
     for _ in 0..pings {
         let data = side.recv(ep)?;
         side.send(ep, data)?;

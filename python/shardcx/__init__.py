@@ -439,6 +439,19 @@ class Node:
             raise ValueError("deadline must not be negative")
         return float(deadline)
 
+    def _submit(self, submit: Callable[[int], None], owner: Any = None) -> tuple:
+        """Hands an operation to its shard (``submit`` with a fresh op id) and returns the id
+        and the future its completion resolves; ``owner`` (an endpoint) tracks it too."""
+        if self._rt is None or self.stopped():
+            raise Closed("the node is not running")
+        op = next(self._op_ids)
+        fut = self._loop.create_future()
+        submit(op)
+        self._ops[op] = fut
+        if owner is not None:
+            owner._pending[op] = fut
+        return op, fut
+
     async def _call(
         self,
         shard: int,
@@ -449,16 +462,9 @@ class Node:
         """Submits an operation to ``shard`` and waits for its completion. A cancelled wait
         cancels the operation on the shard. ``on_done`` maps the result as the completion is
         read (in the event batch, not when the waiting task resumes)."""
-        if self._rt is None or self.stopped():
-            raise Closed("the node is not running")
-        op = next(self._op_ids)
-        fut = self._loop.create_future()
-        submit(op)
-        self._ops[op] = fut
+        op, fut = self._submit(submit, owner)
         if on_done is not None:
             self._on_done[op] = on_done
-        if owner is not None:
-            owner._pending[op] = fut
         try:
             return await fut
         except asyncio.CancelledError:
@@ -686,22 +692,21 @@ class Endpoint:
         mv = _byte_view(buf)
         wire = (self._remote_ep << _EP_SHIFT) | _check_tag(tag)
         node = self._node
-        # The runtime's limit counts the 8-byte tag trailer; refused here, before hand-off.
-        if len(mv) + 8 > node._max_message_size:
+        # The runtime's limit counts the tag trailer; refused here, before hand-off.
+        trailer = _shardcx.TAG_TRAILER_LEN
+        if len(mv) + trailer > node._max_message_size:
             raise TooLarge(
                 f"message of {len(mv)} bytes is over this node's limit "
-                f"(max_message_size={node._max_message_size}, 8 bytes of it for the tag)"
+                f"(max_message_size={node._max_message_size}, {trailer} bytes of it for the tag)"
             )
-        if node._rt is None or node.stopped():
-            raise Closed("the node is not running")
-        op = next(node._op_ids)
-        node._rt.tag_send(
-            op, self._shard, self._peer_node, self._remote_shard, wire, mv, node._dl(deadline)
+        dl = node._dl(deadline)
+        op, fut = node._submit(
+            lambda op: node._rt.tag_send(
+                op, self._shard, self._peer_node, self._remote_shard, wire, mv, dl
+            ),
+            owner=self,
         )
         self._sent += 1
-        fut = node._loop.create_future()
-        node._ops[op] = fut
-        self._pending[op] = fut
         self._sends.append(fut)
         fut.add_done_callback(lambda f: self._send_done(op, f))
         # Back-pressure: at most SEND_WINDOW sends in flight per endpoint.

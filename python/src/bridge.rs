@@ -24,8 +24,7 @@ use std::time::{Duration, Instant};
 
 use futures_lite::FutureExt;
 use shardcx::proto::handshake::RejectReason;
-use shardcx::proto::wire::TagLayout;
-use shardcx::proto::{Tag, TagKind, TagMask};
+use shardcx::proto::{Tag, TagKind};
 use shardcx::shards::net::Dest;
 use shardcx::shards::{DriverConfig, NetConfig, NetError, Placement};
 use shardcx::tag::TagConfig;
@@ -352,6 +351,12 @@ pub(crate) fn read_u32(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(bytes))
 }
 
+/// The little-endian `u64` at `at` in `b`, if there is one.
+pub(crate) fn read_u64(b: &[u8], at: usize) -> Option<u64> {
+    let bytes: [u8; 8] = b.get(at..at + 8)?.try_into().ok()?;
+    Some(u64::from_le_bytes(bytes))
+}
+
 /// Runs `fut`, or fails with `Timeout` once `timeout` has passed.
 pub(crate) async fn within<T>(
     what: &str,
@@ -397,17 +402,11 @@ pub(crate) async fn run_op(node: Node, shared: Arc<Shared>, cmd: Cmd) -> Result<
             timeout,
             ..
         } => {
-            let pattern = Tag::new(TagKind::User, ShardId::new(0), pattern & mask)
-                .map_err(|e| ErrInfo::new("Error", e.to_string()))?;
-            let mask = TagMask::from_raw(TagLayout::KIND_MASK | (mask & TagLayout::USER_MASK));
-            match ctx.tag_recv(peer, pattern, mask, timeout).await {
-                Ok((tag, data)) => Ok(Value::Tagged(tag.user() & MAX_TAG, data)),
-                Err(NetError::TimedOut { .. }) => Err(ErrInfo::new(
-                    "Timeout",
-                    format!("recv timed out after {timeout:?}"),
-                )),
-                Err(e) => Err(ErrInfo::from_net(&e)),
-            }
+            let (tag, data) = Peer::new(peer)
+                .tag_recv_within(pattern, mask, timeout)
+                .await
+                .map_err(|e| ErrInfo::from_error(&e))?;
+            Ok(Value::Tagged(tag & MAX_TAG, data))
         }
         Cmd::AmSend {
             dest,
@@ -570,11 +569,7 @@ pub(crate) fn with_handlers(b: shardcx::NodeBuilder, shared: &Arc<Shared>) -> sh
     b.on_am(AM_CLOSE, move || {
         let shared = s.clone();
         move |_: &Node, msg: AmMsg| {
-            let sent = msg
-                .header()
-                .get(4..12)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map(u64::from_le_bytes);
+            let sent = read_u64(msg.header(), 4);
             if let (Some(ep), Some(sent)) = (read_u32(msg.header(), 0), sent) {
                 shared.push(Event::PeerClosed { ep, sent });
             }
@@ -652,6 +647,10 @@ pub(crate) async fn serve_shard(node: Node, shared: Arc<Shared>, shard_count: us
         .detach();
         tasks.borrow_mut().insert(op, task);
     }
+    // The inbox (shared with Python's thread, which may drop it last) must not keep this
+    // executor's waker: a glommio waker dropped on another thread after its executor ended
+    // leaks the executor (see `shards/src/mesh.rs`, the doorbell).
+    lock(&inbox.state).waker = None;
     // Operations still running end with the node: they fail as the connections close.
 }
 
@@ -806,11 +805,6 @@ impl Bridge {
     /// Whether new endpoints opened by remote nodes are accepted.
     pub(crate) fn set_accepting(&self, on: bool) {
         self.shared.accepting.store(on, Ordering::Release);
-    }
-
-    /// Number of shards.
-    pub(crate) fn shard_count(&self) -> usize {
-        self.shared.inboxes.len()
     }
 
     /// Asks the node to stop.

@@ -351,11 +351,6 @@ impl Runtime {
         self.bridge.set_accepting(on);
     }
 
-    /// Number of shards.
-    fn shard_count(&self) -> usize {
-        self.bridge.shard_count()
-    }
-
     /// Asks the node to stop (it drains, closes its connections and ends; a `stopped` event
     /// follows).
     fn stop(&self) {
@@ -403,6 +398,7 @@ fn _shardcx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_TAG", MAX_TAG)?;
     m.add("EP_BITS", EP_BITS)?;
     m.add("USER_TAG_BITS", USER_TAG_BITS)?;
+    m.add("TAG_TRAILER_LEN", shardcx::shards::tag::TAG_TRAILER_LEN)?;
     m.add("DEFAULT_DEADLINE", shardcx::DEFAULT_DEADLINE.as_secs_f64())?;
     Ok(())
 }

@@ -15,8 +15,8 @@
 //! (not yet on the data path).
 
 pub use crate::ucx::cuda::{
-    driver, probe, CudaDevice, CudaError, CudaMode, CudaProbe, DeviceBuffer, DeviceInfo,
-    DriverInfo, ModeRequest, PendingCopy, PinnedBuf, Unavailable, CUDA_MODE_ENV,
+    device_unavailable, driver, probe, CudaDevice, CudaError, CudaMode, CudaProbe, DeviceBuffer,
+    DeviceInfo, DriverInfo, ModeRequest, PendingCopy, PinnedBuf, Unavailable, CUDA_MODE_ENV,
 };
 
 use crate::proto::staging::{BufferId, CopyDirection, CopyEngine, CopyOp};
@@ -154,9 +154,8 @@ impl ShardCuda {
         let device = match (&probe.mode, &probe.driver) {
             (CudaMode::Off, _) | (_, Err(_)) => None,
             (_, Ok(d)) => {
-                let device = CudaDevice::open(shard % d.devices.len().max(1))?;
-                device.make_current()?;
-                Some(device)
+                // `open` leaves the device's context current on this thread.
+                Some(CudaDevice::open(shard % d.devices.len().max(1))?)
             }
         };
         Ok(Self { probe, device })
@@ -187,11 +186,9 @@ impl ShardCuda {
 
     /// The error device operations return on a shard whose mode is off.
     fn unavailable(&self) -> CudaError {
-        match &self.probe.driver {
-            Err(u) => CudaError::Unavailable(u.clone()),
-            Ok(d) if d.devices.is_empty() => CudaError::Unavailable(Unavailable::NoDevice),
-            // Off by request, with a driver and a device.
-            Ok(_) => CudaError::Unavailable(Unavailable::TurnedOff),
-        }
+        // With a driver and a device: off by request.
+        CudaError::Unavailable(
+            device_unavailable(self.probe.driver.as_ref()).unwrap_or(Unavailable::TurnedOff),
+        )
     }
 }

@@ -12,14 +12,15 @@
 use std::rc::Rc;
 
 use shardcx_shards::cuda::{
-    driver, CudaCopyEngine, CudaDevice, CudaError, CudaMode, DeviceBuffer, ModeRequest, PinnedBuf,
-    Unavailable,
+    device_unavailable, driver, CudaCopyEngine, CudaDevice, CudaError, CudaMode, DeviceBuffer,
+    ModeRequest, PinnedBuf,
 };
 use shardcx_shards::proto::staging::{Direction, Staging, StagingConfig, State};
 use shardcx_shards::{BootError, Placement, ShardCtx, ShardsBuilder};
 
-/// Set in the child process that runs against the fake driver.
-const FAKE_ENV: &str = "SHARDCX_TEST_FAKE_CUDA";
+#[path = "../ucx/tests/fake_cuda/mod.rs"]
+mod fake_cuda;
+use fake_cuda::{FakeDriver, FAKE_ENV};
 
 fn builder(request: ModeRequest) -> ShardsBuilder {
     ShardsBuilder::new()
@@ -50,11 +51,7 @@ fn modes(request: ModeRequest) -> Result<Vec<Seen>, BootError> {
 fn every_shard_probes_and_an_off_shard_refuses_device_memory() {
     let got = modes(ModeRequest::Auto).expect("auto always starts");
     assert_eq!(got.len(), 2);
-    let no_device = match driver() {
-        Err(u) => Some(u),
-        Ok(d) if d.devices.is_empty() => Some(Unavailable::NoDevice),
-        Ok(_) => None,
-    };
+    let no_device = device_unavailable(driver().as_ref().map(|d| *d));
     for (mode, reason, alloc) in got {
         match &no_device {
             Some(u) => {
@@ -175,31 +172,13 @@ fn gpu_branches_against_a_fake_driver() {
     if std::env::var_os(FAKE_ENV).is_some() || driver().is_ok() {
         return; // The child itself, or a real driver that the tests already ran against.
     }
-    let src =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ucx/tests/fake_cuda/libcuda.c");
-    let dir = std::env::temp_dir().join(format!("shardcx-shards-fake-cuda-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let built = std::process::Command::new("cc")
-        .args(["-shared", "-fPIC", "-O1", "-o"])
-        .arg(dir.join("libcuda.so"))
-        .arg(&src)
-        .status();
-    if !built.is_ok_and(|s| s.success()) {
-        eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+    let Some(fake) = FakeDriver::build("shards") else {
         return;
-    }
-    let path = match std::env::var("LD_LIBRARY_PATH") {
-        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
-        _ => dir.display().to_string(),
     };
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--skip", "gpu_branches_against_a_fake_driver"])
-        .env("LD_LIBRARY_PATH", path)
-        .env(FAKE_ENV, "1")
-        .env_remove(shardcx_shards::cuda::CUDA_MODE_ENV)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    let out = fake.rerun(
+        &["--skip", "gpu_branches_against_a_fake_driver"],
+        shardcx_shards::cuda::CUDA_MODE_ENV,
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

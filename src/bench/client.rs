@@ -674,10 +674,7 @@ impl Session {
         let budget = cfg
             .budget
             .unwrap_or_else(|| Budget::Iters(test.default_iters(size)));
-        let warmup = cfg.warmup.unwrap_or(match budget {
-            Budget::Iters(n) => (n / 10).min(1000),
-            Budget::Duration(_) => 1000,
-        });
+        let warmup = cfg.warmup.unwrap_or(budget.default_warmup());
         let capped = cfg.window.min((BW_IN_FLIGHT / size.max(1)).max(1));
         match test {
             Test::AmLat => self.am_lat(size, budget, warmup, progress).await,

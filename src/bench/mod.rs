@@ -280,6 +280,17 @@ pub enum Budget {
     Duration(Duration),
 }
 
+impl Budget {
+    /// Iterations before measuring when `--warmup` is not given: a tenth of the measured
+    /// iterations, at most 1000 (1000 for a budget of time).
+    pub fn default_warmup(self) -> u64 {
+        match self {
+            Budget::Iters(n) => (n / 10).min(1000),
+            Budget::Duration(_) => 1000,
+        }
+    }
+}
+
 /// The figures of one shard, or of all shards merged, for one test and size.
 #[derive(Debug, Clone)]
 pub struct Figures {

@@ -66,9 +66,8 @@ struct NodeArgs {
     )]
     listen: SocketAddr,
     /// Shards of the node.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256),
-          value_name = "N")]
-    shards: u16,
+    #[arg(long, default_value_t = 1, value_parser = shard_count, value_name = "N")]
+    shards: usize,
     /// Transport: shm (shared memory for data, tcp to connect), tcp, or auto.
     #[arg(long, default_value = "shm", value_parser = transport, value_name = "T")]
     transport: Transport,
@@ -219,6 +218,7 @@ fn main() -> ExitCode {
 /// Where the loaded libucp came from: `LD_LIBRARY_PATH`, this build's run path, or the
 /// system's search path.
 fn ucx_source(loaded: Option<&str>) -> String {
+    // Always set by the build script (build-support/ucx_rpath.rs).
     let rpath = env!("SHARDCX_UCX_RPATH");
     let Some(loaded) = loaded else {
         return "unknown (the loaded library's path could not be read)".into();
@@ -235,14 +235,10 @@ fn ucx_source(loaded: Option<&str>) -> String {
             return "LD_LIBRARY_PATH (it comes before this build's run path)".into();
         }
     }
-    if !rpath.is_empty() && canon(std::path::Path::new(rpath)) == loaded_dir {
+    if canon(std::path::Path::new(rpath)) == loaded_dir {
         return format!("this build's run path ({rpath}, the UCX that ucx1-sys built)");
     }
-    if rpath.is_empty() {
-        "the system's library search path (this build has no run path to UCX)".into()
-    } else {
-        format!("the system's library search path (this build's run path {rpath} had none)")
-    }
+    format!("the system's library search path (this build's run path {rpath} had none)")
 }
 
 fn info(json: bool) -> Result<(), Failure> {
@@ -504,8 +500,6 @@ fn cpu_list() -> Vec<usize> {
 
 // ---------------------------------------------------------------------------------------------
 // node
-// ---------------------------------------------------------------------------------------------
-// node
 
 fn node(a: NodeArgs) -> Result<(), Failure> {
     if a.peers.is_some() {
@@ -516,7 +510,7 @@ fn node(a: NodeArgs) -> Result<(), Failure> {
     }
     let cfg = ServeConfig {
         listen: a.listen,
-        shards: usize::from(a.shards),
+        shards: a.shards,
         transport: a.transport,
         psk: match &a.psk_file {
             Some(f) => psk_file(f)?,
@@ -564,9 +558,8 @@ fn node(a: NodeArgs) -> Result<(), Failure> {
 // ---------------------------------------------------------------------------------------------
 // bench
 
-fn bench(a: BenchArgs) -> Result<(), Failure> {
+fn bench(o: BenchArgs) -> Result<(), Failure> {
     let cpus = cpu_list();
-    let o = a;
     let tests = if o.tests.is_empty() {
         Test::ALL.to_vec()
     } else {
@@ -595,8 +588,8 @@ fn bench(a: BenchArgs) -> Result<(), Failure> {
     }
     // Default placement: the local peer on the last CPU, the client on the others first.
     let last = *cpus.last().unwrap_or(&0);
-    let server_cores = server_cores_opt.clone().unwrap_or_else(|| vec![last]);
-    let client_cores = client_cores_opt.clone().unwrap_or_else(|| {
+    let server_cores = server_cores_opt.unwrap_or_else(|| vec![last]);
+    let client_cores = client_cores_opt.unwrap_or_else(|| {
         let mut c: Vec<usize> = cpus.iter().copied().filter(|&c| c != last).collect();
         c.push(last);
         c
@@ -683,7 +676,15 @@ fn bench(a: BenchArgs) -> Result<(), Failure> {
                 server: server_cores.first().copied(),
                 client: client_cores.first().copied(),
             };
-            compare_with_perftest(&mut results, transport, binary, cpus, o.warmup, o.quiet);
+            compare_with_perftest(
+                &mut results,
+                transport,
+                binary,
+                cpus,
+                o.warmup,
+                budget,
+                o.quiet,
+            );
         }
     }
     // Grouped by test in `--test` order; within a test, in run order (a stable sort).
@@ -717,6 +718,7 @@ fn compare_with_perftest(
     binary: &perftest::Binary,
     cpus: PerftestCpus,
     warmup: Option<u64>,
+    budget: Option<Budget>,
     quiet: bool,
 ) {
     type Key = (&'static str, usize, u64, u64);
@@ -731,8 +733,9 @@ fn compare_with_perftest(
             continue;
         };
         let iters = shard0.figures.msgs.max(1);
-        // As shardcx's own default: a tenth of the iterations, at most 1000.
-        let warmup = warmup.unwrap_or((iters / 10).min(1000));
+        // As shardcx's own run of the test did.
+        let warmup =
+            warmup.unwrap_or_else(|| budget.unwrap_or(Budget::Iters(iters)).default_warmup());
         let key = (counterpart.test, m.size, iters, warmup);
         let outcome = match ran.iter().find(|(k, _)| *k == key) {
             Some((_, outcome)) => outcome.clone(),

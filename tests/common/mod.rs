@@ -30,6 +30,24 @@ pub(crate) fn two_shard_node(id: NodeId, key: &[u8]) -> NodeBuilder {
         .psk(key)
 }
 
+/// Waits at most `limit` for `child` to exit, reading its piped output meanwhile (so that a
+/// chatty child cannot block on a full pipe), and kills it past the limit, failing the test
+/// with `what`.
+pub(crate) fn output_within(child: Child, limit: Duration, what: &str) -> std::process::Output {
+    let pid = child.id().to_string();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            panic!("{what} did not finish within {limit:?}");
+        }
+    }
+}
+
 /// One test at a time in this binary (two nodes of two shards each fill the locked-memory
 /// limit).
 pub(crate) fn serial() -> MutexGuard<'static, ()> {

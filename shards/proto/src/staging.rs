@@ -504,8 +504,7 @@ impl Staging {
 
     /// Chunk `index` is complete; its buffer is free.
     fn finish(&mut self, index: u32, buffer: BufferId) {
-        self.slots[index as usize] = Slot::Done;
-        self.free.push(buffer);
+        self.drop_chunk(index, buffer);
         self.done += 1;
     }
 
@@ -887,7 +886,6 @@ mod tests {
         };
         let mut s = Staging::new(Direction::Send, 4 * MIB as u64, cfg).unwrap();
         let mut fake = Fake::new(pattern(4 * MIB, 1), vec![0; 4 * MIB], cfg, 7);
-        fake.rng = Rng::new(1);
         struct Manual<'a>(&'a mut Fake, Vec<u32>);
         impl CopyEngine for Manual<'_> {
             type Error = &'static str;

@@ -501,6 +501,20 @@ impl Traffic {
 }
 
 impl NetStats {
+    /// The frames dropped, by reason, each with its name in metrics and logs (`reason` label).
+    pub fn dropped_by_reason(&self) -> [(&'static str, u64); 8] {
+        [
+            ("unauthenticated", self.dropped_unauthenticated),
+            ("malformed", self.dropped_malformed),
+            ("misrouted", self.dropped_misrouted),
+            ("no_handler", self.dropped_no_handler),
+            ("too_large", self.dropped_too_large),
+            ("expired", self.dropped_expired),
+            ("unmatched_reply", self.dropped_unmatched),
+            ("other", self.dropped_other),
+        ]
+    }
+
     /// Counts one frame of `header`'s kind and payload in (`inbound`) or out.
     pub(crate) fn traffic(&mut self, header: &FrameHeader, inbound: bool) {
         if let Some(t) = Traffic::of(header.kind, header.id) {

@@ -14,16 +14,9 @@ use crate::boot::ShardCtx;
 pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(1);
 
 /// The counters reported, with their names in the log line.
-fn problems(s: &NetStats) -> [(&'static str, u64); 17] {
-    [
-        ("unauthenticated", s.dropped_unauthenticated),
-        ("malformed", s.dropped_malformed),
-        ("misrouted", s.dropped_misrouted),
-        ("no_handler", s.dropped_no_handler),
-        ("too_large", s.dropped_too_large),
-        ("expired", s.dropped_expired),
-        ("unmatched_reply", s.dropped_unmatched),
-        ("other", s.dropped_other),
+fn problems(s: &NetStats) -> Vec<(&'static str, u64)> {
+    let mut all = s.dropped_by_reason().to_vec();
+    all.extend([
         ("declined", s.declined),
         ("handler_panics", s.handler_panics),
         ("dispatch_budget_hits", s.dispatch_budget_hits),
@@ -33,7 +26,8 @@ fn problems(s: &NetStats) -> [(&'static str, u64); 17] {
         ("openings_over_cap", s.openings_over_cap),
         ("pending_refused", s.pending_refused),
         ("pending_expired", s.pending_expired),
-    ]
+    ]);
+    all
 }
 
 /// What grew from `before` to `now`, as `name=count` pairs; empty when nothing did.

@@ -102,8 +102,8 @@ use crate::proto::handshake::{
     accept_join, HandshakeError, HandshakeMessage, PeerInfo, RejectReason, Role,
 };
 use crate::proto::{
-    Connection, Event, FrameHeader, FrameKind, Incarnation, NodeId, Rail, Rails, ReqId, Seeds,
-    SessionSecret, ShardId, State, Timestamp,
+    ConnConfig, Connection, Event, FrameHeader, FrameKind, Incarnation, NodeId, PreSharedKey, Rail,
+    Rails, ReqId, Seeds, SessionSecret, ShardId, State, Timestamp,
 };
 use crate::ucx::{Endpoint, WorkerAddress};
 
@@ -263,13 +263,8 @@ pub(super) fn accept_opening(
     let Ok(seeds) = seeds() else {
         return false;
     };
-    let cfg = net
-        .settings
-        .cfg
-        .conn_config(&net.settings, psk, shard_count_u16(ctx), ctx.id());
-    let address = WorkerAddress::from_bytes(addr.to_vec());
-    let Ok(ep) = Endpoint::connect_to_worker(ctx.worker(), &address, net.ep_options()) else {
-        net.count(|s| s.dropped_malformed += 1);
+    let cfg = rail_config(ctx, net, psk);
+    let Some(ep) = endpoint_to(ctx, net, addr) else {
         return false;
     };
     let conn = match &msg {
@@ -352,15 +347,8 @@ pub(super) fn open_beside(
         return None;
     }
     let seeds = seeds().ok()?;
-    let cfg = net
-        .settings
-        .cfg
-        .conn_config(&net.settings, psk, shard_count_u16(ctx), ctx.id());
-    let address = WorkerAddress::from_bytes(addr.to_vec());
-    let Ok(ep) = Endpoint::connect_to_worker(ctx.worker(), &address, net.ep_options()) else {
-        net.count(|s| s.dropped_malformed += 1);
-        return None;
-    };
+    let cfg = rail_config(ctx, net, psk);
+    let ep = endpoint_to(ctx, net, addr)?;
     let conn = Connection::server_beside(net.now(), cfg, seeds, ready);
     let rail = make_rail(ctx, net, node, remote, conn, ep);
     let generation = rail.generation;
@@ -827,6 +815,24 @@ fn fail_error(node: NodeId, reason: FailReason) -> NetError {
     }
 }
 
+/// The settings of a connection of this shard's rails.
+fn rail_config(ctx: &ShardCtx, net: &NetState, psk: PreSharedKey) -> ConnConfig {
+    net.settings
+        .cfg
+        .conn_config(&net.settings, psk, shard_count_u16(ctx), ctx.id())
+}
+
+/// An endpoint to the worker address a `Hello` or `Join` carried; `None` (counted as
+/// malformed) when UCX refuses the address.
+fn endpoint_to(ctx: &ShardCtx, net: &NetState, addr: &[u8]) -> Option<Endpoint> {
+    let address = WorkerAddress::from_bytes(addr.to_vec());
+    let ep = Endpoint::connect_to_worker(ctx.worker(), &address, net.ep_options()).ok();
+    if ep.is_none() {
+        net.count(|s| s.dropped_malformed += 1);
+    }
+    ep
+}
+
 pub(super) fn shard_count_u16(ctx: &ShardCtx) -> u16 {
     u16::try_from(ctx.shard_count()).unwrap_or(u16::MAX)
 }
@@ -894,10 +900,7 @@ async fn open_rail(
         let psk = net.settings.psk.clone().ok_or(NetError::NoKey)?;
         let ep = Endpoint::connect_to_worker(ctx.worker(), &address, net.ep_options())
             .map_err(|source| NetError::Ucx { source })?;
-        let cfg = net
-            .settings
-            .cfg
-            .conn_config(&net.settings, psk, shard_count_u16(ctx), ctx.id());
+        let cfg = rail_config(ctx, net, psk);
         let mut conn = match how {
             Opening::Primary { .. } => Connection::client(cfg, node, remote, seeds()?),
             Opening::Join(s) => Connection::join_client(cfg, s.peer, s.secret, remote, seeds()?),

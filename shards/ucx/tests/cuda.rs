@@ -2,8 +2,7 @@
 //!
 //! Without a driver (CI, this project's build machine) every device API must return
 //! `CudaError::Unavailable` with the driver's reason and the probe must say "off" with that
-//! reason; with a GPU (the GPU machine, `scripts/gpu-check`) the same tests move real bytes
-//! through device memory instead.
+//! reason; with a GPU the same tests move real bytes through device memory instead.
 //!
 //! Where there is no GPU but a C compiler, [`gpu_branches_against_a_fake_driver`] also runs
 //! every other test of this file again in a child process that loads `tests/fake_cuda`'s fake
@@ -16,24 +15,9 @@ use shardcx_ucx::cuda::{
 };
 use shardcx_ucx::{Context, Features};
 
-/// Set in the child process that runs against the fake driver.
-const FAKE_ENV: &str = "SHARDCX_TEST_FAKE_CUDA";
-
-/// Builds the fake driver into a fresh directory with the system C compiler (`cc`); `None`
-/// when there is none.
-fn build_fake_driver() -> Option<std::path::PathBuf> {
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake_cuda/libcuda.c");
-    let dir = std::env::temp_dir().join(format!("shardcx-fake-cuda-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let lib = dir.join("libcuda.so");
-    let status = std::process::Command::new("cc")
-        .args(["-shared", "-fPIC", "-O1", "-o"])
-        .arg(&lib)
-        .arg(&src)
-        .status()
-        .ok()?;
-    status.success().then_some(dir)
-}
+#[path = "fake_cuda/mod.rs"]
+mod fake_cuda;
+use fake_cuda::{FakeDriver, FAKE_ENV};
 
 fn context() -> Context {
     let mut config = shardcx_ucx::Config::from_env().expect("config");
@@ -43,11 +27,7 @@ fn context() -> Context {
 
 /// The driver's reason to be unavailable here, or `None` on a machine with a CUDA device.
 fn unavailable() -> Option<Unavailable> {
-    match cuda::driver() {
-        Err(u) => Some(u),
-        Ok(d) if d.devices.is_empty() => Some(Unavailable::NoDevice),
-        Ok(_) => None,
-    }
+    cuda::device_unavailable(cuda::driver().as_ref().map(|d| *d))
 }
 
 #[test]
@@ -218,27 +198,18 @@ fn gpu_branches_against_a_fake_driver() {
         eprintln!("skipped: a real CUDA driver is here, the tests ran against it");
         return;
     }
-    let Some(dir) = build_fake_driver() else {
-        eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+    let Some(fake) = FakeDriver::build("ucx") else {
         return;
     };
-    let path = match std::env::var("LD_LIBRARY_PATH") {
-        Ok(old) if !old.is_empty() => format!("{}:{old}", dir.display()),
-        _ => dir.display().to_string(),
-    };
-    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
-        .args([
+    let out = fake.rerun(
+        &[
             "--skip",
             "gpu_branches_against_a_fake_driver",
             "--test-threads",
             "1",
-        ])
-        .env("LD_LIBRARY_PATH", path)
-        .env(FAKE_ENV, "1")
-        .env_remove(cuda::CUDA_MODE_ENV)
-        .output()
-        .expect("run the tests again");
-    let _ = std::fs::remove_dir_all(&dir);
+        ],
+        cuda::CUDA_MODE_ENV,
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

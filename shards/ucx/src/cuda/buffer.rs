@@ -161,15 +161,11 @@ impl DeviceBuffer {
             device: device.clone(),
             _not_sync: PhantomData,
         };
-        if rc != CUDA_SUCCESS {
+        if let Err(e) = check("cuMemAlloc", rc) {
             // Drop frees the event; `ptr` is 0, which `Drop` skips.
             let mut buffer = buffer;
             buffer.ptr = 0;
-            return Err(CudaError::Driver {
-                op: "cuMemAlloc",
-                code: rc,
-                message: drv::describe(rc),
-            });
+            return Err(e);
         }
         Ok(buffer)
     }

@@ -152,6 +152,16 @@ pub enum ModeRequest {
     ZeroCopy,
 }
 
+/// Why there is no device to use with `driver` (the probed driver, or why there is none):
+/// its own reason, [`Unavailable::NoDevice`] when it sees no device, `None` when it has one.
+pub fn device_unavailable(driver: Result<&DriverInfo, &Unavailable>) -> Option<Unavailable> {
+    match driver {
+        Err(u) => Some(u.clone()),
+        Ok(d) if d.devices.is_empty() => Some(Unavailable::NoDevice),
+        Ok(_) => None,
+    }
+}
+
 /// What [`probe`] found and decided for one UCX context.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaProbe {
@@ -211,11 +221,7 @@ impl ModeRequest {
         ucx_memory_types: Result<MemoryTypes, &str>,
     ) -> Result<(CudaMode, Option<String>), CudaError> {
         let ucx_moves_cuda = ucx_memory_types.is_ok_and(MemoryTypes::cuda);
-        let device = match driver {
-            Err(u) => Err(u.clone()),
-            Ok(d) if d.devices.is_empty() => Err(Unavailable::NoDevice),
-            Ok(_) => Ok(()),
-        };
+        let device = device_unavailable(driver).map_or(Ok(()), Err);
         match self {
             ModeRequest::Off => Ok((CudaMode::Off, Some(Unavailable::TurnedOff.to_string()))),
             ModeRequest::ZeroCopy if !ucx_moves_cuda => Err(CudaError::ZeroCopyUnsupported {

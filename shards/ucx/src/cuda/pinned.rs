@@ -216,23 +216,24 @@ impl super::DeviceBuffer {
 
 impl PendingCopy {
     /// The pinned buffer once the copy is done (`Some(Ok)`), `None` while it runs, or the
-    /// driver's error with the buffer (the copy's result is then unknown, but the device no
-    /// longer touches the buffer: a failed event query means the context has failed).
+    /// driver's error with the buffer (the copy's result is then unknown; the buffer comes back
+    /// only after a wait for the whole stream, as a copy whose event could not be recorded does, since
+    /// not every failed query means a failed context that runs no more copies).
     pub fn poll(&mut self) -> Option<Result<PinnedBuf, (CudaError, PinnedBuf)>> {
-        let query = match drv::cu_event_query() {
-            Ok(q) => q,
-            Err(e) => return self.buf.take().map(|b| Err((e, b))),
-        };
-        // SAFETY: cuda.h (`cuEventQuery`): a live event (recorded after the copy); never blocks.
-        let rc = unsafe { query(self.event) };
-        match rc {
-            CUDA_ERROR_NOT_READY => None,
-            CUDA_SUCCESS => self.buf.take().map(Ok),
-            rc => {
-                let e = check("cuEventQuery", rc).err()?;
-                self.buf.take().map(|b| Err((e, b)))
+        let failed = match drv::cu_event_query() {
+            Ok(query) => {
+                // SAFETY: cuda.h (`cuEventQuery`): a live event (recorded after the copy);
+                // never blocks.
+                match unsafe { query(self.event) } {
+                    CUDA_ERROR_NOT_READY => return None,
+                    CUDA_SUCCESS => return self.buf.take().map(Ok),
+                    rc => check("cuEventQuery", rc).err()?,
+                }
             }
-        }
+            Err(e) => e,
+        };
+        let _ = self._device.synchronize_stream();
+        self.buf.take().map(|b| Err((failed, b)))
     }
 
     /// Whether the copy is done (`poll` has nothing more to give once it has returned the
@@ -286,10 +287,14 @@ impl Drop for PendingCopy {
     fn drop(&mut self) {
         if !self.event.is_null() {
             if self.buf.is_some() {
-                if let Ok(sync) = drv::cu_event_synchronize() {
+                let waited = drv::cu_event_synchronize().and_then(|sync| {
                     // SAFETY: cuda.h (`cuEventSynchronize`): waits for a live event, recorded
                     // after the copy, so the pinned buffer is free of DMA once it returns.
-                    let _ = unsafe { sync(self.event) };
+                    check("cuEventSynchronize", unsafe { sync(self.event) })
+                });
+                if waited.is_err() {
+                    // The buffer is freed below: the whole stream first.
+                    let _ = self._device.synchronize_stream();
                 }
             }
             if let Ok(destroy) = drv::cu_event_destroy() {

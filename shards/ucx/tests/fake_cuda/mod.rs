@@ -1,0 +1,66 @@
+//! The tests' fake `libcuda` (`libcuda.c`: device memory in host memory, copies done at once),
+//! built with the system C compiler. Shared by the CUDA tests of `shards/ucx`, `shards` and the
+//! `shardcx` command (`#[path = ".../fake_cuda/mod.rs"] mod fake_cuda;`).
+
+#![allow(dead_code)] // Each test binary uses the parts it needs.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// Set in the child process that runs a test binary again against the fake driver.
+pub(crate) const FAKE_ENV: &str = "SHARDCX_TEST_FAKE_CUDA";
+
+/// A fresh directory holding the fake `libcuda.so`; removed on drop.
+pub(crate) struct FakeDriver {
+    dir: PathBuf,
+}
+
+impl FakeDriver {
+    /// Builds the fake driver (`tag` names its directory); `None`, with the reason printed,
+    /// when there is no C compiler (`cc`).
+    pub(crate) fn build(tag: &str) -> Option<FakeDriver> {
+        let dir =
+            std::env::temp_dir().join(format!("shardcx-{tag}-fake-cuda-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let src = dir.join("libcuda.c");
+        std::fs::write(&src, include_str!("libcuda.c")).expect("write libcuda.c");
+        let driver = FakeDriver { dir };
+        let built = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O1", "-o"])
+            .arg(driver.dir.join("libcuda.so"))
+            .arg(&src)
+            .status();
+        if built.is_ok_and(|s| s.success()) {
+            Some(driver)
+        } else {
+            eprintln!("skipped: no C compiler (cc) to build the fake CUDA driver");
+            None
+        }
+    }
+
+    /// `LD_LIBRARY_PATH` with the fake driver's directory first.
+    pub(crate) fn library_path(&self) -> String {
+        match std::env::var("LD_LIBRARY_PATH") {
+            Ok(old) if !old.is_empty() => format!("{}:{old}", self.dir.display()),
+            _ => self.dir.display().to_string(),
+        }
+    }
+
+    /// Runs this test binary again against the fake driver, with `args` (e.g. `--skip` the
+    /// caller), [`FAKE_ENV`] set and no mode override; its output.
+    pub(crate) fn rerun(&self, args: &[&str], mode_env: &str) -> Output {
+        Command::new(std::env::current_exe().expect("this test binary"))
+            .args(args)
+            .env("LD_LIBRARY_PATH", self.library_path())
+            .env(FAKE_ENV, "1")
+            .env_remove(mode_env)
+            .output()
+            .expect("run the tests again")
+    }
+}
+
+impl Drop for FakeDriver {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
