@@ -108,7 +108,12 @@ fn a_node_serves_metrics_that_promtool_accepts_and_that_move() {
     for _ in 0..40 {
         std::thread::sleep(Duration::from_millis(100));
         after = scrape(&metrics);
-        if total(&after, "shardcx_frames_delivered_total") >= 2 * 2 * 200 {
+        // Every figure the test checks must be fresh: shards publish on
+        // their own clocks, so one can be up to date while another is not.
+        if total(&after, "shardcx_frames_delivered_total") >= 2 * 2 * 200
+            && total(&after, "shardcx_frames_sent_total") >= 2 * 200
+            && total(&after, "shardcx_rpc_calls_total") >= 2 * 200
+        {
             break;
         }
     }
