@@ -24,10 +24,17 @@ handed to a shard and return futures; completions come back on the loop's thread
 file descriptor the loop watches. Endpoints are channels on the authenticated session between
 two nodes (one pre-shared-key handshake per node pair).
 
+Rust RPC functions declared over bytes (``Vec<u8> => Vec<u8>``) are called by name::
+
+    async with shardcx.Node(psk=key) as node:
+        peer = await node.connect("127.0.0.1", port)        # no listener needed there
+        reply = await peer.call("shardcx.bench.echo", b"ping")
+
 Every call takes ``deadline=`` (seconds; the node's default when left out) and fails with a
 typed exception, subclasses of :class:`Error`: :class:`Timeout`, :class:`Closed`,
 :class:`ConnectionLost`, :class:`Cancelled`, :class:`TooLarge`, :class:`AuthFailed`,
-:class:`Unreachable`.
+:class:`Unreachable`, and for RPC :class:`UnknownFunction`, :class:`SchemaMismatch`,
+:class:`RemoteError`.
 
 Buffers: ``send`` copies the caller's buffer when it is called; ``recv`` copies into the
 caller's buffer on the loop's thread once the message is there. No Python memory is lent to
@@ -48,7 +55,7 @@ import socket
 import time
 import weakref
 from collections import deque
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, NamedTuple, Optional
 
 from . import _shardcx
 from ._shardcx import MAX_TAG
@@ -57,6 +64,8 @@ __all__ = [
     "Node",
     "Listener",
     "Endpoint",
+    "Peer",
+    "Function",
     "Error",
     "Timeout",
     "Closed",
@@ -65,6 +74,9 @@ __all__ = [
     "TooLarge",
     "AuthFailed",
     "Unreachable",
+    "UnknownFunction",
+    "SchemaMismatch",
+    "RemoteError",
     "MAX_TAG",
     "PollingSelector",
     "polling_loop_factory",
@@ -111,6 +123,20 @@ class Unreachable(Error, ConnectionError):
     """No shardcx node listens at the address, or it has no listener."""
 
 
+class UnknownFunction(Error, LookupError):
+    """The peer node serves no RPC function of that name (or id)."""
+
+
+class SchemaMismatch(Error, TypeError):
+    """The RPC function does not take and return bytes (``Vec<u8> => Vec<u8>``), or the
+    peer's declaration differs from the one looked up."""
+
+
+class RemoteError(Error):
+    """The RPC function failed on the peer (its error, a panic, a request it could not read,
+    or it was too busy): the message says which."""
+
+
 _KINDS = {
     "Error": Error,
     "Timeout": Timeout,
@@ -120,6 +146,9 @@ _KINDS = {
     "TooLarge": TooLarge,
     "AuthFailed": AuthFailed,
     "Unreachable": Unreachable,
+    "UnknownFunction": UnknownFunction,
+    "SchemaMismatch": SchemaMismatch,
+    "RemoteError": RemoteError,
 }
 
 
@@ -215,7 +244,8 @@ class Node:
         **dropped** (and counted by the runtime): receive as fast as peers send, or have them
         wait for an answer (see ``examples/pingpong.py``'s rate test).
 
-    The node starts with its first :meth:`create_listener` or :meth:`create_endpoint` (a node
+    The node starts with its first :meth:`create_listener`, :meth:`create_endpoint` or
+    :meth:`connect` (a node
     listens on the one port it is started with), and stops with :meth:`close` or at the end
     of ``async with``. It belongs to the event loop that started it.
     """
@@ -419,6 +449,23 @@ class Node:
             on_done=opened,
         )
 
+    async def connect(self, host: str, port: int, *, deadline: Optional[float] = None) -> "Peer":
+        """Connects to the shardcx node listening at ``host:port`` (the pre-shared-key
+        handshake once per node pair), with no endpoint: for calling its RPC functions
+        (:meth:`Peer.call`). The node may be any shardcx node (a Rust server, ``shardcx
+        node``), not only a Python one with a listener.
+
+        Errors: :class:`Unreachable`, :class:`AuthFailed`, :class:`Timeout`.
+        """
+        await self._start(None)
+        ip = await self._resolve(host, port)
+        shard = self._next_shard
+        self._next_shard = (shard + 1) % self._shards
+        node_id = await self._call(
+            shard, lambda op: self._rt.connect_node(op, shard, ip, port, self._dl(deadline))
+        )
+        return Peer(self, node_id)
+
     async def _resolve(self, host: str, port: int) -> str:
         try:
             return str(ipaddress.ip_address(host))
@@ -550,6 +597,90 @@ async def _quiet(aw: Awaitable[Any]) -> None:
         pass
 
 
+class Function(NamedTuple):
+    """An RPC function a node serves (from :meth:`Peer.functions`)."""
+
+    #: Its name, unique within the node (e.g. ``"kv.get"``).
+    name: str
+    #: Its id, unique within the node.
+    id: int
+    #: Its version, set by its author.
+    version: int
+    #: Whether it takes and returns bytes (``Vec<u8> => Vec<u8>``): only those can be called
+    #: from Python.
+    takes_bytes: bool
+
+
+class Peer:
+    """A connected node, for RPC (from :meth:`Node.connect` or :attr:`Endpoint.peer`).
+
+    Each call runs on one of this node's shards (in turn), on that shard's own connection to
+    the peer: calls from several tasks spread over the shards.
+    """
+
+    def __init__(self, node: Node, node_id: int) -> None:
+        self._node = node
+        self._node_id = node_id
+
+    def __repr__(self) -> str:
+        return f"<shardcx.Peer node {self._node_id:#x}>"
+
+    @property
+    def node_id(self) -> int:
+        """The peer node's id."""
+        return self._node_id
+
+    def _shard(self) -> int:
+        node = self._node
+        shard = node._next_shard
+        node._next_shard = (shard + 1) % node._shards
+        return shard
+
+    async def call(
+        self,
+        name: str,
+        data: Any = b"",
+        *,
+        shard: Optional[int] = None,
+        deadline: Optional[float] = None,
+    ) -> bytes:
+        """Calls the peer's RPC function ``name`` with the bytes of ``data`` (any C-contiguous
+        buffer, copied when called) and returns its reply.
+
+        The function is found by name through the peer's built-in discovery (once per name
+        and shard; looked up again if the peer forgot it, e.g. after a restart) and must be
+        declared over bytes (``Vec<u8> => Vec<u8>`` in Rust). ``shard`` sends the call to that
+        shard of the peer (``None``: the calling shard's own connection, no hop when both
+        nodes have as many shards). A cancelled task cancels the call on the peer too.
+
+        Errors: :class:`UnknownFunction`, :class:`SchemaMismatch` (raised before anything is
+        sent), :class:`RemoteError` (the function failed: its message), :class:`TooLarge`,
+        :class:`Timeout` (the deadline covers the lookup and the call),
+        :class:`ConnectionLost`, :class:`Closed`.
+        """
+        if shard is not None and not 0 <= shard < 1 << 16:
+            raise ValueError(f"shard must be in 0..65535, not {shard}")
+        node = self._node
+        me = self._shard()
+        view = _byte_view(data)
+        received = await node._call(
+            me,
+            lambda op: node._rt.rpc_call(
+                op, me, self._node_id, shard, name, view, node._dl(deadline)
+            ),
+        )
+        return received.to_bytes()
+
+    async def functions(self, *, deadline: Optional[float] = None) -> list[Function]:
+        """The RPC functions the peer serves (its built-ins included), by its discovery."""
+        node = self._node
+        me = self._shard()
+        listed = await node._call(
+            me, lambda op: node._rt.rpc_functions(op, me, self._node_id, node._dl(deadline))
+        )
+        return [Function(*f) for f in listed]
+
+
 class Listener:
     """A node's listener (from :meth:`Node.create_listener`)."""
 
@@ -638,6 +769,11 @@ class Endpoint:
     def peer_node(self) -> int:
         """The remote node's id."""
         return self._peer_node
+
+    @property
+    def peer(self) -> Peer:
+        """The remote node, for RPC calls (:meth:`Peer.call`)."""
+        return Peer(self._node, self._peer_node)
 
     def closed(self) -> bool:
         """Whether the endpoint is closed (by this side or the peer) or its connection ended."""

@@ -25,6 +25,8 @@ use std::time::{Duration, Instant};
 use futures_lite::FutureExt;
 use shardcx::proto::handshake::RejectReason;
 use shardcx::proto::{Tag, TagKind};
+use shardcx::registry::Signature;
+use shardcx::rpc::RpcError;
 use shardcx::shards::net::Dest;
 use shardcx::shards::{DriverConfig, NetConfig, NetError, Placement};
 use shardcx::tag::TagConfig;
@@ -58,6 +60,13 @@ pub(crate) enum Value {
     None,
     /// A tag message: its application tag and payload.
     Tagged(u64, Vec<u8>),
+    /// A connected node (by [`Cmd::ConnectNode`]): its id.
+    Node(u64),
+    /// An RPC function's reply.
+    Bytes(Vec<u8>),
+    /// The functions a node serves: name, id, version, and whether it takes and returns
+    /// bytes (`Vec<u8> => Vec<u8>`, callable from Python).
+    Functions(Vec<(String, u32, u32, bool)>),
     /// A connected endpoint: local id, remote id, the remote node and the remote shard.
     Endpoint {
         ep: u32,
@@ -148,6 +157,26 @@ pub(crate) enum Cmd {
     Cancel {
         op: u64,
     },
+    /// Connects to the node at `addr`, with no endpoint (for RPC).
+    ConnectNode {
+        op: u64,
+        addr: SocketAddr,
+        timeout: Duration,
+    },
+    /// Calls the RPC function named `name` of `dest` with `data` (see [`rpc_call`]).
+    RpcCall {
+        op: u64,
+        dest: Dest,
+        name: String,
+        data: Vec<u8>,
+        timeout: Duration,
+    },
+    /// Lists the RPC functions `node` serves.
+    RpcFunctions {
+        op: u64,
+        node: NodeId,
+        timeout: Duration,
+    },
 }
 
 /// A shard's inbox: commands from the loop, and the waker of the shard's serving task.
@@ -216,6 +245,28 @@ impl ErrInfo {
 
     fn from_net(e: &NetError) -> Self {
         Self::new(net_kind(e), e.to_string())
+    }
+
+    /// The Python exception for a failed call (`Error` for what has no class of its own).
+    pub(crate) fn from_rpc(e: &RpcError) -> Self {
+        let kind = match e {
+            RpcError::Net(e) => return Self::from_error(e),
+            RpcError::UnknownFunction { .. } | RpcError::UnknownName { .. } => "UnknownFunction",
+            RpcError::SchemaMismatch { .. } => "SchemaMismatch",
+            RpcError::DeadlineExpired | RpcError::TimedOut { .. } => "Timeout",
+            RpcError::Cancelled => "Cancelled",
+            RpcError::TooLarge { .. } => "TooLarge",
+            RpcError::ShuttingDown => "Closed",
+            RpcError::Failed(_)
+            | RpcError::Panicked(_)
+            | RpcError::BadRequest(_)
+            | RpcError::BadReply(_)
+            | RpcError::TooOld
+            | RpcError::Busy
+            | RpcError::Remote { .. } => "RemoteError",
+            _ => "Error",
+        };
+        Self::new(kind, e.to_string())
     }
 }
 
@@ -438,7 +489,119 @@ pub(crate) async fn run_op(node: Node, shared: Arc<Shared>, cmd: Cmd) -> Result<
             Ok(Value::None)
         }
         Cmd::Cancel { .. } => Ok(Value::None),
+        Cmd::ConnectNode { addr, timeout, .. } => {
+            let peer = node
+                .connect_within(addr, timeout)
+                .await
+                .map_err(|e| ErrInfo::from_error(&e))?;
+            Ok(Value::Node(peer.node_id().get()))
+        }
+        Cmd::RpcCall {
+            dest,
+            name,
+            data,
+            timeout,
+            ..
+        } => rpc_call(&node, dest, &name, &data, timeout)
+            .await
+            .map(Value::Bytes),
+        Cmd::RpcFunctions {
+            node: peer,
+            timeout,
+            ..
+        } => {
+            let rpc = node.rpc();
+            let sigs = within("functions", timeout, async {
+                rpc.discover(Peer::new(peer))
+                    .await
+                    .map_err(|e| ErrInfo::from_rpc(&e))
+            })
+            .await?;
+            Ok(Value::Functions(
+                sigs.into_iter()
+                    .map(|s| {
+                        let bytes = s.schema == bytes_schema(&s.name, s.version);
+                        (s.name, s.id, s.version, bytes)
+                    })
+                    .collect(),
+            ))
+        }
     }
+}
+
+thread_local! {
+    /// The signatures this shard looked up, by node and name: one discovery per function
+    /// and node, not one per call.
+    static SIGNATURES: RefCell<HashMap<(NodeId, String), Signature>> = RefCell::default();
+}
+
+/// The schema hash of a function named `name` declared over bytes (`Vec<u8> => Vec<u8>`).
+pub(crate) fn bytes_schema(name: &str, version: u32) -> u64 {
+    let bytes = std::any::type_name::<Vec<u8>>();
+    shardcx::rpc::schema_hash(bytes, bytes, name, version)
+}
+
+/// Calls the function named `name` on `dest` with `data`: found by name through the node's
+/// built-in discovery (cached per shard), checked to take and return bytes (else
+/// `SchemaMismatch`, before anything is sent), and called within `timeout` in all. A cached
+/// signature the server no longer knows (it restarted with other functions) is looked up
+/// once more.
+pub(crate) async fn rpc_call(
+    node: &Node,
+    dest: Dest,
+    name: &str,
+    data: &Vec<u8>,
+    timeout: Duration,
+) -> Result<Vec<u8>, ErrInfo> {
+    let rpc = node.rpc();
+    let peer = peer_of(dest);
+    let key = (dest.node, name.to_owned());
+    within("call", timeout, async {
+        let start = Instant::now();
+        for attempt in 0..2 {
+            let cached = SIGNATURES.with(|c| c.borrow().get(&key).cloned());
+            let from_cache = cached.is_some();
+            let sig = match cached {
+                Some(s) => s,
+                None => {
+                    let s = rpc
+                        .lookup(peer, name)
+                        .await
+                        .map_err(|e| ErrInfo::from_rpc(&e))?;
+                    SIGNATURES.with(|c| c.borrow_mut().insert(key.clone(), s.clone()));
+                    s
+                }
+            };
+            if sig.schema != bytes_schema(name, sig.version) {
+                return Err(ErrInfo::new(
+                    "SchemaMismatch",
+                    format!(
+                        "the function {name:?} (version {}) is not declared over bytes \
+                         (Vec<u8> => Vec<u8>): Python cannot call it",
+                        sig.version
+                    ),
+                ));
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            match rpc
+                .call_signature::<Vec<u8>, Vec<u8>>(peer, &sig, data, Some(left))
+                .await
+            {
+                Err(
+                    shardcx::rpc::RpcError::UnknownFunction { .. }
+                    | shardcx::rpc::RpcError::SchemaMismatch { .. },
+                ) if from_cache && attempt == 0 => {
+                    SIGNATURES.with(|c| c.borrow_mut().remove(&key));
+                }
+                other => return other.map_err(|e| ErrInfo::from_rpc(&e)),
+            }
+        }
+        Err(ErrInfo::new(
+            "SchemaMismatch",
+            format!("the function {name:?} changed while it was called"),
+        ))
+    })
+    .await
 }
 
 pub(crate) fn peer_of(dest: Dest) -> Peer {
@@ -626,7 +789,10 @@ pub(crate) async fn serve_shard(node: Node, shared: Arc<Shared>, shard_count: us
             | Cmd::TagSend { op, .. }
             | Cmd::TagRecv { op, .. }
             | Cmd::AmSend { op, .. }
-            | Cmd::Close { op, .. } => *op,
+            | Cmd::Close { op, .. }
+            | Cmd::ConnectNode { op, .. }
+            | Cmd::RpcCall { op, .. }
+            | Cmd::RpcFunctions { op, .. } => *op,
         };
         let (node2, shared2, tasks2) = (node.clone(), shared.clone(), tasks.clone());
         let task = glommio::spawn_local(async move {

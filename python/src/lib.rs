@@ -180,6 +180,9 @@ impl Runtime {
                 Event::Done { op, value } => {
                     let v: Py<PyAny> = match value {
                         Value::None => py.None(),
+                        Value::Node(node) => node.into_pyobject(py)?.into_any().unbind(),
+                        Value::Bytes(data) => Py::new(py, Received { tag: 0, data })?.into_any(),
+                        Value::Functions(list) => list.into_pyobject(py)?.into_any().unbind(),
                         Value::Tagged(tag, data) => Py::new(py, Received { tag, data })?.into_any(),
                         Value::Endpoint {
                             ep,
@@ -336,6 +339,75 @@ impl Runtime {
                 dest: dest(node, dest_shard),
                 remote_ep,
                 sent,
+                timeout: deadline(timeout)?,
+            },
+        )
+    }
+
+    /// Connects (on `shard`) to the node listening at `host:port` (an IP address), with no
+    /// endpoint: for RPC calls. Completes with the node's id.
+    fn connect_node(
+        &self,
+        op: u64,
+        shard: usize,
+        host: &str,
+        port: u16,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let ip: IpAddr = host
+            .parse()
+            .map_err(|_| PyValueError::new_err(format!("{host:?} is not an IP address")))?;
+        self.submit(
+            shard,
+            Cmd::ConnectNode {
+                op,
+                addr: SocketAddr::new(ip, port),
+                timeout: deadline(timeout)?,
+            },
+        )
+    }
+
+    /// Calls, from `shard`, the RPC function named `name` of `node` (on its shard
+    /// `dest_shard`, or the calling shard's default rail when `None`) with the bytes of
+    /// `data`. Completes with a `Received` holding the reply.
+    #[allow(clippy::too_many_arguments)] // The call's full address, as Python keeps it.
+    #[pyo3(signature = (op, shard, node, dest_shard, name, data, timeout))]
+    fn rpc_call(
+        &self,
+        py: Python<'_>,
+        op: u64,
+        shard: usize,
+        node: u64,
+        dest_shard: Option<u16>,
+        name: String,
+        data: &Bound<'_, PyAny>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let data = copy_out(py, data)?;
+        let dest = match dest_shard {
+            Some(s) => dest(node, s),
+            None => shardcx::shards::net::Dest::from(NodeId::new(node)),
+        };
+        self.submit(
+            shard,
+            Cmd::RpcCall {
+                op,
+                dest,
+                name,
+                data,
+                timeout: deadline(timeout)?,
+            },
+        )
+    }
+
+    /// Lists, from `shard`, the RPC functions `node` serves. Completes with a list of
+    /// `(name, id, version, takes_bytes)`.
+    fn rpc_functions(&self, op: u64, shard: usize, node: u64, timeout: f64) -> PyResult<()> {
+        self.submit(
+            shard,
+            Cmd::RpcFunctions {
+                op,
+                node: NodeId::new(node),
                 timeout: deadline(timeout)?,
             },
         )

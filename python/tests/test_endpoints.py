@@ -324,7 +324,7 @@ def test_public_api_is_documented():
         obj = getattr(shardcx, name)
         if callable(obj):
             assert obj.__doc__, f"{name} has no docstring"
-    for cls in (shardcx.Node, shardcx.Endpoint, shardcx.Listener):
+    for cls in (shardcx.Node, shardcx.Endpoint, shardcx.Listener, shardcx.Peer):
         for attr, member in vars(cls).items():
             if not attr.startswith("_") and callable(member):
                 assert member.__doc__, f"{cls.__name__}.{attr} has no docstring"

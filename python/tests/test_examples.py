@@ -37,3 +37,9 @@ def test_readme_quick_start(tmp_path):
     script = tmp_path / "quick_start.py"
     script.write_text(code)
     run(str(script))
+
+
+def test_rpc_call_example():
+    out = run(str(EXAMPLES / "rpc_call.py"), "--iters", "100")
+    assert "serves shardcx.bench.echo" in out and "callable from Python" in out
+    assert "echoed 1048576 bytes" in out and "100 calls of 8 bytes: p50" in out
