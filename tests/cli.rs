@@ -579,3 +579,61 @@ fn node_on_a_taken_port_fails_promptly() {
     );
     drop(taken);
 }
+
+/// The UCX of PyPI's `libucx-cu12` wheel (`scripts/setup --ucx-wheel`, into
+/// `target/ucx-wheel`): with its `lib/` on `LD_LIBRARY_PATH`, `info` says that UCX is loaded
+/// and how it was found, and a short bench of every messaging kind runs on it, over shared
+/// memory and tcp, unchanged. `scripts/test` installs the wheel and sets
+/// `SHARDCX_REQUIRE_UCX_WHEEL`, so that a missing wheel fails there; elsewhere it is skipped.
+#[test]
+fn the_wheels_ucx_runs_the_same_binary() {
+    // target/<profile>/shardcx -> target/ucx-wheel/lib
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_shardcx"));
+    let lib = bin.parent().unwrap().parent().unwrap().join("ucx-wheel/lib");
+    if !lib.join("libucp.so.0").exists() {
+        assert!(
+            std::env::var_os("SHARDCX_REQUIRE_UCX_WHEEL").is_none(),
+            "no wheel UCX in {}: run scripts/setup --ucx-wheel",
+            lib.display()
+        );
+        eprintln!("skipped: no wheel UCX in {} (scripts/setup --ucx-wheel)", lib.display());
+        return;
+    }
+    let out = shardcx()
+        .arg("info")
+        .env("LD_LIBRARY_PATH", &lib)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "info failed: {out:?}");
+    let loaded = text.lines().find(|l| l.starts_with("UCX loaded:")).unwrap();
+    assert!(
+        loaded.contains(&lib.join("libucp.so.0").display().to_string()),
+        "{loaded}"
+    );
+    assert!(!loaded.contains(" 1.12."), "the wheel's UCX is 1.2x: {loaded}");
+    let found = text.lines().find(|l| l.starts_with("UCX found by:")).unwrap();
+    assert!(found.contains("LD_LIBRARY_PATH"), "{found}");
+
+    let child = shardcx()
+        .args(["bench", "--quiet", "--transport", "shm,tcp"])
+        .args(["--test", "am-lat,am-bw,tag-lat,rpc-lat,rpc-rate,put-bw"])
+        .args(["--size", "8,1m", "--iters", "100", "--warmup", "10"])
+        .env("LD_LIBRARY_PATH", &lib)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = output_within(child, Duration::from_secs(120), "bench on the wheel's UCX");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench failed: {out:?}");
+    // Every test, both sizes and both transports made a row.
+    let rows = table
+        .lines()
+        .filter(|l| {
+            let mut w = l.split_whitespace();
+            matches!((w.next(), w.next()), (Some("8" | "1M"), Some("shm" | "tcp")))
+        })
+        .count();
+    assert_eq!(rows, 6 * 2 * 2, "{table}");
+}
