@@ -589,14 +589,22 @@ fn node_on_a_taken_port_fails_promptly() {
 fn the_wheels_ucx_runs_the_same_binary() {
     // target/<profile>/shardcx -> target/ucx-wheel/lib
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_shardcx"));
-    let lib = bin.parent().unwrap().parent().unwrap().join("ucx-wheel/lib");
+    let lib = bin
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("ucx-wheel/lib");
     if !lib.join("libucp.so.0").exists() {
         assert!(
             std::env::var_os("SHARDCX_REQUIRE_UCX_WHEEL").is_none(),
             "no wheel UCX in {}: run scripts/setup --ucx-wheel",
             lib.display()
         );
-        eprintln!("skipped: no wheel UCX in {} (scripts/setup --ucx-wheel)", lib.display());
+        eprintln!(
+            "skipped: no wheel UCX in {} (scripts/setup --ucx-wheel)",
+            lib.display()
+        );
         return;
     }
     let out = shardcx()
@@ -611,8 +619,14 @@ fn the_wheels_ucx_runs_the_same_binary() {
         loaded.contains(&lib.join("libucp.so.0").display().to_string()),
         "{loaded}"
     );
-    assert!(!loaded.contains(" 1.12."), "the wheel's UCX is 1.2x: {loaded}");
-    let found = text.lines().find(|l| l.starts_with("UCX found by:")).unwrap();
+    assert!(
+        !loaded.contains(" 1.12."),
+        "the wheel's UCX is 1.2x: {loaded}"
+    );
+    let found = text
+        .lines()
+        .find(|l| l.starts_with("UCX found by:"))
+        .unwrap();
     assert!(found.contains("LD_LIBRARY_PATH"), "{found}");
 
     let child = shardcx()
@@ -632,7 +646,10 @@ fn the_wheels_ucx_runs_the_same_binary() {
         .lines()
         .filter(|l| {
             let mut w = l.split_whitespace();
-            matches!((w.next(), w.next()), (Some("8" | "1M"), Some("shm" | "tcp")))
+            matches!(
+                (w.next(), w.next()),
+                (Some("8" | "1M"), Some("shm" | "tcp"))
+            )
         })
         .count();
     assert_eq!(rows, 6 * 2 * 2, "{table}");

@@ -10,7 +10,9 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
-use shardcx_shards::net::{frame_am_header, NetConfig, NetStats, DATA_AM, FRAME_AM};
+use shardcx_shards::net::{
+    data_am_header, frame_am_header, NetConfig, NetStats, DATA_AM, FRAME_AM,
+};
 use shardcx_shards::proto::handshake::RejectReason;
 use shardcx_shards::proto::wire::{encode_frame, frame_len};
 use shardcx_shards::proto::{AmId, FrameHeader, FrameKind, Limits, NodeId};
@@ -336,8 +338,7 @@ fn frame_before_handshake_is_dropped() {
             ctx.wake_driver();
             let (res, _) = send.await;
             res.expect("raw send");
-            let mut data_header = frame_am_header(A, 0).to_vec();
-            data_header.extend_from_slice(&header.to_bytes());
+            let data_header = data_am_header(A, &header, &[]);
             let send = ep.am_send(DATA_AM, &data_header, payload.to_vec(), AmProto::Eager);
             ctx.wake_driver();
             let (res, _) = send.await;

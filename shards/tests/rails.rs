@@ -19,8 +19,8 @@ use common::{
     ShardReport, A, B, LIMIT,
 };
 use shardcx_shards::net::{
-    bootstrap::fetch_directory_blocking, frame_am_header, Dest, Directory, Frame, NetConfig,
-    DATA_AM, FRAME_AM,
+    bootstrap::fetch_directory_blocking, data_am_header, frame_am_header, Dest, Directory, Frame,
+    NetConfig, DATA_AM, FRAME_AM,
 };
 use shardcx_shards::proto::handshake::{HandshakeMessage, RejectReason, SESSION_SECRET_LEN};
 use shardcx_shards::proto::wire::{decode_frame, MAX_WIRE_VERSION};
@@ -531,9 +531,7 @@ fn intrude_with(
                         dst_shard: dst,
                         ..FrameHeader::new(FrameKind::Am)
                     };
-                    let mut header = frame_am_header(claim, 0).to_vec();
-                    header.extend_from_slice(&fh.to_bytes());
-                    (dst, DATA_AM, header, payload)
+                    (dst, DATA_AM, data_am_header(claim, &fh, &[]), payload)
                 }
             };
             let ep = eps.entry(dst).or_insert_with(|| {

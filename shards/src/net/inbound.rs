@@ -13,8 +13,7 @@ use super::buffers::{recv_vec, RecycledBuf};
 use super::request::{is_reply_kind, is_request_kind, reply_fits};
 use super::session::{self, accept_opening};
 use super::{
-    parse_am_header, NetError, NetState, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, FRAME_AM,
-    MAX_ADDR_LEN, MAX_USER_HEADER,
+    parse_am_header, NetError, NetState, DATA_AM, FRAME_AM, MAX_ADDR_LEN, MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
 use crate::driver::{DispatchHook, Dispatched};
@@ -269,26 +268,24 @@ impl std::fmt::Debug for Frame {
     }
 }
 
-/// Parses the UCX AM header of a [`DATA_AM`] message: the sender, the frame header (checked
-/// against `limits`) and the user header.
+/// Parses the UCX AM header of a [`DATA_AM`] message whose payload UCX delivered with `len`
+/// bytes: the sender, the frame header (from the data header, checked against `limits`) and
+/// the user header.
 fn parse_data_header<'a>(
     h: &'a [u8],
+    len: usize,
     limits: &Limits,
 ) -> Result<(NodeId, FrameHeader, &'a [u8]), WireError> {
-    let bad = WireError::Truncated {
-        what: "data AM header",
-        needed: DATA_HEADER_LEN,
-        got: h.len(),
-    };
-    if h.len() < DATA_HEADER_LEN || h.len() > DATA_HEADER_LEN + MAX_USER_HEADER {
-        return Err(bad);
+    let (node, header, at) = FrameHeader::decode_data(h, len as u64, limits)?;
+    let user = &h[at..];
+    if user.len() > MAX_USER_HEADER {
+        return Err(WireError::Truncated {
+            what: "data AM header (user header over MAX_USER_HEADER)",
+            needed: at + MAX_USER_HEADER,
+            got: h.len(),
+        });
     }
-    let (node, addr_len) = parse_am_header(&h[..AM_HEADER_LEN]).ok_or(bad.clone())?;
-    if addr_len != 0 {
-        return Err(bad);
-    }
-    let header = FrameHeader::decode(&h[AM_HEADER_LEN..DATA_HEADER_LEN], limits)?;
-    Ok((node, header, &h[DATA_HEADER_LEN..]))
+    Ok((node, header, user))
 }
 
 /// Registers the shard's UCX AM handlers: they only record what arrived (see the module docs).
@@ -320,13 +317,13 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
         .set_am_handler_persistent(DATA_AM, move |h, data| {
             // The data stays in UCX's descriptor (eager) or with the sender (rendezvous) until
             // the dispatch has checked the frame; dropping it releases or declines it.
-            let item = match parse_data_header(h, &limits) {
+            let len = match &data {
+                AmPayload::Data(d) => d.len(),
+                AmPayload::Rendezvous(r) => r.len(),
+            };
+            let item = match parse_data_header(h, len, &limits) {
                 Ok((node, header, user)) => {
-                    let len = match &data {
-                        AmPayload::Data(d) => d.len(),
-                        AmPayload::Rendezvous(r) => r.len(),
-                    };
-                    if header.kind.is_control() || header.payload_len != len as u64 {
+                    if header.kind.is_control() {
                         Inbound::Malformed
                     } else {
                         Inbound::Data {

@@ -58,10 +58,11 @@
 //! 48-byte [`FrameHeader`] and its payload).
 //!
 //! Application frames (active messages, requests, replies, cancels) travel as [`DATA_AM`]:
-//! the UCX AM header is [`DATA_HEADER_LEN`] = 64 bytes, the 16 above (`addr_len` zero) then
-//! the 48-byte [`FrameHeader`], followed by the frame's *user header* (the application's AM
-//! header, up to [`MAX_USER_HEADER`] bytes; empty for other kinds); the UCX payload is the
-//! application payload itself. So a send copies nothing on our side: UCX is handed the header
+//! the UCX AM header is the frame's *data header* (proto's `wire` module, "Data header": the
+//! sender's node id and the [`FrameHeader`]'s fields in 28 bytes, 36 or 44 with a request id
+//! and a deadline; at most [`DATA_HEADER_LEN`]), followed by the frame's *user header* (the
+//! application's AM header, up to [`MAX_USER_HEADER`] bytes; empty for other kinds); the UCX
+//! payload is the application payload itself, its length the frame's `payload_len`. So a send copies nothing on our side: UCX is handed the header
 //! (built on the stack) and the caller's bytes. A payload of at most
 //! [`NetConfig::rndv_threshold`] bytes goes eager, a longer one with UCX rendezvous (the
 //! receiver chooses the buffer before the data moves; see below).
@@ -221,10 +222,9 @@ pub const FRAME_AM: AmIdRaw = 0x5C01;
 pub const DATA_AM: AmIdRaw = 0x5C02;
 /// Bytes of the routing part of a UCX AM header: the sender's node id and an address length.
 pub const AM_HEADER_LEN: usize = 16;
-/// Bytes of the UCX AM header of a [`DATA_AM`] message before its user header: the
-/// [`AM_HEADER_LEN`]-byte routing part (with `addr_len` zero) and the 48-byte frame header
-/// ([`crate::proto::FrameHeader`]).
-pub const DATA_HEADER_LEN: usize = AM_HEADER_LEN + crate::proto::wire::HEADER_LEN;
+/// Most bytes of the UCX AM header of a [`DATA_AM`] message before its user header: its data
+/// header (see [`data_am_header`]).
+pub const DATA_HEADER_LEN: usize = crate::proto::wire::DATA_HEADER_MAX;
 /// Longest user header of an application frame (the application's AM header). UCX 1.12 carries
 /// an AM header in one fragment of its transport, about 8 KiB on shared memory and TCP.
 pub const MAX_USER_HEADER: usize = 4096;
@@ -676,6 +676,16 @@ pub fn frame_am_header(node: NodeId, addr_len: u32) -> [u8; AM_HEADER_LEN] {
     let mut h = [0u8; AM_HEADER_LEN];
     h[..8].copy_from_slice(&node.get().to_le_bytes());
     h[8..12].copy_from_slice(&addr_len.to_le_bytes());
+    h
+}
+
+/// The UCX AM header of a [`DATA_AM`] message from `node`: the data header of `header` (proto's
+/// `wire` module, "Data header"), then `user`.
+pub fn data_am_header(node: NodeId, header: &FrameHeader, user: &[u8]) -> Vec<u8> {
+    let mut h = vec![0u8; header.data_header_len() + user.len()];
+    // Cannot fail: `h` has the data header's length and more.
+    let n = header.encode_data(node, &mut h).unwrap_or(0);
+    h[n..].copy_from_slice(user);
     h
 }
 

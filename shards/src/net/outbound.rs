@@ -14,8 +14,8 @@ use glommio::timer::sleep;
 
 use super::inbound::Inbound;
 use super::{
-    frame_am_header, Dest, NetError, NetState, Queue, Route, AM_HEADER_LEN, DATA_AM,
-    DATA_HEADER_LEN, FRAME_AM, MAX_USER_HEADER,
+    Dest, NetError, NetState, Queue, Route, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, FRAME_AM,
+    MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
 use crate::proto::wire::NO_DEADLINE_TTL;
@@ -109,20 +109,14 @@ impl Body<'_> {
 
 impl AmHeader {
     fn new(node: NodeId, header: &FrameHeader, user: &[u8]) -> AmHeader {
-        let fill = |b: &mut [u8]| {
-            b[..AM_HEADER_LEN].copy_from_slice(&frame_am_header(node, 0));
-            b[AM_HEADER_LEN..DATA_HEADER_LEN].copy_from_slice(&header.to_bytes());
-            b[DATA_HEADER_LEN..].copy_from_slice(user);
-        };
-        let len = DATA_HEADER_LEN + user.len();
         if user.len() <= STACK_USER {
             let mut a = [0u8; DATA_HEADER_LEN + STACK_USER];
-            fill(&mut a[..len]);
-            AmHeader::Stack(a, len)
+            // Cannot fail: `a` has room for the longest data header.
+            let n = header.encode_data(node, &mut a).unwrap_or(0);
+            a[n..n + user.len()].copy_from_slice(user);
+            AmHeader::Stack(a, n + user.len())
         } else {
-            let mut v = vec![0u8; len];
-            fill(&mut v);
-            AmHeader::Heap(v)
+            AmHeader::Heap(super::data_am_header(node, header, user))
         }
     }
 
