@@ -24,8 +24,8 @@ pub const FUZZ_LIMITS: Limits = Limits {
     max_message_size: 64 << 10,
 };
 
-/// Decodes `data` as a frame header and as a whole frame; checks the contract. Returns whether
-/// the whole frame decoded.
+/// Decodes `data` as a frame header, as a data header and as a whole frame; checks the
+/// contract. Returns whether the whole frame decoded.
 pub fn frame(data: &[u8]) -> bool {
     if let Ok(h) = FrameHeader::decode(data, &FUZZ_LIMITS) {
         assert!(
@@ -37,6 +37,17 @@ pub fn frame(data: &[u8]) -> bool {
             &data[..HEADER_LEN],
             "header does not re-encode"
         );
+    }
+    // The same bytes as a data header (the payload as long as the input).
+    if let Ok((node, h, used)) = FrameHeader::decode_data(data, data.len() as u64, &FUZZ_LIMITS) {
+        assert!(used <= data.len(), "data header longer than its input");
+        assert!(
+            h.payload_len <= FUZZ_LIMITS.max_message_size,
+            "oversized data length accepted"
+        );
+        let mut again = vec![0u8; h.data_header_len()];
+        assert_eq!(h.encode_data(node, &mut again), Ok(used));
+        assert_eq!(&again[..], &data[..used], "data header does not re-encode");
     }
     match decode_frame(data, &FUZZ_LIMITS) {
         Ok((h, payload)) => {

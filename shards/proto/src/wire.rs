@@ -366,6 +366,12 @@ pub enum WireError {
         bits: u32,
     },
     /// The tag kind is unknown.
+    #[error("non-canonical data header: {what}")]
+    NonCanonical {
+        /// What was written in a form the encoder never writes.
+        what: &'static str,
+    },
+    /// The tag kind is unknown.
     #[error("unknown tag kind {found}")]
     UnknownTagKind {
         /// The code found.
@@ -589,6 +595,17 @@ impl FrameHeader {
         };
         let req_id = optional(fields & DATA_HAS_REQ != 0, ReqId::NONE.get())?;
         let ttl_ns = optional(fields & DATA_HAS_TTL != 0, NO_DEADLINE_TTL)?;
+        // One encoding per header: a field is present exactly when it is set.
+        if fields & DATA_HAS_REQ != 0 && req_id == ReqId::NONE.get() {
+            return Err(WireError::NonCanonical {
+                what: "a request id of none written out",
+            });
+        }
+        if fields & DATA_HAS_TTL != 0 && ttl_ns == NO_DEADLINE_TTL {
+            return Err(WireError::NonCanonical {
+                what: "no deadline written out",
+            });
+        }
         let header = FrameHeader {
             version,
             kind,
@@ -944,6 +961,19 @@ mod tests {
         assert!(sample()
             .encode_data(NodeId::new(1), &mut [0u8; 30])
             .is_err());
+        // A field written out with its "absent" value: the encoder never does that.
+        let mut zero_req = buf;
+        zero_req[28..36].fill(0);
+        assert!(matches!(
+            decode(&zero_req, 0),
+            Err(WireError::NonCanonical { .. })
+        ));
+        let mut no_ttl = buf;
+        no_ttl[36..44].fill(0xFF);
+        assert!(matches!(
+            decode(&no_ttl, 0),
+            Err(WireError::NonCanonical { .. })
+        ));
     }
 
     #[test]
