@@ -11,12 +11,14 @@
 //! back, lands the reply in a second device buffer and checks it byte for byte against the
 //! pattern.
 //!
-//! **Staged through host memory, explicitly.** Device buffers are not yet a send source or a
-//! receive destination of their own (issue 13: the staging pipeline's scheduler exists,
-//! `shardcx::proto::staging`, but is not wired to the data path yet). So this example stages
-//! by hand, with [`DeviceBuffer`]'s blocking copy helpers: device → host vector, the vector as
-//! the AM payload, the reply's payload → host → device. It is correct in every CUDA mode
-//! (UCX never sees a device pointer), and shows the round trip the runtime will do itself.
+//! **Staged through host memory, by the runtime.** The device buffer is sent with
+//! [`Peer::am_send_device`](shardcx::Peer::am_send_device), which stages its bytes to host
+//! memory through the shard's pinned bounce buffers (chunks of 2 MiB, the device copies' events
+//! polled, never waited on) and sends them as any active message; the reply's payload lands in
+//! a device buffer with [`Node::copy_to_device`] (the same pipeline the other way), and is read
+//! back with [`Node::copy_from_device`] to be checked. It is correct in every CUDA mode (UCX
+//! never sees a device pointer); a zero-copy send, UCX reading device memory itself where its
+//! CUDA transports are loaded, is not there yet.
 //!
 //! Where there is no GPU (no `libcuda`, no device, or `SHARDCX_CUDA=off`) it prints
 //! `gpu_echo: no GPU here: skipped (REASON)` and exits 0.
@@ -149,12 +151,15 @@ fn client(args: &Args, addr: SocketAddr) -> Vec<String> {
                     let t0 = Instant::now();
                     for round in 0..rounds {
                         let want = pattern(len, round);
-                        // Device buffer out: filled on the device, staged to host for the send.
+                        // Device buffer out: filled from the host, sent from the device.
                         let mut out_buf = cuda.alloc(len).expect("device buffer");
-                        out_buf.copy_from_host(0, &want).expect("host to device");
-                        let staged = out_buf.to_vec().expect("device to host");
+                        node.copy_to_device(&want, &mut out_buf)
+                            .await
+                            .expect("host to device");
                         let header = round.to_le_bytes();
-                        peer.am_send(ECHO, &header, &staged).await.expect("send");
+                        peer.am_send_device(ECHO, &header, &mut out_buf)
+                            .await
+                            .expect("send from the device");
                         let reply = futures_lite::future::or(async { rx.recv().await }, async {
                             sleep(Duration::from_secs(10)).await;
                             None
@@ -162,11 +167,15 @@ fn client(args: &Args, addr: SocketAddr) -> Vec<String> {
                         .await
                         .expect("no reply within 10 s");
                         assert_eq!(reply.header(), &header[..], "reply header");
-                        // Device buffer back: the reply staged from host into a fresh buffer.
+                        // Device buffer back: the reply landed in a fresh buffer, read back.
                         let mut back: DeviceBuffer = cuda.alloc(len).expect("device buffer");
-                        back.copy_from_host(0, reply.payload())
-                            .expect("host to device");
-                        let got = back.to_vec().expect("device to host");
+                        node.copy_to_device(reply.payload(), &mut back)
+                            .await
+                            .expect("reply to the device");
+                        let mut got = vec![0u8; len];
+                        node.copy_from_device(&mut back, &mut got)
+                            .await
+                            .expect("device to host");
                         assert!(got == want, "{len} B, round {round}: the echo differs");
                     }
                     let per = t0.elapsed() / rounds.max(1);

@@ -22,6 +22,10 @@ pub enum Error {
     /// [`Error::TimedOut`] and its connection errors [`Error::Net`].
     #[error(transparent)]
     Rma(#[from] shardcx_shards::RmaOpError),
+    /// A staged copy of device memory failed: no CUDA on this shard (the reason), a buffer on
+    /// another device, lengths that differ, or the driver's error.
+    #[error(transparent)]
+    Cuda(#[from] shardcx_shards::cuda::StagingCopyError),
     /// The operation's deadline passed before it completed.
     #[error("{what} timed out after {after:?}")]
     TimedOut {

@@ -311,6 +311,33 @@ impl Node {
         &self.ctx
     }
 
+    /// Copies `src` (a received payload, say) into the whole of device buffer `dst`, of the
+    /// same length, through this shard's pinned bounce buffers
+    /// ([`ShardCuda::host_to_device`](shardcx_shards::cuda::ShardCuda::host_to_device));
+    /// resolves once the device holds the bytes. The receiving half of
+    /// [`Peer::am_send_device`]: a handler keeps the message ([`AmMsg::into_owned`]) and a task
+    /// lands it.
+    ///
+    /// Errors: [`Error::Cuda`] (no CUDA on this shard, and why; lengths that differ; the
+    /// driver's error).
+    pub async fn copy_to_device(
+        &self,
+        src: &[u8],
+        dst: &mut crate::DeviceBuffer,
+    ) -> Result<(), Error> {
+        Ok(self.ctx.cuda().host_to_device(src, dst).await?)
+    }
+
+    /// Copies the whole of device buffer `src` into `dst`, of the same length, through this
+    /// shard's pinned bounce buffers ([`Node::copy_to_device`]'s other direction).
+    pub async fn copy_from_device(
+        &self,
+        src: &mut crate::DeviceBuffer,
+        dst: &mut [u8],
+    ) -> Result<(), Error> {
+        Ok(self.ctx.cuda().device_to_host(src, dst).await?)
+    }
+
     /// Where the node serves its metrics ([`NodeBuilder::metrics`]), if it does.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.shared.metrics.as_ref().and_then(|b| b.addr())
@@ -769,6 +796,32 @@ impl Peer {
         let node = Node::current().ok_or(Error::NotOnShard)?;
         let timeout = node.shared.deadline;
         self.send_on(&node, id, header, payload, timeout).await
+    }
+
+    /// Sends the bytes of device buffer `buf` as active message `id`, from any shard of a
+    /// running node whose CUDA mode is not off, within the default deadline: the bytes are
+    /// staged to host memory through the shard's pinned bounce buffers
+    /// ([`ShardCuda::device_to_host`](shardcx_shards::cuda::ShardCuda::device_to_host): chunks
+    /// of 2 MiB, device copies polled, never waited on) and sent as [`Peer::am_send`] sends
+    /// host bytes, so the receiver sees the same frame either way (and may land it in device
+    /// memory with [`Node::copy_to_device`]). UCX never sees the device pointer, in any mode.
+    ///
+    /// Errors: [`Error::Cuda`] (no CUDA on this shard, and why; the driver's error), then
+    /// those of [`Peer::am_send`].
+    pub async fn am_send_device(
+        &self,
+        id: AmId,
+        header: &[u8],
+        buf: &mut crate::DeviceBuffer,
+    ) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        let mut staged = vec![0u8; buf.len()];
+        node.shard_ctx()
+            .cuda()
+            .device_to_host(buf, &mut staged)
+            .await?;
+        let timeout = node.shared.deadline;
+        self.send_on(&node, id, header, &staged, timeout).await
     }
 
     /// [`Peer::am_send`] with its own deadline.

@@ -11,15 +11,30 @@
 //! driver, an automatic probe says "off" and why, and nothing else changes.
 //!
 //! What the modes move today: see the README's "CUDA" section. The staging scheduler lives in
-//! [`proto::staging`](crate::proto::staging); [`CudaCopyEngine`] is its copy engine on a GPU
-//! (not yet on the data path).
+//! [`proto::staging`](crate::proto::staging); [`CudaCopyEngine`] is its copy engine on a GPU.
+//!
+//! ## Staged copies on a shard
+//!
+//! [`ShardCuda::device_to_host`] and [`ShardCuda::host_to_device`] move a device buffer's bytes
+//! to or from host memory the way the staging path does: in chunks of
+//! [`StagingConfig::chunk`] through the shard's pinned bounce buffers (allocated once, on first
+//! use, and kept; copies that run at once get a set each), several chunks in flight, the device copies queued on the shard's stream and
+//! their events polled between yields to the shard's other tasks (the progress driver among
+//! them), never waited on. They are what a device buffer sent as an active message
+//! (`Peer::am_send_device` in `shardcx`) and a payload landed in device memory go through, in
+//! every CUDA mode: the bytes on the wire are the same as for host memory.
 
 pub use crate::ucx::cuda::{
     device_unavailable, driver, probe, CudaDevice, CudaError, CudaMode, CudaProbe, DeviceBuffer,
     DeviceInfo, DriverInfo, ModeRequest, PendingCopy, PinnedBuf, Unavailable, CUDA_MODE_ENV,
 };
 
-use crate::proto::staging::{BufferId, CopyDirection, CopyEngine, CopyOp};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::proto::staging::{
+    BufferId, CopyDirection, CopyEngine, CopyOp, Direction, PumpError, Staging, StagingConfig,
+    StagingError, State,
+};
 
 /// What one shard found at start: the probe, and the device it opened when the mode is not
 /// off.
@@ -27,6 +42,9 @@ use crate::proto::staging::{BufferId, CopyDirection, CopyEngine, CopyOp};
 pub struct ShardCuda {
     probe: CudaProbe,
     device: Option<CudaDevice>,
+    /// The staged copies' bounce buffers while no copy runs (see "Staged copies on a shard").
+    /// A mutex (never contended: one shard's thread) keeps `ShardCuda` `Sync`.
+    bounce: Mutex<Vec<PinnedBuf>>,
 }
 
 /// The staging pipeline's [`CopyEngine`] on a GPU: copies between one [`DeviceBuffer`] and a set
@@ -56,6 +74,35 @@ pub enum StagingCopyError {
     /// by the network and not put back).
     #[error("staging: bounce buffer {0} is not here")]
     BufferMissing(usize),
+    /// The scheduler refused a report (a bug in the caller of the scheduler).
+    #[error(transparent)]
+    Scheduler(#[from] StagingError),
+    /// The host range and the device buffer differ in length.
+    #[error("staging: {host} host bytes for a device buffer of {device}")]
+    LengthMismatch {
+        /// Bytes of the host range.
+        host: usize,
+        /// Bytes of the device buffer.
+        device: usize,
+    },
+    /// The device buffer is on another device than the shard's (its stream and bounce buffers
+    /// belong to the shard's device).
+    #[error("staging: the buffer is on device {buffer}, the shard's device is {shard}")]
+    OtherDevice {
+        /// The buffer's device.
+        buffer: usize,
+        /// The shard's device.
+        shard: usize,
+    },
+}
+
+impl From<PumpError<StagingCopyError>> for StagingCopyError {
+    fn from(e: PumpError<StagingCopyError>) -> Self {
+        match e {
+            PumpError::Copy { source, .. } => source,
+            PumpError::Staging(s) => StagingCopyError::Scheduler(s),
+        }
+    }
 }
 
 impl<'a> CudaCopyEngine<'a> {
@@ -158,7 +205,171 @@ impl ShardCuda {
                 Some(CudaDevice::open(shard % d.devices.len().max(1))?)
             }
         };
-        Ok(Self { probe, device })
+        Ok(Self {
+            probe,
+            device,
+            bounce: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The shape of this shard's staged copies: [`StagingConfig::default`] (2 MiB chunks, 4
+    /// bounce buffers: 8 MiB of pinned memory per shard, allocated on first use).
+    pub fn staging_config(&self) -> StagingConfig {
+        StagingConfig::default()
+    }
+
+    /// Copies the whole of `src` into `dst` (of the same length) through the shard's bounce
+    /// buffers (see "Staged copies on a shard"); resolves once every byte is in `dst`.
+    pub async fn device_to_host(
+        &self,
+        src: &mut DeviceBuffer,
+        dst: &mut [u8],
+    ) -> Result<(), StagingCopyError> {
+        if src.len() != dst.len() {
+            return Err(StagingCopyError::LengthMismatch {
+                host: dst.len(),
+                device: src.len(),
+            });
+        }
+        self.staged(Direction::Send, src, |c, bounce| {
+            let at = c.offset as usize;
+            dst[at..at + c.len].copy_from_slice(&bounce.as_slice()[..c.len]);
+        })
+        .await
+    }
+
+    /// Copies `src` into the whole of `dst` (of the same length) through the shard's bounce
+    /// buffers (see "Staged copies on a shard"); resolves once the device copies are done.
+    pub async fn host_to_device(
+        &self,
+        src: &[u8],
+        dst: &mut DeviceBuffer,
+    ) -> Result<(), StagingCopyError> {
+        if src.len() != dst.len() {
+            return Err(StagingCopyError::LengthMismatch {
+                host: src.len(),
+                device: dst.len(),
+            });
+        }
+        self.staged(Direction::Recv, dst, |c, bounce| {
+            let at = c.offset as usize;
+            bounce.as_mut_slice()[..c.len].copy_from_slice(&src[at..at + c.len]);
+        })
+        .await
+    }
+
+    /// One staged transfer of the whole of `device`: the scheduler, this shard's bounce
+    /// buffers in a [`CudaCopyEngine`], and `host` moving each chunk between its bounce buffer
+    /// and host memory (the "network" of the scheduler).
+    async fn staged(
+        &self,
+        direction: Direction,
+        device: &mut DeviceBuffer,
+        mut host: impl FnMut(crate::proto::staging::Chunk, &mut PinnedBuf),
+    ) -> Result<(), StagingCopyError> {
+        let cfg = self.staging_config();
+        let len = device.len() as u64;
+        let bounce = self.take_bounce(device, cfg)?;
+        let mut engine = CudaCopyEngine::new(device, bounce);
+        let result = async {
+            let mut s = Staging::new(direction, len, cfg)?;
+            let mut first: Option<StagingCopyError> = None;
+            while !s.state().is_final() {
+                if let Err(e) = s.pump(&mut engine) {
+                    first.get_or_insert(e.into());
+                }
+                loop {
+                    let chunk = match direction {
+                        Direction::Send => s.poll_send(),
+                        Direction::Recv => s.poll_recv(),
+                    };
+                    let Some(c) = chunk else { break };
+                    let Some(buf) = engine.buffer(c.buffer) else {
+                        first.get_or_insert(StagingCopyError::BufferMissing(c.buffer.0));
+                        s.cancel();
+                        break;
+                    };
+                    host(c, buf);
+                    match direction {
+                        Direction::Send => s.handle_sent(c.index, true)?,
+                        Direction::Recv => s.handle_received(c.index, true)?,
+                    }
+                }
+                if engine.in_flight() > 0 {
+                    // The copies run on the device: let the shard's other tasks run meanwhile.
+                    futures_lite::future::yield_now().await;
+                }
+            }
+            match (s.state(), first) {
+                (State::Done, _) => Ok(()),
+                (_, Some(e)) => Err(e),
+                (state, None) => Err(StagingCopyError::Scheduler(StagingError::Config(
+                    match state {
+                        State::Cancelled => "the staged copy was cancelled",
+                        _ => "the staged copy failed",
+                    },
+                ))),
+            }
+        }
+        .await;
+        // Nothing is in flight once the state is final: the buffers go back for the next copy.
+        let mut back = Vec::with_capacity(cfg.bounce_buffers);
+        for i in 0..cfg.bounce_buffers {
+            back.extend(engine.take(BufferId(i)));
+        }
+        drop(engine);
+        self.give_back(back, cfg);
+        result
+    }
+
+    /// This shard's bounce buffers (allocated up to `cfg`'s count and size on first use), or
+    /// why there are none.
+    fn take_bounce(
+        &self,
+        device: &DeviceBuffer,
+        cfg: StagingConfig,
+    ) -> Result<Vec<PinnedBuf>, StagingCopyError> {
+        let Some(shard_device) = &self.device else {
+            return Err(self.unavailable().into());
+        };
+        if device.device().ordinal() != shard_device.ordinal() {
+            return Err(StagingCopyError::OtherDevice {
+                buffer: device.device().ordinal(),
+                shard: shard_device.ordinal(),
+            });
+        }
+        // Copies running at once on this shard each get their own set: the cache holds one.
+        let mut bufs: Vec<PinnedBuf> = {
+            let mut cache = self.cache();
+            let n = cache.len().min(cfg.bounce_buffers);
+            cache.drain(..n).collect()
+        };
+        while bufs.len() < cfg.bounce_buffers {
+            match PinnedBuf::alloc(shard_device, cfg.chunk) {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    self.give_back(bufs, cfg);
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(bufs)
+    }
+
+    /// The cached bounce buffers (a panic while they were held leaves them usable: they are
+    /// only memory).
+    fn cache(&self) -> MutexGuard<'_, Vec<PinnedBuf>> {
+        self.bounce.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps bounce buffers for the next copy, up to one set; frees the rest.
+    fn give_back(&self, bufs: Vec<PinnedBuf>, cfg: StagingConfig) {
+        let mut cache = self.cache();
+        for b in bufs {
+            if cache.len() < cfg.bounce_buffers {
+                cache.push(b);
+            }
+        }
     }
 
     /// The mode this shard runs in.

@@ -166,6 +166,66 @@ fn staged_transfers_through_pinned_bounce_buffers() {
     );
 }
 
+/// The staged copies of a running shard (`ShardCuda::host_to_device`, `device_to_host`): a
+/// length over several chunks both ways, an empty buffer, two copies at once (each gets its own
+/// bounce buffers), and lengths that differ as a typed error. Needs a GPU (or the fake driver);
+/// without one, no device buffer can be made to copy (the allocation says why).
+#[test]
+fn staged_copies_on_a_shard() {
+    let has_device = driver().is_ok_and(|d| !d.devices.is_empty());
+    let request = if has_device {
+        ModeRequest::Staging
+    } else {
+        ModeRequest::Auto
+    };
+    let out = builder(request)
+        .shard_count(1)
+        .run(move |ctx: Rc<ShardCtx>| async move {
+            let cuda = ctx.cuda();
+            if !has_device {
+                // No device buffer can exist to copy to or from: the allocation says why.
+                return format!("{:?}", cuda.alloc(4).map(|b| b.len()));
+            }
+            let len = (5 << 20) + 12345;
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + (i >> 16)) as u8).collect();
+            let mut dev = cuda.alloc(len).unwrap();
+            cuda.host_to_device(&data, &mut dev).await.unwrap();
+            let mut back = vec![0u8; len];
+            cuda.device_to_host(&mut dev, &mut back).await.unwrap();
+            assert!(back == data, "the round trip through the device differs");
+
+            let mut empty = cuda.alloc(0).unwrap();
+            cuda.host_to_device(&[], &mut empty).await.unwrap();
+            cuda.device_to_host(&mut empty, &mut []).await.unwrap();
+
+            // Two at once on one shard.
+            let (mut a, mut b) = (cuda.alloc(3 << 20).unwrap(), cuda.alloc(3 << 20).unwrap());
+            let (da, db) = (vec![0xA5u8; 3 << 20], vec![0x5Au8; 3 << 20]);
+            let (ra, rb) = futures_lite::future::zip(
+                cuda.host_to_device(&da, &mut a),
+                cuda.host_to_device(&db, &mut b),
+            )
+            .await;
+            ra.unwrap();
+            rb.unwrap();
+            assert_eq!(a.to_vec().unwrap(), da);
+            assert_eq!(b.to_vec().unwrap(), db);
+
+            let err = cuda
+                .host_to_device(&data[..10], &mut dev)
+                .await
+                .unwrap_err();
+            format!("{err}")
+        })
+        .expect("the shard starts");
+    if has_device {
+        let want = format!("10 host bytes for a device buffer of {}", (5 << 20) + 12345);
+        assert!(out[0].contains(&want), "{out:?}");
+    } else {
+        assert!(out[0].starts_with("Err(Unavailable("), "{out:?}");
+    }
+}
+
 /// Runs the other tests again against the fake driver (see the module docs).
 #[test]
 fn gpu_branches_against_a_fake_driver() {
@@ -185,5 +245,5 @@ fn gpu_branches_against_a_fake_driver() {
         "against the fake driver:\n{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(text.contains("test result: ok. 3 passed"), "{text}");
+    assert!(text.contains("test result: ok. 4 passed"), "{text}");
 }
