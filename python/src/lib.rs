@@ -94,6 +94,14 @@ fn copy_out(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     Ok(v)
 }
 
+/// `host:port` of a peer (`host` an IP address: the Python side resolves names).
+fn socket_addr(host: &str, port: u16) -> PyResult<SocketAddr> {
+    let ip: IpAddr = host
+        .parse()
+        .map_err(|_| PyValueError::new_err(format!("{host:?} is not an IP address")))?;
+    Ok(SocketAddr::new(ip, port))
+}
+
 fn err_tuple(py: Python<'_>, name: &str, id: u64, err: ErrInfo) -> PyResult<Py<PyAny>> {
     Ok((name, id, err.kind, err.msg)
         .into_pyobject(py)?
@@ -231,14 +239,11 @@ impl Runtime {
     /// Connects (on `shard`) to the node listening at `host:port` (an IP address) and opens
     /// an endpoint there. Completes with `(ep, remote_ep, node, remote_shard)`.
     fn connect(&self, op: u64, shard: usize, host: &str, port: u16, timeout: f64) -> PyResult<()> {
-        let ip: IpAddr = host
-            .parse()
-            .map_err(|_| PyValueError::new_err(format!("{host:?} is not an IP address")))?;
         self.submit(
             shard,
             Cmd::Connect {
                 op,
-                addr: SocketAddr::new(ip, port),
+                addr: socket_addr(host, port)?,
                 timeout: deadline(timeout)?,
             },
         )
@@ -354,14 +359,11 @@ impl Runtime {
         port: u16,
         timeout: f64,
     ) -> PyResult<()> {
-        let ip: IpAddr = host
-            .parse()
-            .map_err(|_| PyValueError::new_err(format!("{host:?} is not an IP address")))?;
         self.submit(
             shard,
             Cmd::ConnectNode {
                 op,
-                addr: SocketAddr::new(ip, port),
+                addr: socket_addr(host, port)?,
                 timeout: deadline(timeout)?,
             },
         )
