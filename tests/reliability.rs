@@ -897,3 +897,268 @@ fn r3_kill_9_and_restart_loses_and_duplicates_nothing() {
     lab.check_oracles(&mut row, &[]);
     lab.check_baseline(&mut row, Duration::from_secs(5));
 }
+
+/// R2: an authenticated peer (`fault_peer hostile` in `h1`) sends malformed requests (random
+/// bytes, truncated requests, a wrong schema hash or reserved flag, random archives after a
+/// valid prefix), calls to a function the server lacks, arguments over the server's limit,
+/// payloads over its frame limit, and stray replies and cancels, while `h2` (the control pair)
+/// keeps calling. Each malformed request is refused with a typed error reply (an oversized
+/// frame is dropped unread: its call times out), no handler runs for any (the journal holds
+/// only the load's calls and the hostile's one valid call), the hostile peer is still served
+/// when it behaves, the control pair sees no failure, and the server counts what it dropped.
+#[test]
+fn r2_malformed_frames_are_refused_with_typed_errors_and_harm_no_one() {
+    let _g = serial();
+    let mut row = Row::new("R2", "malformed and oversized frames from an authenticated peer");
+    require_lab!(row);
+    let mut rng = Rng::new("R2");
+    let mut lab = Lab::new();
+    lab.start_server_with(&["--max-args", "64k", "--max-message", "1m"]);
+    lab.take_baseline(&mut row);
+    let control = lab.start_load(2, 10, 3000);
+    std::thread::sleep(Duration::from_secs(1));
+    let args = strings(&[
+        "hostile",
+        "--connect",
+        &Lab::server_addr(),
+        "--seed",
+        &rng.next().to_string(),
+        "--rounds",
+        "25",
+        "--max-args",
+        "64k",
+        "--max-message",
+        "1m",
+    ]);
+    let h = lab.spawn(1, "hostile", &args);
+    let out = lab.json(h, Duration::from_secs(60));
+    let c = lab.summary(control, Duration::from_secs(60));
+    // The shards publish every 250 ms: scraped once the control load is done, well after.
+    let g = lab.gauges();
+    eprintln!("R2 hostile: {out}\nR2 control: {}", c.0);
+    let classes = out["classes"].as_object().unwrap();
+    let expect: [(&str, &[&str]); 8] = [
+        ("random", &["SchemaMismatch", "BadRequest"]),
+        ("truncated", &["BadRequest"]),
+        ("bad-prefix", &["SchemaMismatch", "BadRequest"]),
+        ("bad-archive", &["BadRequest"]),
+        ("unknown-function", &["UnknownFunction"]),
+        ("over-args", &["TooLarge"]),
+        ("over-frame", &["Net.TimedOut"]),
+        // Every class above was sent: none missing from the output.
+        ("", &[]),
+    ];
+    for (class, allowed) in expect.iter().filter(|(c, _)| !c.is_empty()) {
+        let got = classes
+            .get(*class)
+            .and_then(|v| v.as_object())
+            .unwrap_or_else(|| panic!("class {class} missing: {out}"));
+        for (outcome, n) in got {
+            assert!(
+                allowed.contains(&outcome.as_str()),
+                "{class}: {n} ended {outcome}, not one of {allowed:?}: {out}"
+            );
+        }
+        row.fig(format!("{class}: {}", serde_json::Value::from(got.clone())));
+    }
+    assert_eq!(out["valid"], "ok", "the hostile peer is not served: {out}");
+    // No handler ran for a malformed request: only the load's and the one valid call are in
+    // the journal (an archive of random bytes that validated would carry a random source).
+    let journal = std::fs::read_to_string(lab.journal()).unwrap_or_default();
+    let sources: HashSet<&str> = journal.lines().filter_map(|l| l.split(' ').next()).collect();
+    assert!(
+        sources.iter().all(|s| ["200", "7700"].contains(s)),
+        "a handler ran for a malformed call: sources {sources:?}"
+    );
+    let dropped = |r: &str| g.get(&format!("shardcx_frames_dropped_total{{reason={r}}}")).copied();
+    let mut counted: Vec<String> = g
+        .iter()
+        .filter(|(k, v)| k.starts_with("shardcx_frames_dropped_total{") && **v > 0.0)
+        .map(|(k, v)| format!("{} {v}", &k["shardcx_frames_dropped_total".len()..]))
+        .collect();
+    counted.sort();
+    row.fig(format!("server dropped: {}", counted.join(", ")));
+    assert!(
+        dropped("too_large").unwrap_or(0.0) >= 1.0,
+        "no oversized frame counted: {g:?}"
+    );
+    // The stray replies (three kinds of 25): dropped and counted.
+    assert!(
+        dropped("unmatched_reply").unwrap_or(0.0) >= 75.0,
+        "stray replies not counted: {counted:?}"
+    );
+    assert!(c.failed().is_empty(), "the control pair failed: {}", c.0);
+    c.assert_none_late("h2");
+    lab.check_oracles(&mut row, &[]);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+}
+
+/// R5: 1 % then 5 % of `h0`'s packets dropped at random (nftables), then no loss but a 8 Mbit/s
+/// cap (`tbf`), 6 s each, with eager calls from `h1` and 32 KiB (rendezvous) calls from `h2`.
+/// No corruption, nothing lost or delivered twice, nothing later than its deadline, and calls
+/// answered in every phase.
+#[test]
+fn r5_loss_and_a_bandwidth_cap_corrupt_lose_and_hang_nothing() {
+    let _g = serial();
+    let mut row = Row::new("R5", "1% then 5% loss, then an 8 Mbit/s cap, mixed load");
+    require_lab!(row);
+    let tbf = has_tbf();
+    let mut lab = Lab::new();
+    lab.start_server();
+    lab.take_baseline(&mut row);
+    let small = lab.start_load_with(1, "h1", 22, &["--deadline-ms", "3000"]);
+    let large = lab.start_load_with(
+        2,
+        "h2",
+        22,
+        &["--deadline-ms", "3000", "--size", "32k", "--window", "2"],
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let mut phases = Vec::new();
+    for (name, percent) in [("1% loss", 1), ("5% loss", 5)] {
+        let at = unix_ms();
+        lab.loss(percent);
+        std::thread::sleep(Duration::from_secs(6));
+        phases.push((name, at, unix_ms()));
+    }
+    lab.loss(0);
+    // Both ways: h0's end (its replies) and the switch's end toward h0 (the requests).
+    let links = [
+        (lab.ns("h0"), lab.veth(0)),
+        (lab.ns("sw"), format!("vs0-{}", lab.tag)),
+    ];
+    match &tbf {
+        Ok(()) => {
+            let at = unix_ms();
+            for (ns, dev) in &links {
+                run(&[
+                    "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "rate", "8mbit", "burst", "32kbit", "latency", "400ms",
+                ])
+                .unwrap();
+            }
+            std::thread::sleep(Duration::from_secs(6));
+            phases.push(("8 Mbit/s", at, unix_ms()));
+            for (ns, dev) in &links {
+                run(&["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"])
+                    .unwrap();
+            }
+        }
+        Err(why) => row.fig(format!("bandwidth phase skipped: {why}")),
+    }
+    let s = lab.summary(small, Duration::from_secs(60));
+    let l = lab.summary(large, Duration::from_secs(60));
+    eprintln!("R5 summary h1: {}\nR5 summary h2 (32 KiB): {}", s.0, l.0);
+    for (who, sum) in [("h1", &s), ("h2", &l)] {
+        sum.assert_none_late(who);
+        assert!(
+            !sum.failed().contains_key("BadCrc"),
+            "{who}: a reply carried a wrong CRC: {}",
+            sum.0
+        );
+        let mut per_phase = Vec::new();
+        for (name, from, to) in &phases {
+            let n = acks_between(&lab, who, sum.rel(*from), sum.rel(*to));
+            assert!(n > 0, "{who}: no call answered during {name}");
+            per_phase.push(format!("{name} {n}"));
+        }
+        row.fig(format!(
+            "{who}: acks {}; failed {:?}",
+            per_phase.join(", "),
+            sum.failed()
+        ));
+    }
+    lab.check_oracles(&mut row, &[]);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+}
+
+/// R9: deadlines and cancellation at every phase (`fault_peer deadlines` in `h1` against the
+/// server's `fault.slow`): deadline 0 is refused before anything is sent; 1 ms ends by 1 ms +
+/// 250 ms; `Duration::MAX` overflows nothing and is answered; a call dropped before it is
+/// polled, given up while the handler sleeps, or whose deadline passes in the handler is never
+/// journaled (the cancel or the deadline reaches the server, which drops the handler); a call
+/// answered then dropped is; 200 calls at once with deadlines drawn from the seed end once
+/// each, none late; nothing is left pending on the caller.
+#[test]
+fn r9_deadlines_and_cancellation_at_every_phase() {
+    let _g = serial();
+    let mut row = Row::new("R9", "deadlines 0, 1 ms, MAX; cancel before send, in handler, after reply");
+    require_lab!(row);
+    let mut rng = Rng::new("R9");
+    let mut lab = Lab::new();
+    lab.start_server();
+    lab.take_baseline(&mut row);
+    let args = strings(&[
+        "deadlines",
+        "--connect",
+        &Lab::server_addr(),
+        "--seed",
+        &rng.next().to_string(),
+    ]);
+    let d = lab.spawn(1, "deadlines", &args);
+    let out = lab.json(d, Duration::from_secs(60));
+    eprintln!("R9: {out}");
+    let cases = out["cases"].as_object().unwrap();
+    let outcomes = |c: &str| -> BTreeMap<String, u64> {
+        serde_json::from_value(cases[c]["outcomes"].clone()).unwrap_or_default()
+    };
+    for (name, c) in cases {
+        let over = c["max_over_ms"].as_u64().unwrap();
+        assert!(over <= 250, "{name}: a call ended {over} ms after its deadline: {c}");
+        row.fig(format!("{name}: {}", c["outcomes"]));
+    }
+    assert_eq!(
+        outcomes("zero").into_keys().collect::<Vec<_>>(),
+        ["TimedOut"],
+        "deadline 0"
+    );
+    assert_eq!(outcomes("max").into_keys().collect::<Vec<_>>(), ["Ok"], "Duration::MAX");
+    assert!(
+        outcomes("one-ms")
+            .keys()
+            .all(|k| ["Ok", "TimedOut"].contains(&k.as_str())),
+        "1 ms: {:?}",
+        outcomes("one-ms")
+    );
+    assert_eq!(
+        outcomes("cancelled-in-handler").into_keys().collect::<Vec<_>>(),
+        ["GivenUp"]
+    );
+    assert!(
+        outcomes("deadline-in-handler")
+            .keys()
+            .all(|k| ["TimedOut", "DeadlineExpired"].contains(&k.as_str())),
+        "{:?}",
+        outcomes("deadline-in-handler")
+    );
+    assert_eq!(outcomes("after-reply").into_keys().collect::<Vec<_>>(), ["Ok"]);
+    assert_eq!(out["mixed_completions"], 200, "each of 200 calls ends once");
+    assert_eq!(out["pending_after"], 0, "requests left pending on the caller");
+    assert!(
+        out["cancels_sent"].as_u64().unwrap() >= 5,
+        "no cancel sent for the calls given up"
+    );
+    // What must and must not have reached a handler.
+    let src = "900".to_owned();
+    let inc = out["inc"].to_string();
+    let journal = std::fs::read_to_string(lab.journal()).unwrap_or_default();
+    let journaled: HashSet<String> = journal
+        .lines()
+        .filter(|l| l.starts_with("900 "))
+        .filter_map(|l| l.split(' ').nth(2).map(str::to_owned))
+        .collect();
+    let mut acked = Vec::new();
+    for (name, c) in cases {
+        for s in c["never"].as_array().unwrap() {
+            assert!(
+                !journaled.contains(&s.to_string()),
+                "{name}: call {s} reached a handler"
+            );
+        }
+        for s in c["acked"].as_array().unwrap() {
+            acked.push((src.clone(), inc.clone(), s.to_string()));
+        }
+    }
+    lab.check_oracles(&mut row, &acked);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+}
