@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use shardcx::shards::net::bootstrap::fetch_directory_blocking;
+use shardcx::shards::net::bootstrap::{fetch_directory_blocking, BOOTSTRAP_REQUEST};
 
 mod common;
 use common::{shardcx, wait_for, NodeProc};
@@ -133,4 +133,58 @@ fn bench_fails_promptly_when_its_peer_is_stopped() {
     assert!(out.contains("is gone"), "no word of the peer:\n{out}");
     assert!(took < Duration::from_secs(5), "took {took:?}:\n{out}");
     node.signal("-CONT");
+}
+
+/// A directory fetch from the loopback address `from` (a second client host on one machine),
+/// within 2 s; its time.
+fn fetch_from(from: [u8; 4], node: std::net::SocketAddr) -> Result<Duration, String> {
+    use socket2::{Domain, Socket, Type};
+    let t0 = Instant::now();
+    let s = Socket::new(Domain::IPV4, Type::STREAM, None).map_err(|e| e.to_string())?;
+    s.bind(&std::net::SocketAddr::from((from, 0)).into())
+        .map_err(|e| format!("bind: {e}"))?;
+    s.connect_timeout(&node.into(), Duration::from_secs(2))
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut s: TcpStream = s.into();
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    s.write_all(&BOOTSTRAP_REQUEST).map_err(|e| format!("write: {e}"))?;
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).map_err(|e| format!("read: {e}"))?;
+    let mut dir = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut dir).map_err(|e| format!("read: {e}"))?;
+    Ok(t0.elapsed())
+}
+
+/// Defect "one host's flood locks every client out of the listener" (found by the reliability
+/// suite's R7): 200 silent connections from one address, reopened as the listener closed them,
+/// filled its 64 half-open places, and every legitimate directory fetch from another host was
+/// closed at once for as long as the flood lasted. Now one address holds at most 16 places:
+/// while 100 silent connections from 127.0.0.1 are open, fetches from 127.0.0.2 are answered
+/// promptly, and the node's fds are back once the flood is gone.
+#[test]
+fn a_flood_from_one_address_keeps_no_other_client_out_of_the_listener() {
+    let node = NodeProc::start(1, &[], false);
+    let before = settled_fds(&node);
+    let flood: Vec<TcpStream> = (0..100)
+        .filter_map(|_| TcpStream::connect(node.addr).ok())
+        .collect();
+    assert!(flood.len() >= 50, "only {} flood connections", flood.len());
+    let mut took = Vec::new();
+    for _ in 0..10 {
+        match fetch_from([127, 0, 0, 2], node.addr) {
+            Ok(t) => took.push(t),
+            Err(e) => panic!("a fetch from another address failed during the flood: {e}"),
+        }
+    }
+    eprintln!("fetches from 127.0.0.2 during the flood: {took:?}");
+    assert!(
+        took.iter().all(|t| *t < Duration::from_millis(500)),
+        "{took:?}"
+    );
+    drop(flood);
+    assert!(
+        wait_for(Duration::from_secs(10), || fds(&node) <= before + 1),
+        "fds {before} before, {} after the flood",
+        fds(&node)
+    );
 }

@@ -1162,3 +1162,110 @@ fn r9_deadlines_and_cancellation_at_every_phase() {
     lab.check_oracles(&mut row, &acked);
     lab.check_baseline(&mut row, Duration::from_secs(5));
 }
+
+/// R7: 200 raw TCP connections to the listener's port from `h1` (silent, dripping a byte every
+/// 100 ms, or 64 KiB of garbage; reopened when the listener closes them) for 8 s, and 20 shardcx
+/// client shards in `h1` (4 processes of 5) that connect and are then stopped (SIGSTOP).
+/// Meanwhile `h2` fetches the directory 20 times and connects and calls once: p99 ≤ 500 ms,
+/// no failure. The stopped clients' rails are freed by the heartbeats (the server's rail gauge
+/// falls to 0 within 3 s of the stop), the listener closes half-open connections (counted),
+/// and once the attackers are gone the server's fds are back to baseline within 5 s.
+#[test]
+fn r7_a_connection_flood_and_stopped_clients_keep_no_one_out_and_leak_nothing() {
+    let _g = serial();
+    let mut row = Row::new("R7", "200 raw TCP attackers, 20 stopped client shards");
+    require_lab!(row);
+    let mut rng = Rng::new("R7");
+    let mut lab = Lab::new();
+    lab.start_server();
+    lab.take_baseline(&mut row);
+    let mut stopped = Vec::new();
+    for p in 0..4 {
+        stopped.push(lab.start_load_with(
+            1,
+            &format!("h1-{p}"),
+            30,
+            &["--shards", "5", "--window", "1", "--pause-ms", "20"],
+        ));
+    }
+    // Every shard connected and calling (each logs its acknowledgements).
+    let connected = wait_for(Duration::from_secs(15), || {
+        (0..4).all(|p| {
+            let acked = lab.acked(&format!("h1-{p}"));
+            (0..5).all(|s| acked.iter().any(|a| a.0 == format!("1{s:02}")))
+        })
+    });
+    assert!(connected, "not every client shard connected within 15 s");
+    let rails_before = lab.gauges().get("shardcx_rails").copied().unwrap_or(0.0);
+    let stop_at = Instant::now();
+    for &c in &stopped {
+        lab.signal(c, "-STOP");
+    }
+    let freed = wait_for(Duration::from_secs(3), || {
+        lab.gauges().get("shardcx_rails").copied().unwrap_or(1.0) == 0.0
+    });
+    row.fig(format!(
+        "{rails_before} rails of stopped clients freed in {} ms",
+        stop_at.elapsed().as_millis()
+    ));
+    assert!(freed, "the stopped clients' rails are still held 3 s after the stop");
+    let attack = lab.spawn(
+        1,
+        "attack",
+        &strings(&[
+            "attack",
+            "--connect",
+            &Lab::server_addr(),
+            "--raw",
+            "200",
+            "--for",
+            "8",
+            "--seed",
+            &rng.next().to_string(),
+        ]),
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let probe = lab.spawn(
+        2,
+        "probe",
+        &strings(&["probe", "--connect", &Lab::server_addr(), "--count", "20"]),
+    );
+    let p = lab.json(probe, Duration::from_secs(60));
+    let a = lab.json(attack, Duration::from_secs(60));
+    let left_at = Instant::now();
+    for c in stopped {
+        lab.signal(c, "-KILL");
+    }
+    eprintln!("R7 probe: {p}\nR7 attack: {a}");
+    let mut lat: Vec<u64> = serde_json::from_value(p["lat_ms"].clone()).unwrap();
+    lat.sort_unstable();
+    let p99 = lat.get((lat.len() * 99).div_ceil(100).saturating_sub(1)).copied();
+    row.fig(format!(
+        "attack: {}; directory fetches p99 {p99:?} ms, failures {}; full connect {}",
+        a, p["failures"], p["full"]
+    ));
+    assert_eq!(p["failures"], serde_json::json!({}), "legitimate fetches failed: {p}");
+    assert!(p99.is_some_and(|t| t <= 500), "directory fetch p99 {p99:?} ms");
+    assert_eq!(p["full"]["call"], "ok", "the legitimate client was not served: {p}");
+    assert!(
+        p["full"]["connect_ms"].as_u64().is_some_and(|t| t <= 500),
+        "legitimate connect took over 500 ms: {p}"
+    );
+    let g = lab.gauges();
+    let refused: f64 = ["timed_out", "refused", "over_cap"]
+        .iter()
+        .map(|o| {
+            g.get(&format!("shardcx_bootstraps_total{{outcome={o}}}"))
+                .copied()
+                .unwrap_or(0.0)
+        })
+        .sum();
+    row.fig(format!("listener closed {refused} attacking connections"));
+    assert!(refused > 0.0, "no attacking connection closed by the listener");
+    lab.check_oracles(&mut row, &[]);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+    row.fig(format!(
+        "checked {} ms after the attackers left",
+        left_at.elapsed().as_millis()
+    ));
+}
