@@ -188,3 +188,77 @@ fn a_flood_from_one_address_keeps_no_other_client_out_of_the_listener() {
         fds(&node)
     );
 }
+
+/// Defect "a client's shards connecting at once are refused by the listener's cap" (found by
+/// the reliability suite's R8): the listener closes a bootstrap connection unanswered when it
+/// serves as many as it may (16 from one address), and a client of 32 shards connecting at
+/// once failed with "connection reset". Now the bootstrap tries again within its deadline:
+/// against a listener that closes the first three connections unanswered, a shard still gets
+/// the directory, while an address where nothing listens fails at once.
+#[test]
+fn a_bootstrap_closed_unanswered_is_tried_again() {
+    use shardcx::shards::net::bootstrap::Directory;
+    use shardcx::shards::ucx::WorkerAddress;
+    use shardcx::shards::NetError;
+    use shardcx::NodeId;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let dir = Directory {
+        node_id: NodeId::new(77),
+        incarnation: shardcx::proto::Incarnation::new(1),
+        workers: vec![WorkerAddress::from_bytes(vec![1, 2, 3])],
+    };
+    let bytes = dir.encode();
+    // Bounded: a client that does not come back leaves it after 5 s.
+    listener.set_nonblocking(true).unwrap();
+    let server = std::thread::spawn(move || {
+        let until = Instant::now() + Duration::from_secs(5);
+        for i in 0..4 {
+            let mut s = loop {
+                match listener.accept() {
+                    Ok((s, _)) => break s,
+                    Err(_) if Instant::now() < until => {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
+                    Err(e) => panic!("no connection {i} within 5 s: {e}"),
+                }
+            };
+            s.set_nonblocking(false).unwrap();
+            let mut req = [0u8; 8];
+            s.read_exact(&mut req).unwrap();
+            if i < 3 {
+                // As the listener at its cap does: closed with a reset, unanswered.
+                socket2::SockRef::from(&s)
+                    .set_linger(Some(Duration::ZERO))
+                    .unwrap();
+                continue;
+            }
+            s.write_all(&(bytes.len() as u32).to_le_bytes()).unwrap();
+            s.write_all(&bytes).unwrap();
+            let _ = s.read(&mut req);
+        }
+    });
+    // A port nothing listens on: bound, then closed.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let out = common::two_shard_node(NodeId::new(78), b"a key of sixteen bytes or more")
+        .shards(1)
+        .run(move |node: shardcx::Node| async move {
+            let ctx = node.shard_ctx();
+            let got = ctx.bootstrap(addr).await;
+            let t0 = Instant::now();
+            let refused = ctx.bootstrap(dead).await;
+            (got, refused, t0.elapsed())
+        })
+        .unwrap();
+    let (got, refused, took) = out.into_iter().next().unwrap();
+    assert_eq!(got.expect("the directory after three closed connections"), dir);
+    server.join().unwrap();
+    assert!(
+        matches!(refused, Err(NetError::Unreachable { .. })),
+        "{refused:?}"
+    );
+    assert!(took < Duration::from_secs(1), "a refused connect took {took:?}");
+}

@@ -1269,3 +1269,296 @@ fn r7_a_connection_flood_and_stopped_clients_keep_no_one_out_and_leak_nothing() 
         left_at.elapsed().as_millis()
     ));
 }
+
+/// R10: the server stopped (SIGTERM, a drain deadline of 2 s) while 2 × 500 calls are in
+/// flight and `h1` is partitioned from it. The server exits within the drain deadline + 1 s;
+/// `h2`'s calls after the stop fail at once (refused or connection lost, never a timeout); every
+/// call of both ends by its deadline; nothing acknowledged is lost.
+#[test]
+fn r10_shutdown_under_load_with_a_partitioned_peer_drains_in_time() {
+    let _g = serial();
+    let mut row = Row::new("R10", "SIGTERM with 1,000 calls in flight and a partitioned peer");
+    require_lab!(row);
+    let mut rng = Rng::new("R10");
+    let mut lab = Lab::new();
+    let server = lab.start_server_with(&["--drain-ms", "2000"]);
+    let loads = [
+        lab.start_load_with(1, "h1", 9, &["--window", "500", "--deadline-ms", "4000"]),
+        lab.start_load_with(2, "h2", 9, &["--window", "500", "--deadline-ms", "4000"]),
+    ];
+    std::thread::sleep(rng.ms(2500, 3500));
+    lab.partition(1, true);
+    std::thread::sleep(Duration::from_millis(300));
+    let term_at = unix_ms();
+    let t0 = Instant::now();
+    lab.signal(server, "-TERM");
+    let exited = wait_for(Duration::from_secs(10), || {
+        lab.children[server].try_wait().unwrap().is_some()
+    });
+    let took = t0.elapsed();
+    let status = lab.children[server].try_wait().unwrap();
+    row.fig(format!("server exited {} ms after SIGTERM: {status:?}", took.as_millis()));
+    assert!(exited, "the server still runs 10 s after SIGTERM");
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert!(took <= Duration::from_millis(3_000), "exit took {took:?}");
+    let s = lab.summary(loads[0], Duration::from_secs(60));
+    let c = lab.summary(loads[1], Duration::from_secs(60));
+    eprintln!("R10 h1 (partitioned): {}\nR10 h2: {}", s.0, c.0);
+    s.assert_none_late("h1");
+    c.assert_none_late("h2");
+    let first = c.0["first_error_ms"].as_u64().expect("h2 saw no failure");
+    row.fig(format!(
+        "h2: first failure {} ms after SIGTERM, failed {:?}; h1 (partitioned): failed {:?}",
+        first as i64 - c.rel(term_at) as i64,
+        c.failed(),
+        s.failed()
+    ));
+    assert!(
+        c.failed().keys().all(|k| !k.contains("TimedOut")),
+        "a call to the stopping server waited for its deadline: {}",
+        c.0
+    );
+    lab.check_oracles(&mut row, &[]);
+}
+
+/// R13: a 60 s soak at 1 % loss with the server killed (-9) and restarted every 15 s, eager and
+/// rendezvous load. The clients' fds and memory stay flat after warm-up, nothing is late,
+/// lost or duplicated, and the last server is back to baseline once the clients leave.
+#[test]
+fn r13_a_soak_with_restarts_and_loss_stays_flat() {
+    let _g = serial();
+    let mut row = Row::new("R13", "60 s soak, kill -9 every 15 s, 1% loss");
+    require_lab!(row);
+    let mut rng = Rng::new("R13");
+    let mut lab = Lab::new();
+    let mut server = lab.start_server();
+    lab.take_baseline(&mut row);
+    let loads = [
+        lab.start_load_with(1, "h1", 60, &["--deadline-ms", "2000"]),
+        lab.start_load_with(
+            2,
+            "h2",
+            60,
+            &["--deadline-ms", "2000", "--size", "32k", "--window", "1"],
+        ),
+    ];
+    lab.loss(1);
+    let start = Instant::now();
+    let sample = |lab: &Lab| -> Vec<(usize, u64)> {
+        loads
+            .iter()
+            .map(|&i| (fds(lab.pid(i)), rss_kib(lab.pid(i))))
+            .collect()
+    };
+    let mut warm = None;
+    for round in 1..=3u32 {
+        let at = Duration::from_secs(15 * u64::from(round)) + rng.ms(0, 1000);
+        if round == 1 {
+            std::thread::sleep(Duration::from_secs(11).saturating_sub(start.elapsed()));
+            warm = Some(sample(&lab));
+        }
+        std::thread::sleep(at.saturating_sub(start.elapsed()));
+        lab.signal(server, "-KILL");
+        let _ = lab.children[server].wait();
+        std::thread::sleep(Duration::from_millis(300));
+        server = lab.start_server();
+    }
+    std::thread::sleep(Duration::from_secs(57).saturating_sub(start.elapsed()));
+    let (warm, end) = (warm.unwrap(), sample(&lab));
+    lab.loss(0);
+    for (k, (name, &i)) in ["h1", "h2"].iter().zip(&loads).enumerate() {
+        let s = lab.summary(i, Duration::from_secs(60));
+        eprintln!("R13 {name}: {}", s.0);
+        s.assert_none_late(name);
+        row.fig(format!(
+            "{name}: {} ok, failed {:?}; fds {} -> {}, {} -> {} MiB",
+            s.n("ok"),
+            s.failed(),
+            warm[k].0,
+            end[k].0,
+            warm[k].1 >> 10,
+            end[k].1 >> 10
+        ));
+        assert!(s.n("ok") > 0);
+        assert!(
+            end[k].0 <= warm[k].0 + 2,
+            "{name}: fds grew {} -> {}",
+            warm[k].0,
+            end[k].0
+        );
+        assert!(
+            end[k].1 <= warm[k].1 + (16 << 10),
+            "{name}: memory grew {} -> {} KiB",
+            warm[k].1,
+            end[k].1
+        );
+    }
+    lab.check_oracles(&mut row, &[]);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+}
+
+/// R8: 64 client shards (4 processes of 16, two hosts) connect at once and make 100 calls
+/// each, then all close. Every shard connects within 10 s, no call fails, and the server's
+/// rails, fds and memory come back to baseline. (RELIABILITY.md asks 512 endpoints: 512 shards,
+/// each its own UCX context and thread, do not fit this 2-core machine beside two other
+/// engineers; the count is `R8_SHARDS` per process.)
+#[test]
+fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
+    const R8_SHARDS: usize = 16;
+    let _g = serial();
+    let mut row = Row::new("R8", "4 x 16 client shards at once, 100 calls each");
+    require_lab!(row);
+    let mut lab = Lab::new();
+    lab.start_server();
+    lab.take_baseline(&mut row);
+    let shards = R8_SHARDS.to_string();
+    let procs: Vec<(String, usize)> = (0..4)
+        .map(|p| {
+            let name = format!("h{}-{p}", 1 + p % 2);
+            let extra = [
+                "--shards", &shards, "--window", "1", "--calls", "100", "--pause-ms", "0",
+                "--deadline-ms", "5000",
+            ];
+            let i = lab.start_load_with(1 + p % 2, &name, 60, &extra);
+            (name, i)
+        })
+        .collect();
+    let mut slowest = 0;
+    for (name, i) in &procs {
+        let s = lab.summary(*i, Duration::from_secs(90));
+        let acked = lab.acked(name);
+        // Each shard's first acknowledgement: when it was connected, at the latest.
+        let mut first: HashMap<String, u64> = HashMap::new();
+        for a in &acked {
+            let t = first.entry(a.0.clone()).or_insert(a.3);
+            *t = (*t).min(a.3);
+        }
+        assert_eq!(first.len(), R8_SHARDS, "{name}: not every shard was answered: {}", s.0);
+        slowest = slowest.max(first.values().copied().max().unwrap_or(0));
+        assert!(s.failed().is_empty(), "{name}: spurious failures: {}", s.0);
+        assert_eq!(s.n("ok"), 100 * R8_SHARDS as u64, "{name}: {}", s.0);
+    }
+    row.fig(format!(
+        "{} shards: the slowest's first answer {slowest} ms after its process started",
+        4 * R8_SHARDS
+    ));
+    assert!(slowest <= 10_000, "a shard connected only after {slowest} ms");
+    lab.check_oracles(&mut row, &[]);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+    let b = lab.baseline.unwrap();
+    let rss = lab.server_rss_kib();
+    assert!(
+        rss <= b.rss_kib + (64 << 10),
+        "server memory {} -> {} MiB",
+        b.rss_kib >> 10,
+        rss >> 10
+    );
+}
+
+/// R11: cross-shard forwarding cycles in one process (3 shards, every shard forwarding to every
+/// other, each job forwarding once more to the next shard) through lanes of capacity 1 and
+/// 1,024: no deadlock (completions grow every second, watched from outside), nesting depth 2
+/// and never more, every answer from the right shard.
+#[test]
+fn r11_forwarding_cycles_on_tiny_and_large_lanes_always_progress() {
+    use shardcx::shards::{Placement, ShardCtx, ShardsBuilder};
+    use shardcx::ShardId;
+    use std::rc::Rc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let _g = serial();
+    let mut row = Row::new("R11", "forwarding cycles, lanes of capacity 1 and 1,024");
+    if cfg!(debug_assertions) {
+        row.skipped = Some("the suite runs once, in release".into());
+        return;
+    }
+    const SHARDS: usize = 3;
+    const PER_PAIR: u64 = 3000;
+    for capacity in [1, 1024] {
+        let done = Arc::new(AtomicU64::new(0));
+        let d = done.clone();
+        let set = std::thread::spawn(move || {
+            ShardsBuilder::new()
+                .shard_count(SHARDS)
+                .placement(Placement::Unpinned)
+                .transports("sm,self")
+                .lane_capacity(capacity)
+                .run(move |ctx: Rc<ShardCtx>| {
+                    let done = d.clone();
+                    async move {
+                        let me = ctx.id().index();
+                        let sid = |i: usize| ShardId::new(i as u16);
+                        let mut tasks = Vec::new();
+                        for to in (0..SHARDS).filter(|&j| j != me) {
+                            for i in 0..PER_PAIR {
+                                let (ctx, done) = (ctx.clone(), done.clone());
+                                tasks.push(glommio::spawn_local(async move {
+                                    let r = ctx
+                                        .forward(sid(to), move |c| async move {
+                                            let next = sid((c.id().index() + 1) % SHARDS);
+                                            let (there, depth) = c
+                                                .forward(next, |c| async move {
+                                                    (c.id(), c.forward_depth())
+                                                })
+                                                .await
+                                                .map_err(|e| e.to_string())?;
+                                            if there != next || depth != 2 {
+                                                return Err(format!(
+                                                    "answered by {there:?} at depth {depth}"
+                                                ));
+                                            }
+                                            Ok(i ^ c.id().index() as u64)
+                                        })
+                                        .await;
+                                    done.fetch_add(1, Ordering::Relaxed);
+                                    match r {
+                                        Ok(Ok(v)) if v == i ^ to as u64 => Ok(()),
+                                        Ok(Ok(v)) => Err(format!("wrong answer {v}")),
+                                        Ok(Err(e)) => Err(e),
+                                        Err(e) => Err(e.to_string()),
+                                    }
+                                }));
+                            }
+                        }
+                        let mut errors = Vec::new();
+                        for t in tasks {
+                            if let Err(e) = t.await {
+                                errors.push(e);
+                            }
+                        }
+                        errors
+                    }
+                })
+        });
+        let total = (SHARDS * (SHARDS - 1)) as u64 * PER_PAIR;
+        let t0 = Instant::now();
+        let (mut last, mut last_change, mut worst_gap) = (0, Instant::now(), Duration::ZERO);
+        while !set.is_finished() {
+            std::thread::sleep(Duration::from_millis(100));
+            let now = done.load(Ordering::Relaxed);
+            if now != last {
+                (last, last_change) = (now, Instant::now());
+            }
+            worst_gap = worst_gap.max(last_change.elapsed());
+            assert!(
+                last_change.elapsed() < Duration::from_secs(1) || now == total,
+                "capacity {capacity}: no forward completed for 1 s ({now} of {total} done)"
+            );
+            assert!(t0.elapsed() < Duration::from_secs(60), "capacity {capacity}: over 60 s");
+        }
+        let errors: Vec<String> = set
+            .join()
+            .expect("the shard set panicked")
+            .expect("the shards did not start")
+            .into_iter()
+            .flatten()
+            .collect();
+        row.fig(format!(
+            "capacity {capacity}: {total} nested forwards in {} ms, longest pause {} ms",
+            t0.elapsed().as_millis(),
+            worst_gap.as_millis()
+        ));
+        assert!(errors.is_empty(), "capacity {capacity}: {:?}", &errors[..errors.len().min(5)]);
+        assert_eq!(done.load(Ordering::Relaxed), total);
+    }
+}

@@ -299,12 +299,14 @@ async fn serve_one(stream: &mut TcpStream, reply: &[u8], answered: &Cell<bool>) 
 
 impl ShardCtx {
     /// Fetches the directory of the node listening at `addr`, from this shard (see the module
-    /// docs). Bounded by [`NetConfig::connect_timeout`].
+    /// docs). Bounded by [`NetConfig::connect_timeout`]; a connection the listener closes
+    /// unanswered (it is at its cap of half-open connections) is tried again within it, while
+    /// nothing listening at `addr` fails at once ([`NetError::Unreachable`]).
     ///
     /// [`NetConfig::connect_timeout`]: super::NetConfig::connect_timeout
     pub async fn bootstrap(&self, addr: SocketAddr) -> Result<Directory, NetError> {
         let timeout = self.net().settings.cfg.connect_timeout;
-        future::or(fetch(addr), async {
+        future::or(fetch_until_answered(addr), async {
             sleep(timeout).await;
             Err(NetError::TimedOut { what: "bootstrap" })
         })
@@ -344,6 +346,39 @@ impl ShardCtx {
             .await??;
         }
         self.session(node).ok_or(NetError::NotConnected { node })
+    }
+}
+
+/// Whether a fetch failed because the listener closed the connection without answering: it
+/// does so at once when it is serving as many connections as it may (in all, or from this
+/// client's address), so a client whose shards all connect at once may meet it.
+fn closed_unanswered(e: &NetError) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e,
+        NetError::Unreachable {
+            kind: ErrorKind::ConnectionReset
+                | ErrorKind::ConnectionAborted
+                | ErrorKind::UnexpectedEof
+                | ErrorKind::BrokenPipe,
+            ..
+        }
+    )
+}
+
+/// Fetches until the listener answers: a connection it closed unanswered is tried again after a
+/// pause (5 ms, doubling up to 200 ms); any other failure (nothing listening, say) ends it at
+/// once. Unbounded in time: [`ShardCtx::bootstrap`] bounds it.
+async fn fetch_until_answered(addr: SocketAddr) -> Result<Directory, NetError> {
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match fetch(addr).await {
+            Err(e) if closed_unanswered(&e) => {
+                sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            r => return r,
+        }
     }
 }
 
