@@ -15,6 +15,8 @@
 //!
 //! Random choices (fault times, garbage, payload lengths, deadlines) come from one seed,
 //! printed by each test: `SHARDCX_FAULT_SEED=N` (`scripts/faults --seed N`) replays it.
+//! `SHARDCX_FAULT_KEEP=1` keeps each lab's files (journal, acknowledgements, every child's
+//! stderr) in `/tmp/shardcx-lab-*` for a look afterwards.
 //!
 //! The lab needs root (network namespaces, nftables): without it each test prints
 //! `SKIPPED (R0 ...)` with the reason and passes, counted in its row. The suite runs in release
@@ -592,7 +594,11 @@ impl Drop for Lab {
                 }
             }
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if std::env::var_os("SHARDCX_FAULT_KEEP").is_some() {
+            eprintln!("lab files kept in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
@@ -1560,5 +1566,106 @@ fn r11_forwarding_cycles_on_tiny_and_large_lanes_always_progress() {
         ));
         assert!(errors.is_empty(), "capacity {capacity}: {:?}", &errors[..errors.len().min(5)]);
         assert_eq!(done.load(Ordering::Relaxed), total);
+    }
+}
+
+/// R1: the fuzz smoke. Each decoder's fuzz entry point (`shardcx::proto::fuzzing`: frames,
+/// handshakes, RMA, RPC) replays its committed corpus (`shards/proto/fuzz/corpus`), then runs on
+/// inputs mutated from it with the seed (bit flips, random bytes, cuts, growth, splices, lengths
+/// set to edge values) for 2 s or 200,000 inputs each. A panic (a broken decoder contract) fails
+/// with the input in hex; so does any input that takes more than 1 s. (A libFuzzer run needs
+/// nightly and cargo-fuzz: `shards/proto/fuzz/README.md`; this smoke runs on stable.)
+#[test]
+fn r1_fuzz_smoke_corpora_replayed_and_mutated() {
+    type Target = fn(&[u8]) -> bool;
+    let mut row = Row::new("R1", "corpora replayed, then seeded mutations of each decoder");
+    if cfg!(debug_assertions) {
+        row.skipped = Some("the suite runs once, in release".into());
+        return;
+    }
+    use shardcx::proto::fuzzing;
+    let targets: [(&str, Target); 4] = [
+        ("frame", fuzzing::frame),
+        ("handshake", fuzzing::handshake),
+        ("rma", fuzzing::rma),
+        ("rpc", fuzzing::rpc),
+    ];
+    let corpora = Path::new(env!("CARGO_MANIFEST_DIR")).join("shards/proto/fuzz/corpus");
+    for (name, target) in targets {
+        let mut rng = Rng::new(name);
+        let mut corpus: Vec<Vec<u8>> = std::fs::read_dir(corpora.join(name))
+            .unwrap_or_else(|e| panic!("corpus {name}: {e}"))
+            .map(|e| std::fs::read(e.unwrap().path()).unwrap())
+            .collect();
+        assert!(!corpus.is_empty(), "corpus {name} is empty");
+        corpus.sort();
+        let run_one = |input: &[u8]| {
+            let t0 = Instant::now();
+            let r = std::panic::catch_unwind(|| target(input));
+            let took = t0.elapsed();
+            let hex: String = input.iter().map(|b| format!("{b:02x}")).collect();
+            let decoded = r.unwrap_or_else(|_| {
+                panic!("{name}: the decoder's contract broke on input {hex} (seed {})", seed())
+            });
+            assert!(
+                took <= Duration::from_secs(1),
+                "{name}: input {hex} took {took:?} (seed {})",
+                seed()
+            );
+            decoded
+        };
+        let replayed = corpus.iter().filter(|c| run_one(c)).count();
+        let t0 = Instant::now();
+        let (mut runs, mut decoded) = (0u64, 0u64);
+        while t0.elapsed() < Duration::from_secs(2) && runs < 200_000 {
+            let mut input = corpus[(rng.next() % corpus.len() as u64) as usize].clone();
+            for _ in 0..1 + rng.next() % 4 {
+                mutate(&mut input, &corpus, &mut rng);
+            }
+            decoded += u64::from(run_one(&input));
+            runs += 1;
+        }
+        row.fig(format!(
+            "{name}: {} seeds ({replayed} decode), {runs} mutants ({decoded} decode)",
+            corpus.len()
+        ));
+    }
+}
+
+/// One mutation of `input`: a bit flipped, a byte set, a cut, random bytes added, a splice
+/// with another corpus entry, or a 32-bit word set to an edge value.
+fn mutate(input: &mut Vec<u8>, corpus: &[Vec<u8>], rng: &mut Rng) {
+    let at = |rng: &mut Rng, len: usize| (rng.next() % len.max(1) as u64) as usize;
+    match rng.next() % 6 {
+        0 if !input.is_empty() => {
+            let i = at(rng, input.len());
+            input[i] ^= 1 << (rng.next() % 8);
+        }
+        1 if !input.is_empty() => {
+            let i = at(rng, input.len());
+            input[i] = rng.next() as u8;
+        }
+        2 => {
+            let n = at(rng, input.len() + 1);
+            input.truncate(n);
+        }
+        3 => {
+            for _ in 0..1 + rng.next() % 32 {
+                input.push(rng.next() as u8);
+            }
+        }
+        4 => {
+            let other = &corpus[at(rng, corpus.len())];
+            let (cut, from) = (at(rng, input.len() + 1), at(rng, other.len() + 1));
+            input.truncate(cut);
+            input.extend_from_slice(&other[from..]);
+        }
+        _ if input.len() >= 4 => {
+            let edges = [0u32, 1, 0x7fff_ffff, 0x8000_0000, u32::MAX, input.len() as u32 + 1];
+            let v = edges[at(rng, edges.len())];
+            let i = at(rng, input.len() - 3);
+            input[i..i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        _ => input.push(rng.next() as u8),
     }
 }

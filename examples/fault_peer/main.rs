@@ -24,8 +24,10 @@
 //! sessions are connected again on the next call (the peer's address is in the node's book).
 //! SIGTERM ends the load early (calls in flight finish). At the end it prints one JSON line:
 //! `{"src", "inc", "start_unix_ms", "sent", "ok", "late", "max_over_ms", "first_error_ms",
-//! "last_error_ms", "failed": {kind: n}}`, where the error times count from the start of the run
-//! (`start_unix_ms`, wall clock), for the suite to compare with when it injected a fault.
+//! "last_error_ms", "failed": {kind: n}, "errors": [[ms, kind, took_ms], ...]}`, where the
+//! error times count from the start of the run (`start_unix_ms`, wall clock), for the suite to
+//! compare with when it injected a fault (`errors`: the first 200 failures, with how long each
+//! call ran).
 //!
 //! The suite's other clients: `hostile` (R2: malformed requests and stray frames from an
 //! authenticated peer), `deadlines` (R9: deadlines and cancellation at every phase), `attack`
@@ -324,12 +326,24 @@ struct Tally {
     first_error: Option<Duration>,
     last_error: Option<Duration>,
     failed: BTreeMap<String, u64>,
+    /// The first [`MAX_ERRORS_KEPT`] failures: when (ms from the start), what, and how long
+    /// the call had run (ms).
+    errors: Vec<(u64, String, u64)>,
 }
+
+/// Failures kept with their times in the summary (the counts cover them all).
+const MAX_ERRORS_KEPT: usize = 200;
 
 impl Tally {
     /// Records a call's outcome (`Ok(true)`: answered with the right CRC), how far past its
     /// deadline it ended and when (from the start); true when it was acknowledged.
-    fn record(&mut self, r: &Result<bool, RpcError>, over: Duration, at: Duration) -> bool {
+    fn record(
+        &mut self,
+        r: &Result<bool, RpcError>,
+        (took, deadline): (Duration, Duration),
+        at: Duration,
+    ) -> bool {
+        let over = took.saturating_sub(deadline);
         if over > LATE_SLACK {
             self.late += 1;
         }
@@ -346,6 +360,10 @@ impl Tally {
                 error_kind(e)
             }
         };
+        if self.errors.len() < MAX_ERRORS_KEPT {
+            let ms = |d: Duration| d.as_millis() as u64;
+            self.errors.push((ms(at), failed.clone(), ms(took)));
+        }
         *self.failed.entry(failed).or_default() += 1;
         false
     }
@@ -364,6 +382,8 @@ impl Tally {
         for (k, n) in &o.failed {
             *self.failed.entry(k.clone()).or_default() += n;
         }
+        let room = MAX_ERRORS_KEPT.saturating_sub(self.errors.len());
+        self.errors.extend(o.errors.iter().take(room).cloned());
     }
 }
 
@@ -449,7 +469,7 @@ fn load(a: &LoadArgs) -> Result<(), String> {
                             let took = t0.elapsed();
                             let ok = tally.borrow_mut().record(
                                 &r.map(|c| c == crc),
-                                took.saturating_sub(deadline),
+                                (took, deadline),
                                 start.elapsed(),
                             );
                             if ok {
@@ -494,6 +514,7 @@ fn load(a: &LoadArgs) -> Result<(), String> {
             "first_error_ms": ms(t.first_error),
             "last_error_ms": ms(t.last_error),
             "failed": t.failed,
+            "errors": t.errors,
         })
     );
     Ok(())
