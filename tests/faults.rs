@@ -262,3 +262,65 @@ fn a_bootstrap_closed_unanswered_is_tried_again() {
     );
     assert!(took < Duration::from_secs(1), "a refused connect took {took:?}");
 }
+
+/// Defect "a connect given up half-way blocks every later connect to that node" (found by the
+/// reliability suite's R13): a connect cut short by its deadline while its handshake was under
+/// way left shard 0's "establishing" entry behind, and every later connect to that node waited
+/// on it until its own deadline, for good: a client never got back to a restarted server. Here
+/// the node's directory is served by a listener of the test while the node is stopped
+/// (SIGSTOP), so that the first connect's handshake cannot finish within its 300 ms; the node is
+/// continued and a second connect must succeed well within its 5 s.
+#[test]
+fn a_connect_given_up_midway_leaves_no_one_waiting_for_it() {
+    use shardcx::bench::DEFAULT_PSK;
+    use shardcx::NodeId;
+    let node = NodeProc::start(1, &[], false);
+    let dir = fetch_directory_blocking(node.addr, Duration::from_secs(5)).expect("directory");
+    let bytes = dir.encode();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let fake = listener.local_addr().unwrap();
+    listener.set_nonblocking(true).unwrap();
+    // Serves the node's directory to every bootstrap for 20 s at most.
+    std::thread::spawn(move || {
+        let until = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < until {
+            let Ok((mut s, _)) = listener.accept() else {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            };
+            s.set_nonblocking(false).unwrap();
+            let mut req = [0u8; 8];
+            if s.read_exact(&mut req).is_ok() {
+                let _ = s.write_all(&(bytes.len() as u32).to_le_bytes());
+                let _ = s.write_all(&bytes);
+            }
+        }
+    });
+    node.signal("-STOP");
+    let pid = node.pid().to_string();
+    let out = common::two_shard_node(NodeId::new(79), DEFAULT_PSK)
+        .shards(1)
+        .run(move |n: shardcx::Node| {
+            let pid = pid.clone();
+            async move {
+                let first = n.connect_within(fake, Duration::from_millis(300)).await;
+                std::process::Command::new("kill")
+                    .args(["-CONT", &pid])
+                    .status()
+                    .unwrap();
+                let t0 = Instant::now();
+                let second = n.connect_within(fake, Duration::from_secs(5)).await;
+                (
+                    first.map(|_| ()).map_err(|e| e.to_string()),
+                    second.map(|_| ()).map_err(|e| e.to_string()),
+                    t0.elapsed(),
+                )
+            }
+        })
+        .unwrap();
+    let (first, second, took) = out.into_iter().next().unwrap();
+    eprintln!("first {first:?}, second {second:?} after {took:?}");
+    assert!(first.is_err(), "the first connect was not cut short: {first:?}");
+    assert!(second.is_ok(), "the second connect failed: {second:?}");
+    assert!(took < Duration::from_secs(3), "the second connect took {took:?}");
+}

@@ -567,8 +567,9 @@ pub(crate) struct Slot<T> {
     waker: RefCell<Option<Waker>>,
 }
 
-/// One task waiting for shard 0 to establish a node pair (see `session`).
-type EstablishWaiter = Rc<Slot<Result<(), NetError>>>;
+/// One task waiting for shard 0 to establish a node pair (see `session`): the outcome, or
+/// `None` when the caller establishing it gave up before the end (its future dropped).
+type EstablishWaiter = Rc<Slot<Option<Result<(), NetError>>>>;
 
 /// One shard's network state (in its [`ShardCtx`]).
 pub(crate) struct NetState {
