@@ -194,6 +194,15 @@ struct LoadArgs {
 
 fn main() {
     let args = Args::parse();
+    // The node's warnings (rails failed, reconnects backing off) on stderr, which the suite
+    // keeps per process; RUST_LOG=info (or debug) says more.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
     let r = match args.cmd {
         Cmd::Serve(a) => serve(&a),
         Cmd::Load(a) => load(&a),
