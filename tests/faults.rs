@@ -147,7 +147,8 @@ fn fetch_from(from: [u8; 4], node: std::net::SocketAddr) -> Result<Duration, Str
         .map_err(|e| format!("connect: {e}"))?;
     let mut s: TcpStream = s.into();
     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-    s.write_all(&BOOTSTRAP_REQUEST).map_err(|e| format!("write: {e}"))?;
+    s.write_all(&BOOTSTRAP_REQUEST)
+        .map_err(|e| format!("write: {e}"))?;
     let mut len = [0u8; 4];
     s.read_exact(&mut len).map_err(|e| format!("read: {e}"))?;
     let mut dir = vec![0u8; u32::from_le_bytes(len) as usize];
@@ -254,13 +255,19 @@ fn a_bootstrap_closed_unanswered_is_tried_again() {
         })
         .unwrap();
     let (got, refused, took) = out.into_iter().next().unwrap();
-    assert_eq!(got.expect("the directory after three closed connections"), dir);
+    assert_eq!(
+        got.expect("the directory after three closed connections"),
+        dir
+    );
     server.join().unwrap();
     assert!(
         matches!(refused, Err(NetError::Unreachable { .. })),
         "{refused:?}"
     );
-    assert!(took < Duration::from_secs(1), "a refused connect took {took:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "a refused connect took {took:?}"
+    );
 }
 
 /// Defect "a connect given up half-way blocks every later connect to that node" (found by the
@@ -320,7 +327,13 @@ fn a_connect_given_up_midway_leaves_no_one_waiting_for_it() {
         .unwrap();
     let (first, second, took) = out.into_iter().next().unwrap();
     eprintln!("first {first:?}, second {second:?} after {took:?}");
-    assert!(first.is_err(), "the first connect was not cut short: {first:?}");
+    assert!(
+        first.is_err(),
+        "the first connect was not cut short: {first:?}"
+    );
     assert!(second.is_ok(), "the second connect failed: {second:?}");
-    assert!(took < Duration::from_secs(3), "the second connect took {took:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "the second connect took {took:?}"
+    );
 }

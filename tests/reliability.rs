@@ -87,7 +87,9 @@ struct Rng(u64);
 
 impl Rng {
     fn new(test: &str) -> Rng {
-        let salt = test.bytes().fold(0u64, |h, b| h.wrapping_mul(31) + u64::from(b));
+        let salt = test
+            .bytes()
+            .fold(0u64, |h, b| h.wrapping_mul(31) + u64::from(b));
         Rng((seed() ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1)
     }
 
@@ -327,7 +329,12 @@ impl Lab {
     fn start_load_with(&mut self, h: usize, name: &str, secs: u64, extra: &[&str]) -> usize {
         let mut args = strings(&["load", "--connect", &Lab::server_addr(), "--acked"]);
         args.push(self.dir.join(format!("acked-{name}")).display().to_string());
-        args.extend(strings(&["--for", &secs.to_string(), "--src", &h.to_string()]));
+        args.extend(strings(&[
+            "--for",
+            &secs.to_string(),
+            "--src",
+            &h.to_string(),
+        ]));
         args.extend(strings(extra));
         self.spawn(h, name, &args)
     }
@@ -465,7 +472,11 @@ impl Lab {
             fds,
             rss_kib: rss_kib(pid),
         };
-        row.fig(format!("server at rest: {} fds, {} MiB", b.fds, b.rss_kib >> 10));
+        row.fig(format!(
+            "server at rest: {} fds, {} MiB",
+            b.fds,
+            b.rss_kib >> 10
+        ));
         self.baseline = Some(b);
     }
 
@@ -474,10 +485,14 @@ impl Lab {
     fn check_baseline(&self, row: &mut Row, limit: Duration) {
         let b = self.baseline.expect("no baseline taken");
         let busy = |g: &HashMap<String, f64>| {
-            ["shardcx_rails", "shardcx_pending_requests", "shardcx_lane_in_flight"]
-                .iter()
-                .map(|k| g.get(*k).copied().unwrap_or(0.0))
-                .sum::<f64>()
+            [
+                "shardcx_rails",
+                "shardcx_pending_requests",
+                "shardcx_lane_in_flight",
+            ]
+            .iter()
+            .map(|k| g.get(*k).copied().unwrap_or(0.0))
+            .sum::<f64>()
         };
         let start = Instant::now();
         let back = wait_for(limit, || {
@@ -517,7 +532,10 @@ impl Lab {
         let mut acked = 0;
         for a in self.all_acked().iter().chain(extra) {
             acked += 1;
-            assert!(delivered.contains(a), "acknowledged but not delivered: {a:?}");
+            assert!(
+                delivered.contains(a),
+                "acknowledged but not delivered: {a:?}"
+            );
         }
         for entry in std::fs::read_dir(&self.dir).unwrap() {
             let path = entry.unwrap().path();
@@ -703,7 +721,11 @@ impl Summary {
 
 /// The first acknowledgement of load `name` at or after `ms`, in ms.
 fn first_ack_after(lab: &Lab, name: &str, ms: u64) -> Option<u64> {
-    lab.acked(name).iter().map(|a| a.3).filter(|t| *t >= ms).min()
+    lab.acked(name)
+        .iter()
+        .map(|a| a.3)
+        .filter(|t| *t >= ms)
+        .min()
 }
 
 /// The longest time in ms without an acknowledgement of load `name`, from its first until
@@ -764,7 +786,11 @@ fn r0_preflight_and_a_fault_free_baseline() {
     for (name, i) in [("h1", a), ("h2", b)] {
         let s = lab.summary(i, Duration::from_secs(30));
         s.assert_none_late(name);
-        assert!(s.failed().is_empty(), "{name} failed without a fault: {}", s.0);
+        assert!(
+            s.failed().is_empty(),
+            "{name} failed without a fault: {}",
+            s.0
+        );
         assert!(s.n("ok") > 0, "{name}: no call answered: {}", s.0);
         row.fig(format!("{name}: {} calls, all answered", s.n("ok")));
     }
@@ -900,7 +926,10 @@ fn r3_kill_9_and_restart_loses_and_duplicates_nothing() {
                 .min()
                 .map(|t| t - k);
             backs.push(back.unwrap_or(u64::MAX));
-            assert!(back.is_some_and(|b| b <= 4_000), "{name} round {round}: {back:?}");
+            assert!(
+                back.is_some_and(|b| b <= 4_000),
+                "{name} round {round}: {back:?}"
+            );
         }
     }
     let kills: Vec<u64> = kills.iter().map(|k| s.rel(*k)).collect();
@@ -926,7 +955,10 @@ fn r3_kill_9_and_restart_loses_and_duplicates_nothing() {
 #[test]
 fn r2_malformed_frames_are_refused_with_typed_errors_and_harm_no_one() {
     let _g = serial();
-    let mut row = Row::new("R2", "malformed and oversized frames from an authenticated peer");
+    let mut row = Row::new(
+        "R2",
+        "malformed and oversized frames from an authenticated peer",
+    );
     require_lab!(row);
     let mut rng = Rng::new("R2");
     let mut lab = Lab::new();
@@ -982,12 +1014,18 @@ fn r2_malformed_frames_are_refused_with_typed_errors_and_harm_no_one() {
     // No handler ran for a malformed request: only the load's and the one valid call are in
     // the journal (an archive of random bytes that validated would carry a random source).
     let journal = std::fs::read_to_string(lab.journal()).unwrap_or_default();
-    let sources: HashSet<&str> = journal.lines().filter_map(|l| l.split(' ').next()).collect();
+    let sources: HashSet<&str> = journal
+        .lines()
+        .filter_map(|l| l.split(' ').next())
+        .collect();
     assert!(
         sources.iter().all(|s| ["200", "7700"].contains(s)),
         "a handler ran for a malformed call: sources {sources:?}"
     );
-    let dropped = |r: &str| g.get(&format!("shardcx_frames_dropped_total{{reason={r}}}")).copied();
+    let dropped = |r: &str| {
+        g.get(&format!("shardcx_frames_dropped_total{{reason={r}}}"))
+            .copied()
+    };
     let mut counted: Vec<String> = g
         .iter()
         .filter(|(k, v)| k.starts_with("shardcx_frames_dropped_total{") && **v > 0.0)
@@ -1057,8 +1095,10 @@ fn r5_loss_and_a_bandwidth_cap_corrupt_lose_and_hang_nothing() {
             std::thread::sleep(Duration::from_secs(6));
             phases.push(("8 Mbit/s", at, unix_ms()));
             for (ns, dev) in &links {
-                run(&["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"])
-                    .unwrap();
+                run(&[
+                    "ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root",
+                ])
+                .unwrap();
             }
         }
         Err(why) => row.fig(format!("bandwidth phase skipped: {why}")),
@@ -1099,7 +1139,10 @@ fn r5_loss_and_a_bandwidth_cap_corrupt_lose_and_hang_nothing() {
 #[test]
 fn r9_deadlines_and_cancellation_at_every_phase() {
     let _g = serial();
-    let mut row = Row::new("R9", "deadlines 0, 1 ms, MAX; cancel before send, in handler, after reply");
+    let mut row = Row::new(
+        "R9",
+        "deadlines 0, 1 ms, MAX; cancel before send, in handler, after reply",
+    );
     require_lab!(row);
     let mut rng = Rng::new("R9");
     let mut lab = Lab::new();
@@ -1121,7 +1164,10 @@ fn r9_deadlines_and_cancellation_at_every_phase() {
     };
     for (name, c) in cases {
         let over = c["max_over_ms"].as_u64().unwrap();
-        assert!(over <= 250, "{name}: a call ended {over} ms after its deadline: {c}");
+        assert!(
+            over <= 250,
+            "{name}: a call ended {over} ms after its deadline: {c}"
+        );
         row.fig(format!("{name}: {}", c["outcomes"]));
     }
     assert_eq!(
@@ -1129,7 +1175,11 @@ fn r9_deadlines_and_cancellation_at_every_phase() {
         ["TimedOut"],
         "deadline 0"
     );
-    assert_eq!(outcomes("max").into_keys().collect::<Vec<_>>(), ["Ok"], "Duration::MAX");
+    assert_eq!(
+        outcomes("max").into_keys().collect::<Vec<_>>(),
+        ["Ok"],
+        "Duration::MAX"
+    );
     assert!(
         outcomes("one-ms")
             .keys()
@@ -1138,7 +1188,9 @@ fn r9_deadlines_and_cancellation_at_every_phase() {
         outcomes("one-ms")
     );
     assert_eq!(
-        outcomes("cancelled-in-handler").into_keys().collect::<Vec<_>>(),
+        outcomes("cancelled-in-handler")
+            .into_keys()
+            .collect::<Vec<_>>(),
         ["GivenUp"]
     );
     assert!(
@@ -1148,9 +1200,15 @@ fn r9_deadlines_and_cancellation_at_every_phase() {
         "{:?}",
         outcomes("deadline-in-handler")
     );
-    assert_eq!(outcomes("after-reply").into_keys().collect::<Vec<_>>(), ["Ok"]);
+    assert_eq!(
+        outcomes("after-reply").into_keys().collect::<Vec<_>>(),
+        ["Ok"]
+    );
     assert_eq!(out["mixed_completions"], 200, "each of 200 calls ends once");
-    assert_eq!(out["pending_after"], 0, "requests left pending on the caller");
+    assert_eq!(
+        out["pending_after"], 0,
+        "requests left pending on the caller"
+    );
     assert!(
         out["cancels_sent"].as_u64().unwrap() >= 5,
         "no cancel sent for the calls given up"
@@ -1225,7 +1283,10 @@ fn r7_a_connection_flood_and_stopped_clients_keep_no_one_out_and_leak_nothing() 
         "{rails_before} rails of stopped clients freed in {} ms",
         stop_at.elapsed().as_millis()
     ));
-    assert!(freed, "the stopped clients' rails are still held 3 s after the stop");
+    assert!(
+        freed,
+        "the stopped clients' rails are still held 3 s after the stop"
+    );
     let attack = lab.spawn(
         1,
         "attack",
@@ -1256,14 +1317,26 @@ fn r7_a_connection_flood_and_stopped_clients_keep_no_one_out_and_leak_nothing() 
     eprintln!("R7 probe: {p}\nR7 attack: {a}");
     let mut lat: Vec<u64> = serde_json::from_value(p["lat_ms"].clone()).unwrap();
     lat.sort_unstable();
-    let p99 = lat.get((lat.len() * 99).div_ceil(100).saturating_sub(1)).copied();
+    let p99 = lat
+        .get((lat.len() * 99).div_ceil(100).saturating_sub(1))
+        .copied();
     row.fig(format!(
         "attack: {}; directory fetches p99 {p99:?} ms, failures {}; full connect {}",
         a, p["failures"], p["full"]
     ));
-    assert_eq!(p["failures"], serde_json::json!({}), "legitimate fetches failed: {p}");
-    assert!(p99.is_some_and(|t| t <= 500), "directory fetch p99 {p99:?} ms");
-    assert_eq!(p["full"]["call"], "ok", "the legitimate client was not served: {p}");
+    assert_eq!(
+        p["failures"],
+        serde_json::json!({}),
+        "legitimate fetches failed: {p}"
+    );
+    assert!(
+        p99.is_some_and(|t| t <= 500),
+        "directory fetch p99 {p99:?} ms"
+    );
+    assert_eq!(
+        p["full"]["call"], "ok",
+        "the legitimate client was not served: {p}"
+    );
     assert!(
         p["full"]["connect_ms"].as_u64().is_some_and(|t| t <= 500),
         "legitimate connect took over 500 ms: {p}"
@@ -1278,7 +1351,10 @@ fn r7_a_connection_flood_and_stopped_clients_keep_no_one_out_and_leak_nothing() 
         })
         .sum();
     row.fig(format!("listener closed {refused} attacking connections"));
-    assert!(refused > 0.0, "no attacking connection closed by the listener");
+    assert!(
+        refused > 0.0,
+        "no attacking connection closed by the listener"
+    );
     lab.check_oracles(&mut row, &[]);
     lab.check_baseline(&mut row, Duration::from_secs(5));
     row.fig(format!(
@@ -1294,7 +1370,10 @@ fn r7_a_connection_flood_and_stopped_clients_keep_no_one_out_and_leak_nothing() 
 #[test]
 fn r10_shutdown_under_load_with_a_partitioned_peer_drains_in_time() {
     let _g = serial();
-    let mut row = Row::new("R10", "SIGTERM with 1,000 calls in flight and a partitioned peer");
+    let mut row = Row::new(
+        "R10",
+        "SIGTERM with 1,000 calls in flight and a partitioned peer",
+    );
     require_lab!(row);
     let mut rng = Rng::new("R10");
     let mut lab = Lab::new();
@@ -1314,7 +1393,10 @@ fn r10_shutdown_under_load_with_a_partitioned_peer_drains_in_time() {
     });
     let took = t0.elapsed();
     let status = lab.children[server].try_wait().unwrap();
-    row.fig(format!("server exited {} ms after SIGTERM: {status:?}", took.as_millis()));
+    row.fig(format!(
+        "server exited {} ms after SIGTERM: {status:?}",
+        took.as_millis()
+    ));
     assert!(exited, "the server still runs 10 s after SIGTERM");
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
     assert!(took <= Duration::from_millis(3_000), "exit took {took:?}");
@@ -1441,8 +1523,16 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
         .map(|p| {
             let name = format!("h{}-{p}", 1 + p % 2);
             let extra = [
-                "--shards", &shards, "--window", "1", "--calls", "100", "--pause-ms", "0",
-                "--deadline-ms", "5000",
+                "--shards",
+                &shards,
+                "--window",
+                "1",
+                "--calls",
+                "100",
+                "--pause-ms",
+                "0",
+                "--deadline-ms",
+                "5000",
             ];
             let i = lab.start_load_with(1 + p % 2, &name, 60, &extra);
             (name, i)
@@ -1458,7 +1548,12 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
             let t = first.entry(a.0.clone()).or_insert(a.3);
             *t = (*t).min(a.3);
         }
-        assert_eq!(first.len(), R8_SHARDS, "{name}: not every shard was answered: {}", s.0);
+        assert_eq!(
+            first.len(),
+            R8_SHARDS,
+            "{name}: not every shard was answered: {}",
+            s.0
+        );
         slowest = slowest.max(first.values().copied().max().unwrap_or(0));
         assert!(s.failed().is_empty(), "{name}: spurious failures: {}", s.0);
         assert_eq!(s.n("ok"), 100 * R8_SHARDS as u64, "{name}: {}", s.0);
@@ -1467,7 +1562,10 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
         "{} shards: the slowest's first answer {slowest} ms after its process started",
         4 * R8_SHARDS
     ));
-    assert!(slowest <= 10_000, "a shard connected only after {slowest} ms");
+    assert!(
+        slowest <= 10_000,
+        "a shard connected only after {slowest} ms"
+    );
     lab.check_oracles(&mut row, &[]);
     lab.check_baseline(&mut row, Duration::from_secs(5));
     let b = lab.baseline.unwrap();
@@ -1569,7 +1667,10 @@ fn r11_forwarding_cycles_on_tiny_and_large_lanes_always_progress() {
                 last_change.elapsed() < Duration::from_secs(1) || now == total,
                 "capacity {capacity}: no forward completed for 1 s ({now} of {total} done)"
             );
-            assert!(t0.elapsed() < Duration::from_secs(60), "capacity {capacity}: over 60 s");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "capacity {capacity}: over 60 s"
+            );
         }
         let errors: Vec<String> = set
             .join()
@@ -1583,7 +1684,11 @@ fn r11_forwarding_cycles_on_tiny_and_large_lanes_always_progress() {
             t0.elapsed().as_millis(),
             worst_gap.as_millis()
         ));
-        assert!(errors.is_empty(), "capacity {capacity}: {:?}", &errors[..errors.len().min(5)]);
+        assert!(
+            errors.is_empty(),
+            "capacity {capacity}: {:?}",
+            &errors[..errors.len().min(5)]
+        );
         assert_eq!(done.load(Ordering::Relaxed), total);
     }
 }
@@ -1599,7 +1704,10 @@ fn r1_fuzz_smoke_corpora_replayed_and_mutated() {
     type Target = fn(&[u8]) -> bool;
     // Alone: its CPU would slow the lab's processes on a small machine.
     let _g = serial();
-    let mut row = Row::new("R1", "corpora replayed, then seeded mutations of each decoder");
+    let mut row = Row::new(
+        "R1",
+        "corpora replayed, then seeded mutations of each decoder",
+    );
     if cfg!(debug_assertions) {
         row.skipped = Some("the suite runs once, in release".into());
         return;
@@ -1626,7 +1734,10 @@ fn r1_fuzz_smoke_corpora_replayed_and_mutated() {
             let took = t0.elapsed();
             let hex: String = input.iter().map(|b| format!("{b:02x}")).collect();
             let decoded = r.unwrap_or_else(|_| {
-                panic!("{name}: the decoder's contract broke on input {hex} (seed {})", seed())
+                panic!(
+                    "{name}: the decoder's contract broke on input {hex} (seed {})",
+                    seed()
+                )
             });
             assert!(
                 took <= Duration::from_secs(1),
@@ -1682,7 +1793,14 @@ fn mutate(input: &mut Vec<u8>, corpus: &[Vec<u8>], rng: &mut Rng) {
             input.extend_from_slice(&other[from..]);
         }
         _ if input.len() >= 4 => {
-            let edges = [0u32, 1, 0x7fff_ffff, 0x8000_0000, u32::MAX, input.len() as u32 + 1];
+            let edges = [
+                0u32,
+                1,
+                0x7fff_ffff,
+                0x8000_0000,
+                u32::MAX,
+                input.len() as u32 + 1,
+            ];
             let v = edges[at(rng, edges.len())];
             let i = at(rng, input.len() - 3);
             input[i..i + 4].copy_from_slice(&v.to_le_bytes());

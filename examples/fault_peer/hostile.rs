@@ -108,7 +108,9 @@ pub(crate) struct ProbeArgs {
 /// replied), or the net error's variant.
 type Outcome = String;
 
-fn outcome(r: Result<(shardcx::proto::FrameHeader, Vec<u8>), shardcx::shards::NetError>) -> Outcome {
+fn outcome(
+    r: Result<(shardcx::proto::FrameHeader, Vec<u8>), shardcx::shards::NetError>,
+) -> Outcome {
     match r {
         Ok((h, body)) if h.kind == FrameKind::RpcError => match decode_error(&body) {
             Ok(e) => format!("{:?}", e.code),
@@ -116,7 +118,13 @@ fn outcome(r: Result<(shardcx::proto::FrameHeader, Vec<u8>), shardcx::shards::Ne
         },
         Ok((h, _)) if h.kind == FrameKind::RpcResponse => "Answered".into(),
         Ok((h, _)) => format!("{:?}", h.kind),
-        Err(e) => format!("Net.{}", format!("{e:?}").split([' ', '{', '(']).next().unwrap_or("?")),
+        Err(e) => format!(
+            "Net.{}",
+            format!("{e:?}")
+                .split([' ', '{', '('])
+                .next()
+                .unwrap_or("?")
+        ),
     }
 }
 
@@ -184,7 +192,13 @@ pub(crate) fn hostile(a: &HostileArgs) -> Result<(), String> {
             for (class, payloads) in classes {
                 for p in payloads {
                     let r = ctx
-                        .request(dest, FrameKind::RpcRequest, put_id, p, Duration::from_secs(2))
+                        .request(
+                            dest,
+                            FrameKind::RpcRequest,
+                            put_id,
+                            p,
+                            Duration::from_secs(2),
+                        )
                         .await;
                     *results
                         .entry(class.into())
@@ -232,7 +246,13 @@ pub(crate) fn hostile(a: &HostileArgs) -> Result<(), String> {
                     p.resize(max_message + 1 + i as usize, 0);
                     glommio::spawn_local(async move {
                         let r = ctx
-                            .request(dest, FrameKind::RpcRequest, put_id, p, Duration::from_secs(1))
+                            .request(
+                                dest,
+                                FrameKind::RpcRequest,
+                                put_id,
+                                p,
+                                Duration::from_secs(1),
+                            )
                             .await;
                         outcome(r)
                     })
@@ -368,7 +388,9 @@ pub(crate) fn deadlines(a: &DeadlineArgs) -> Result<(), String> {
             for _ in 0..10 {
                 let s = next();
                 let t0 = Instant::now();
-                let r = rpc.call_within::<FaultPut>(peer, &put(s), Duration::ZERO).await;
+                let r = rpc
+                    .call_within::<FaultPut>(peer, &put(s), Duration::ZERO)
+                    .await;
                 let c = cases.entry("zero").or_default();
                 c.record(s, &r, t0.elapsed(), Duration::ZERO);
                 c.never.push(s);
@@ -417,7 +439,9 @@ pub(crate) fn deadlines(a: &DeadlineArgs) -> Result<(), String> {
                 let s = next();
                 let deadline = Duration::from_millis(100);
                 let t0 = Instant::now();
-                let r = rpc.call_within::<FaultSlow>(peer, &slow(s, 400), deadline).await;
+                let r = rpc
+                    .call_within::<FaultSlow>(peer, &slow(s, 400), deadline)
+                    .await;
                 let c = cases.entry("deadline-in-handler").or_default();
                 c.record(s, &r, t0.elapsed(), deadline);
                 c.never.push(s);
@@ -427,7 +451,9 @@ pub(crate) fn deadlines(a: &DeadlineArgs) -> Result<(), String> {
                 let s = next();
                 let deadline = Duration::from_secs(2);
                 let t0 = Instant::now();
-                let r = rpc.call_within::<FaultSlow>(peer, &slow(s, 10), deadline).await;
+                let r = rpc
+                    .call_within::<FaultSlow>(peer, &slow(s, 10), deadline)
+                    .await;
                 cases
                     .entry("after-reply")
                     .or_default()

@@ -491,6 +491,9 @@ mod tests {
             h.leave(a);
         }
         assert_eq!(h.total.get(), 0);
-        assert!(h.by_addr.borrow().is_empty(), "no address is kept once it has no place");
+        assert!(
+            h.by_addr.borrow().is_empty(),
+            "no address is kept once it has no place"
+        );
     }
 }
