@@ -1552,8 +1552,9 @@ fn r13_a_soak_with_restarts_and_loss_stays_flat() {
 }
 
 /// R8: 64 client shards (4 processes of 16, two hosts) connect at once and make 100 calls
-/// each, then all close. Every shard connects within 10 s, no call fails, and the server's
-/// rails, fds and memory come back to baseline. (RELIABILITY.md asks 512 endpoints: 512 shards,
+/// each, then all close. Every shard connects within 10 s (a failed connect may be tried again
+/// within them: counted and printed), no call fails, and the server's rails, fds and memory
+/// come back to baseline. (RELIABILITY.md asks 512 endpoints: 512 shards,
 /// each its own UCX context and thread, do not fit this 2-core machine beside two other
 /// engineers; the count is `R8_SHARDS` per process.)
 #[test]
@@ -1585,7 +1586,7 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
             (name, i)
         })
         .collect();
-    let mut slowest = 0;
+    let (mut slowest, mut retries) = (0, 0);
     for (name, i) in &procs {
         let s = lab.summary(*i, Duration::from_secs(90));
         let acked = lab.acked(name);
@@ -1602,11 +1603,13 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
             s.0
         );
         slowest = slowest.max(first.values().copied().max().unwrap_or(0));
+        retries += s.n("connect_retries");
         assert!(s.failed().is_empty(), "{name}: spurious failures: {}", s.0);
         assert_eq!(s.n("ok"), 100 * R8_SHARDS as u64, "{name}: {}", s.0);
     }
     row.fig(format!(
-        "{} shards: the slowest's first answer {slowest} ms after its process started",
+        "{} shards: the slowest's first answer {slowest} ms after its process started; \
+         {retries} connects tried again",
         4 * R8_SHARDS
     ));
     assert!(

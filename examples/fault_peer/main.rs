@@ -16,7 +16,7 @@
 //! with `--metrics ADDR`. `--node-id` keeps the node's id across restarts (a restart is a new
 //! incarnation). SIGTERM or SIGINT stops it with a drain (the node's drain deadline).
 //!
-//! `load` connects, then keeps `--window` calls in flight on each of its `--shards` for `--for`
+//! `load` connects (trying again for 10 s if it must, counted), then keeps `--window` calls in flight on each of its `--shards` for `--for`
 //! seconds, each with the deadline `--deadline-ms`; a call answered with the right CRC appends
 //! `src inc seq ms` to the `--acked` file (`ms`: when, from the start of the run; `src` is
 //! `--src` times 100 plus the shard). Calls that fail are counted by kind, and one that ends
@@ -24,7 +24,8 @@
 //! sessions are connected again on the next call (the peer's address is in the node's book).
 //! SIGTERM ends the load early (calls in flight finish). At the end it prints one JSON line:
 //! `{"src", "inc", "start_unix_ms", "sent", "ok", "late", "max_over_ms", "first_error_ms",
-//! "last_error_ms", "failed": {kind: n}, "errors": [[ms, kind, took_ms], ...]}`, where the
+//! "last_error_ms", "failed": {kind: n}, "errors": [[ms, kind, took_ms], ...],
+//! "connect_retries"}`, where the
 //! error times count from the start of the run (`start_unix_ms`, wall clock), for the suite to
 //! compare with when it injected a fault (`errors`: the first 200 failures, with how long each
 //! call ran).
@@ -338,6 +339,8 @@ struct Tally {
     /// The first [`MAX_ERRORS_KEPT`] failures: when (ms from the start), what, and how long
     /// the call had run (ms).
     errors: Vec<(u64, String, u64)>,
+    /// Failed connects before the first that succeeded.
+    connect_retries: u64,
 }
 
 /// Failures kept with their times in the summary (the counts cover them all).
@@ -380,6 +383,7 @@ impl Tally {
     /// Adds another shard's tally to this one.
     fn merge(&mut self, o: &Tally) {
         self.sent += o.sent;
+        self.connect_retries += o.connect_retries;
         self.ok += o.ok;
         self.late += o.late;
         self.max_over = self.max_over.max(o.max_over);
@@ -443,12 +447,27 @@ fn load(a: &LoadArgs) -> Result<(), String> {
             let (acked, stop) = (acked.clone(), stop.clone());
             async move {
                 let src = src * 100 + node.shard().index() as u64;
-                let peer = node
-                    .connect_within(connect, Duration::from_secs(10))
-                    .await
-                    .map_err(|e| format!("cannot connect to {connect}: {e}"))?;
+                // Connected within 10 s, trying again after a failure (a handshake that timed
+                // out on a machine too busy to answer it in time); each retry is counted.
+                let connect_by = Instant::now() + Duration::from_secs(10);
+                let mut retries = 0;
+                let peer = loop {
+                    let left = connect_by.saturating_duration_since(Instant::now());
+                    match node.connect_within(connect, left).await {
+                        Ok(p) => break p,
+                        Err(e) if left > Duration::from_millis(200) => {
+                            eprintln!("fault_peer: connect failed ({e}); trying again");
+                            retries += 1;
+                            glommio::timer::sleep(Duration::from_millis(100)).await;
+                        }
+                        Err(e) => return Err(format!("cannot connect to {connect}: {e}")),
+                    }
+                };
                 node.add_peer_addr(peer.node_id(), connect);
-                let tally = Rc::new(RefCell::new(Tally::default()));
+                let tally = Rc::new(RefCell::new(Tally {
+                    connect_retries: retries,
+                    ..Tally::default()
+                }));
                 let mut tasks = Vec::new();
                 for w in 0..window {
                     let (node, tally, acked, stop) =
@@ -524,6 +543,7 @@ fn load(a: &LoadArgs) -> Result<(), String> {
             "last_error_ms": ms(t.last_error),
             "failed": t.failed,
             "errors": t.errors,
+            "connect_retries": t.connect_retries,
         })
     );
     Ok(())
