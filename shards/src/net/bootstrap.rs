@@ -10,19 +10,23 @@
 //! On the wire: the client sends [`BOOTSTRAP_REQUEST`] (8 bytes); the listener answers with
 //! the directory's length (`u32`, little-endian) and the directory ([`Directory::encode`]),
 //! and closes. A connection whose first bytes are anything else is closed at once
-//! ([`NetStats::bootstraps_refused`]); one that sends nothing within
-//! [`NetConfig::accept_timeout`] is closed then ([`NetStats::bootstraps_timed_out`]); while
-//! [`NetConfig::max_half_open`] connections are being served, a new one is closed as soon as
-//! it is accepted ([`NetStats::bootstraps_over_cap`]).
+//! ([`NetStats::bootstraps_refused`]); one that has not been answered within
+//! [`NetConfig::accept_timeout`] (a silent client, or one dripping bytes) is closed then
+//! ([`NetStats::bootstraps_timed_out`]); while [`NetConfig::max_half_open`] connections are
+//! being served, or [`NetConfig::max_half_open_per_addr`] from the new one's IP address, a new
+//! one is closed as soon as it is accepted ([`NetStats::bootstraps_over_cap`]). The cap per
+//! address keeps one flooding host from locking every other client out (RELIABILITY.md R7).
 //!
 //! [`NetStats::bootstraps_refused`]: super::NetStats::bootstraps_refused
 //! [`NetStats::bootstraps_timed_out`]: super::NetStats::bootstraps_timed_out
 //! [`NetStats::bootstraps_over_cap`]: super::NetStats::bootstraps_over_cap
 //! [`NetConfig::accept_timeout`]: super::NetConfig::accept_timeout
 //! [`NetConfig::max_half_open`]: super::NetConfig::max_half_open
+//! [`NetConfig::max_half_open_per_addr`]: super::NetConfig::max_half_open_per_addr
 
-use std::cell::Cell;
-use std::net::SocketAddr;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::rc::{Rc, Weak};
 use std::time::{Duration, Instant};
 
@@ -178,9 +182,50 @@ enum Served {
 /// so that it does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// Bootstrap connections being served (half-open: no directory sent yet), in all and per
+/// client IP address.
+#[derive(Default)]
+struct HalfOpen {
+    total: Cell<usize>,
+    by_addr: RefCell<HashMap<IpAddr, usize>>,
+}
+
+impl HalfOpen {
+    /// Takes a place for a connection from `ip` (`None`: its address is unknown), unless
+    /// `total` or `per_addr` are reached.
+    fn admit(&self, ip: Option<IpAddr>, total: usize, per_addr: usize) -> bool {
+        if self.total.get() >= total {
+            return false;
+        }
+        if let Some(ip) = ip {
+            let mut by_addr = self.by_addr.borrow_mut();
+            let n = by_addr.entry(ip).or_default();
+            if *n >= per_addr {
+                return false;
+            }
+            *n += 1;
+        }
+        self.total.set(self.total.get() + 1);
+        true
+    }
+
+    /// Gives back the place of a connection from `ip`.
+    fn leave(&self, ip: Option<IpAddr>) {
+        self.total.set(self.total.get().saturating_sub(1));
+        if let Some(ip) = ip {
+            let mut by_addr = self.by_addr.borrow_mut();
+            if let Some(n) = by_addr.get_mut(&ip) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    by_addr.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
 async fn accept_loop(ctx: Weak<ShardCtx>, listener: TcpListener, reply: Rc<Vec<u8>>) {
-    // Bootstrap connections being served (half-open: no directory sent yet).
-    let live = Rc::new(Cell::new(0usize));
+    let live = Rc::new(HalfOpen::default());
     loop {
         let accepted = listener.accept().await;
         let Some(c) = ctx.upgrade() else { return };
@@ -193,13 +238,14 @@ async fn accept_loop(ctx: Weak<ShardCtx>, listener: TcpListener, reply: Rc<Vec<u
             }
         };
         let net = c.net();
-        if live.get() >= net.settings.cfg.max_half_open {
+        let ip = stream.peer_addr().ok().map(|a| a.ip());
+        let cfg = &net.settings.cfg;
+        if !live.admit(ip, cfg.max_half_open, cfg.max_half_open_per_addr.max(1)) {
             // Closed at once, before anything is read.
             net.count(|s| s.bootstraps_over_cap += 1);
             drop(stream);
             continue;
         }
-        live.set(live.get() + 1);
         let deadline = net.settings.cfg.accept_timeout;
         let (weak, live, reply) = (ctx.clone(), live.clone(), reply.clone());
         drop(c);
@@ -217,7 +263,7 @@ async fn accept_loop(ctx: Weak<ShardCtx>, listener: TcpListener, reply: Rc<Vec<u
                 let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
             }
             drop(stream);
-            live.set(live.get() - 1);
+            live.leave(ip);
             if let Some(c) = weak.upgrade() {
                 c.net().count(|s| match outcome {
                     _ if answered.get() => s.bootstraps_served += 1,
@@ -253,12 +299,14 @@ async fn serve_one(stream: &mut TcpStream, reply: &[u8], answered: &Cell<bool>) 
 
 impl ShardCtx {
     /// Fetches the directory of the node listening at `addr`, from this shard (see the module
-    /// docs). Bounded by [`NetConfig::connect_timeout`].
+    /// docs). Bounded by [`NetConfig::connect_timeout`]; a connection the listener closes
+    /// unanswered (it is at its cap of half-open connections) is tried again within it, while
+    /// nothing listening at `addr` fails at once ([`NetError::Unreachable`]).
     ///
     /// [`NetConfig::connect_timeout`]: super::NetConfig::connect_timeout
     pub async fn bootstrap(&self, addr: SocketAddr) -> Result<Directory, NetError> {
         let timeout = self.net().settings.cfg.connect_timeout;
-        future::or(fetch(addr), async {
+        future::or(fetch_until_answered(addr), async {
             sleep(timeout).await;
             Err(NetError::TimedOut { what: "bootstrap" })
         })
@@ -298,6 +346,39 @@ impl ShardCtx {
             .await??;
         }
         self.session(node).ok_or(NetError::NotConnected { node })
+    }
+}
+
+/// Whether a fetch failed because the listener closed the connection without answering: it
+/// does so at once when it is serving as many connections as it may (in all, or from this
+/// client's address), so a client whose shards all connect at once may meet it.
+fn closed_unanswered(e: &NetError) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e,
+        NetError::Unreachable {
+            kind: ErrorKind::ConnectionReset
+                | ErrorKind::ConnectionAborted
+                | ErrorKind::UnexpectedEof
+                | ErrorKind::BrokenPipe,
+            ..
+        }
+    )
+}
+
+/// Fetches until the listener answers: a connection it closed unanswered is tried again after a
+/// pause (5 ms, doubling up to 200 ms); any other failure (nothing listening, say) ends it at
+/// once. Unbounded in time: [`ShardCtx::bootstrap`] bounds it.
+async fn fetch_until_answered(addr: SocketAddr) -> Result<Directory, NetError> {
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match fetch(addr).await {
+            Err(e) if closed_unanswered(&e) => {
+                sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            r => return r,
+        }
     }
 }
 
@@ -385,5 +466,34 @@ mod tests {
         let mut long = b.clone();
         long.push(0);
         assert_eq!(Directory::decode(&long), None);
+    }
+
+    #[test]
+    fn half_open_places_are_capped_per_address_and_in_all() {
+        let h = HalfOpen::default();
+        let (a, b, c) = (
+            Some(IpAddr::from([10, 0, 0, 1])),
+            Some(IpAddr::from([10, 0, 0, 2])),
+            Some(IpAddr::from([10, 0, 0, 3])),
+        );
+        for _ in 0..3 {
+            assert!(h.admit(a, 5, 3));
+        }
+        assert!(!h.admit(a, 5, 3), "a fourth from one address");
+        assert!(h.admit(b, 5, 3), "another address still gets in");
+        assert!(h.admit(None, 5, 3), "an unknown address counts in all only");
+        assert!(!h.admit(c, 5, 3), "the total is reached");
+        h.leave(a);
+        assert!(h.admit(a, 5, 3), "a place given back is taken again");
+        h.leave(None);
+        h.leave(b);
+        for _ in 0..3 {
+            h.leave(a);
+        }
+        assert_eq!(h.total.get(), 0);
+        assert!(
+            h.by_addr.borrow().is_empty(),
+            "no address is kept once it has no place"
+        );
     }
 }

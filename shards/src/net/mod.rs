@@ -170,7 +170,10 @@
 //!   may run after handlers of frames that arrived later.
 //! - Half-open handshakes are capped per shard ([`NetConfig::max_half_open`]): a flood of
 //!   `Hello`s from made-up nodes can keep a legitimate new node out until their handshake
-//!   deadline passes, but cannot exhaust the shard's endpoints.
+//!   deadline passes, but cannot exhaust the shard's endpoints. Bootstrap connections are
+//!   also capped per client IP address ([`NetConfig::max_half_open_per_addr`]), so a flood
+//!   of raw connections from one host leaves room for others; a flood from many addresses
+//!   can still fill the listener until the attackers' [`NetConfig::accept_timeout`] passes.
 //! - UCX 1.12 takes no memory handle per operation (`UCP_OP_ATTR_FIELD_MEMH` came later):
 //!   registered buffers are found by UCX's registration cache.
 
@@ -249,6 +252,11 @@ pub struct NetConfig {
     /// it a new bootstrap connection is closed at once ([`NetStats::bootstraps_over_cap`])
     /// and a new `Hello` is dropped unanswered ([`NetStats::openings_over_cap`]). Default 64.
     pub max_half_open: usize,
+    /// Most bootstrap connections the listener serves at once from one client IP address;
+    /// beyond it a new one from that address is closed at once
+    /// ([`NetStats::bootstraps_over_cap`]). Default 16: a flood from one host cannot fill
+    /// [`NetConfig::max_half_open`] and keep other clients out.
+    pub max_half_open_per_addr: usize,
     /// Time allowed for the handshake, default 5 s.
     pub handshake_timeout: Duration,
     /// Heartbeat interval on ready connections, default 100 ms.
@@ -559,8 +567,9 @@ pub(crate) struct Slot<T> {
     waker: RefCell<Option<Waker>>,
 }
 
-/// One task waiting for shard 0 to establish a node pair (see `session`).
-type EstablishWaiter = Rc<Slot<Result<(), NetError>>>;
+/// One task waiting for shard 0 to establish a node pair (see `session`): the outcome, or
+/// `None` when the caller establishing it gave up before the end (its future dropped).
+type EstablishWaiter = Rc<Slot<Option<Result<(), NetError>>>>;
 
 /// One shard's network state (in its [`ShardCtx`]).
 pub(crate) struct NetState {
@@ -630,6 +639,7 @@ impl Default for NetConfig {
             connect_timeout: Duration::from_secs(5),
             accept_timeout: Duration::from_secs(3),
             max_half_open: 64,
+            max_half_open_per_addr: 16,
             handshake_timeout: Duration::from_secs(5),
             heartbeat_interval: Duration::from_millis(100),
             suspect_after: 3,

@@ -996,33 +996,64 @@ const JOIN_RETRY_LAST: Duration = Duration::from_millis(64);
 pub(super) async fn establish(ctx: &Rc<ShardCtx>, dir: Directory) -> Result<(), NetError> {
     let net = ctx.net();
     let node = dir.node_id;
-    let mine = Slot::new();
-    let running = {
-        let mut e = net.establishing.borrow_mut();
-        match e.get_mut(&node) {
-            Some(waiting) => {
-                waiting.push(mine.clone());
-                true
+    loop {
+        let mine = Slot::new();
+        let running = {
+            let mut e = net.establishing.borrow_mut();
+            match e.get_mut(&node) {
+                Some(waiting) => {
+                    waiting.push(mine.clone());
+                    true
+                }
+                None => {
+                    e.insert(node, Vec::new());
+                    false
+                }
             }
-            None => {
-                e.insert(node, Vec::new());
-                false
+        };
+        if running {
+            match mine.wait().await {
+                Some(outcome) => return outcome,
+                // The caller establishing it gave up (its deadline dropped its future): this
+                // one establishes it now, or waits for another that got there first.
+                None => continue,
             }
         }
-    };
-    if running {
-        return mine.wait().await;
+        let mut leading = Leading {
+            net,
+            node,
+            outcome: None,
+        };
+        let outcome = establish_now(ctx, &dir).await;
+        leading.outcome = Some(outcome.clone());
+        return outcome;
     }
-    let outcome = establish_now(ctx, &dir).await;
-    let waiting = net
-        .establishing
-        .borrow_mut()
-        .remove(&node)
-        .unwrap_or_default();
-    for w in waiting {
-        w.push(outcome.clone());
+}
+
+/// Shard 0's entry for a node pair it is establishing, held by the caller doing it: removed
+/// when that caller is done, or dropped (its future cut short by its deadline), so that the
+/// tasks waiting on it get the outcome, or `None` and take the establishing over. Without it
+/// a connect given up half-way left the entry behind, and every later connect to that node
+/// waited on it until its own deadline (the reliability suite's R13: a client never got back
+/// to a restarted server).
+struct Leading<'a> {
+    net: &'a NetState,
+    node: NodeId,
+    outcome: Option<Result<(), NetError>>,
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        let waiting = self
+            .net
+            .establishing
+            .borrow_mut()
+            .remove(&self.node)
+            .unwrap_or_default();
+        for w in waiting {
+            w.push(self.outcome.clone());
+        }
     }
-    outcome
 }
 
 async fn establish_now(ctx: &Rc<ShardCtx>, dir: &Directory) -> Result<(), NetError> {
