@@ -480,7 +480,29 @@ impl Op {
         data: Vec<u8>,
     ) -> Result<(), CollectiveError> {
         let h = self.header(Kind::Data, step, data.len());
-        deliver_to(&self.node, self.members[to], h, data)
+        let m = self.members[to];
+        if m.node == self.node.id() && m.shard != self.node.shard() {
+            // Through the mesh, not awaited (the receiver needs no answer, and waiting for the
+            // job's completion would cost a cross-shard round trip per message); a failure
+            // fails this operation's next wait.
+            let state = self.state.clone();
+            let (comm, seq, to32) = (self.comm, self.seq, to as u32);
+            let from = self.node.id();
+            let fwd = self
+                .node
+                .shard_ctx()
+                .forward(m.shard, move |ctx| async move {
+                    state::of(&ctx).deliver(from, h, Data::Owned(data));
+                });
+            glommio::spawn_local(async move {
+                if let Err(e) = fwd.await {
+                    state.send_failed(comm, seq, to32, e.to_string());
+                }
+            })
+            .detach();
+            return Ok(());
+        }
+        deliver_to(&self.node, m, h, data)
             .await
             .map_err(|e| self.failed(to, e))
     }
@@ -506,6 +528,9 @@ impl Op {
             match self.state.blocked(self.comm, self.seq, node, self.since) {
                 Some(Blocked::Aborted { by, cause }) => Poll::Ready(Err(self.aborted(by, cause))),
                 Some(Blocked::Lost(why)) => Poll::Ready(Err(self.failed(from, why))),
+                Some(Blocked::SendFailed { to, why }) => {
+                    Poll::Ready(Err(self.failed(to as usize, why)))
+                }
                 Some(Blocked::ShuttingDown) => Poll::Ready(Err(CollectiveError::ShuttingDown {
                     op: self.name,
                     rank: self.rank,

@@ -79,6 +79,9 @@ struct Inner {
     buffered: usize,
     comms: HashMap<u64, CommEntry>,
     aborts: HashMap<(u64, u64), (u32, AbortCause)>,
+    /// Sends of an operation that failed after the operation went on (mesh sends are not
+    /// awaited): the rank and why.
+    failed_sends: HashMap<(u64, u64), (u32, String)>,
     waiters: HashMap<(u64, u64), Waker>,
     /// Nodes whose connection ended, with the epoch at which it did and why.
     lost: HashMap<NodeId, (u64, String)>,
@@ -101,6 +104,8 @@ pub(crate) struct ShardState {
 pub(crate) enum Blocked {
     /// Rank `by` aborted the operation.
     Aborted { by: u32, cause: AbortCause },
+    /// A message of this operation to rank `to` could not be delivered.
+    SendFailed { to: u32, why: String },
     /// The node of the awaited rank was lost after the operation began.
     Lost(String),
     /// This node is shutting down.
@@ -175,6 +180,12 @@ impl ShardState {
         if let Some(&(by, cause)) = s.aborts.get(&(comm, seq)) {
             return Some(Blocked::Aborted { by, cause });
         }
+        if let Some((to, why)) = s.failed_sends.get(&(comm, seq)) {
+            return Some(Blocked::SendFailed {
+                to: *to,
+                why: why.clone(),
+            });
+        }
         if s.shutting_down.is_some_and(|e| e > since) {
             return Some(Blocked::ShuttingDown);
         }
@@ -187,6 +198,24 @@ impl ShardState {
     /// Whether rank `by`'s abort of `(comm, seq)` is here.
     pub(crate) fn aborted(&self, comm: u64, seq: u64) -> Option<(u32, AbortCause)> {
         self.inner.borrow().aborts.get(&(comm, seq)).copied()
+    }
+
+    /// A message of operation `(comm, seq)` to rank `to` could not be delivered: its waits
+    /// fail from now on.
+    pub(crate) fn send_failed(&self, comm: u64, seq: u64, to: u32, why: String) {
+        let waker = {
+            let mut s = self.inner.borrow_mut();
+            let live =
+                matches!(s.comms.get(&comm), Some(CommEntry::Live { floor }) if seq >= *floor);
+            if !live {
+                return;
+            }
+            s.failed_sends.entry((comm, seq)).or_insert((to, why));
+            s.waiters.get(&(comm, seq)).cloned()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
     }
 
     /// The operation `(comm, seq)` waits: `waker` is woken when a message or an abort for it
@@ -302,6 +331,7 @@ impl Inner {
         });
         self.buffered -= freed;
         self.aborts.retain(|&(c, q), _| !gone(c, q));
+        self.failed_sends.retain(|&(c, q), _| !gone(c, q));
     }
 
     /// Stores a data part; whether it completed a message.
