@@ -1,8 +1,8 @@
 //! The algorithms, and how one is chosen.
 //!
 //! Every algorithm is written against one operation's `send(to, step, bytes)` and
-//! `recv(from, step)` ([`Op`]); a message is named by its step, so each pair of ranks uses a
-//! step number at most once per operation and messages may arrive in any order. An
+//! `recv(from, step)`; a message is named by its step, so each pair of ranks uses a step
+//! number at most once per operation and messages may arrive in any order. An
 //! operation made of phases (a reduce-scatter then an all-gather) gives each phase its own
 //! range of steps (`phase << PHASE_SHIFT`).
 //!
