@@ -378,7 +378,10 @@ async fn non_commutative(c: &mut Communicator) -> Result<(), String> {
     ensure!(r, got == exp, "matrix all_reduce: {got:?} != {exp:?}");
     ensure!(
         r,
-        c.last_algorithm() == Some(Algorithm::RecursiveDoubling),
+        matches!(
+            c.last_algorithm(),
+            Some(Algorithm::RecursiveDoubling | Algorithm::Hierarchical)
+        ),
         "{:?}",
         c.last_algorithm()
     );
@@ -426,30 +429,79 @@ async fn suite(c: &mut Communicator, n: usize) -> Result<(), String> {
     non_commutative(c).await
 }
 
+/// The all-reduce algorithm expected on `layout` (ranks per node): (small, large).
+fn expected_all_reduce(layout: &[usize]) -> (Algorithm, Algorithm) {
+    let p: usize = layout.iter().sum();
+    let flat_large = if p > 2 {
+        Algorithm::Ring
+    } else {
+        Algorithm::RecursiveDoubling
+    };
+    if layout.len() < 2 || layout.len() == p {
+        return (Algorithm::RecursiveDoubling, flat_large);
+    }
+    let same = layout.iter().all(|&k| k == layout[0]);
+    let small = if same && layout[0].is_power_of_two() {
+        Algorithm::RecursiveDoubling
+    } else {
+        Algorithm::Hierarchical
+    };
+    let large = if same {
+        Algorithm::HierarchicalSlices
+    } else {
+        Algorithm::Hierarchical
+    };
+    (small, large)
+}
+
 /// The suite with the small-message algorithms, then with the large-message ones forced
-/// (and a few elements, so that blocks are uneven), then a barrier that must hold every rank.
+/// (and a few elements, so that blocks are uneven), then the reductions once more with flat
+/// algorithms only, then a barrier that must hold every rank.
 fn conformance(layout: &[usize]) {
     let entered = Arc::new(AtomicUsize::new(0));
     let p: usize = layout.iter().sum();
+    let (small, large) = expected_all_reduce(layout);
     all_ok(world(layout, move |mut c: Communicator| {
         let entered = entered.clone();
         async move {
             let r = c.rank();
+            let algorithm = |c: &Communicator, want: Algorithm| -> Result<(), String> {
+                ensure!(
+                    r,
+                    c.last_algorithm() == Some(want),
+                    "all_reduce took {:?}, not {want:?}",
+                    c.last_algorithm()
+                );
+                Ok(())
+            };
             suite(&mut c, 5).await?;
-            c.set_tuning(Tuning::default().with_large_from(0));
-            suite(&mut c, p + 3).await?;
-            // All-reduce, broadcast and all-gather took their large forms (from 3 ranks up).
             c.all_reduce(&[1u64; 64], &Sum, T)
                 .await
                 .map_err(|e| e.to_string())?;
-            if p > 2 {
-                ensure!(
-                    r,
-                    c.last_algorithm() == Some(Algorithm::Ring),
-                    "{:?}",
-                    c.last_algorithm()
-                );
-            }
+            algorithm(&c, small)?;
+            c.set_tuning(Tuning::default().with_large_from(0));
+            suite(&mut c, p + 3).await?;
+            c.all_reduce(&[1u64; 64], &Sum, T)
+                .await
+                .map_err(|e| e.to_string())?;
+            algorithm(&c, large)?;
+            c.set_tuning(
+                Tuning::default()
+                    .with_large_from(0)
+                    .with_hierarchical(false),
+            );
+            reductions::<u64>(&mut c, p + 3, "u64, flat").await?;
+            reductions::<f64>(&mut c, 2, "f64, flat").await?;
+            non_commutative(&mut c).await?;
+            c.all_reduce(&[1u64; 64], &Sum, T)
+                .await
+                .map_err(|e| e.to_string())?;
+            let flat = if p > 2 {
+                Algorithm::Ring
+            } else {
+                Algorithm::RecursiveDoubling
+            };
+            algorithm(&c, flat)?;
             c.set_tuning(Tuning::default());
             entered.fetch_add(1, Ordering::SeqCst);
             c.barrier(T).await.map_err(|e| e.to_string())?;
@@ -494,8 +546,15 @@ fn conformance_on_7_ranks_of_three_nodes() {
     conformance(&[3, 2, 2]);
 }
 
-/// Large vectors, past the rendezvous threshold and the 4 MiB segment: ring and
-/// recursive-doubling all-reduce, a broadcast by scatter and all-gather, a ring all-gather.
+#[test]
+fn conformance_on_8_ranks_of_four_nodes_of_two_shards() {
+    let _g = serial();
+    conformance(&[2, 2, 2, 2]);
+}
+
+/// Large vectors, past the rendezvous threshold and the 4 MiB segment: all-reduce by slices
+/// (hierarchical) and by recursive doubling, a broadcast by scatter and all-gather, a ring
+/// all-gather.
 #[test]
 fn large_messages_on_4_ranks() {
     let _g = serial();
@@ -514,6 +573,17 @@ fn large_messages_on_4_ranks() {
                 .all_reduce(&data, &Sum, T)
                 .await
                 .map_err(|e| e.to_string())?;
+            let want = if tuning.large_from() == 0 || tuning == Tuning::default() {
+                Algorithm::HierarchicalSlices
+            } else {
+                Algorithm::RecursiveDoubling
+            };
+            ensure!(
+                r,
+                c.last_algorithm() == Some(want),
+                "{:?}",
+                c.last_algorithm()
+            );
             let bad = first_wrong(&got, sum).await;
             ensure!(
                 r,

@@ -71,6 +71,20 @@ pub(crate) struct Op {
     pub(crate) tuning: Tuning,
 }
 
+/// Some ranks of an operation, renumbered `0..size()` in the order given, that run an
+/// algorithm among themselves (a node's shards, the leaders of nodes): their messages are the
+/// operation's, with the group's phase in the top bits of the step, so several groups of one
+/// operation never take each other's messages.
+pub(crate) struct Group<'a> {
+    op: &'a Op,
+    ranks: Vec<usize>,
+    me: usize,
+    phase: u32,
+}
+
+/// Step bits below a group's phase.
+const GROUP_SHIFT: u32 = 28;
+
 /// How often world creation looks whether the sessions to the other nodes are up.
 const SESSION_POLL: Duration = Duration::from_millis(2);
 
@@ -384,6 +398,11 @@ impl Op {
         self.members.len()
     }
 
+    /// The operation's ranks.
+    pub(crate) fn members(&self) -> &[Member] {
+        &self.members
+    }
+
     /// Records the algorithm this operation runs.
     pub(crate) fn chose(&self, a: Algorithm) {
         self.algorithm.set(Some(a));
@@ -559,6 +578,93 @@ impl Op {
             }
         })
         .detach();
+    }
+}
+
+impl<'a> Group<'a> {
+    /// Every rank of `op`, in rank order.
+    pub(crate) fn all(op: &'a Op) -> Group<'a> {
+        Group {
+            op,
+            ranks: (0..op.size()).collect(),
+            me: op.rank(),
+            phase: 0,
+        }
+    }
+
+    /// The ranks `ranks` of the operation (operation ranks, in the new group's order), with
+    /// group phase `phase` (1 to 15; distinct per group an operation uses); `None` when this
+    /// rank is not among them.
+    pub(crate) fn of(op: &'a Op, ranks: Vec<usize>, phase: u32) -> Option<Group<'a>> {
+        let me = ranks.iter().position(|&r| r == op.rank())?;
+        Some(Group {
+            op,
+            ranks,
+            me,
+            phase,
+        })
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.me
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// The operation's thresholds.
+    pub(crate) fn tuning(&self) -> Tuning {
+        self.op.tuning
+    }
+
+    /// Records the algorithm the operation runs.
+    pub(crate) fn chose(&self, a: Algorithm) {
+        self.op.chose(a);
+    }
+
+    /// The node of group rank `i`.
+    pub(crate) fn node_of(&self, i: usize) -> NodeId {
+        self.op.members()[self.ranks[i]].node
+    }
+
+    /// The group of this group's ranks `ranks` (group ranks, in the new group's order), with
+    /// group phase `phase` (1 to 15, distinct per group an operation uses; groups are made
+    /// from the whole operation only); `None` when this rank is not among them.
+    pub(crate) fn sub(&self, ranks: Vec<usize>, phase: u32) -> Option<Group<'a>> {
+        debug_assert!(self.phase == 0 && (1..16).contains(&phase));
+        let ranks: Vec<usize> = ranks.into_iter().map(|i| self.ranks[i]).collect();
+        Group::of(self.op, ranks, phase)
+    }
+
+    /// A message of the wrong shape from group rank `other`.
+    pub(crate) fn mismatch(&self, other: usize, what: impl ToString) -> CollectiveError {
+        self.op.mismatch(self.ranks[other], what)
+    }
+
+    /// An invalid argument of this rank's.
+    pub(crate) fn invalid(&self, what: impl ToString) -> CollectiveError {
+        self.op.invalid(what)
+    }
+
+    fn step(&self, step: u32) -> u32 {
+        debug_assert!(step < 1 << GROUP_SHIFT);
+        self.phase << GROUP_SHIFT | step
+    }
+
+    /// [`Op::send`] to group rank `to`.
+    pub(crate) async fn send(
+        &self,
+        to: usize,
+        step: u32,
+        data: Vec<u8>,
+    ) -> Result<(), CollectiveError> {
+        self.op.send(self.ranks[to], self.step(step), data).await
+    }
+
+    /// [`Op::recv`] from group rank `from`.
+    pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Vec<u8>, CollectiveError> {
+        self.op.recv(self.ranks[from], self.step(step)).await
     }
 }
 

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use super::algorithm;
-use super::comm::{Communicator, Op};
+use super::comm::{Communicator, Group, Op};
 use super::element::{decode_in_turns, encode_in_turns, Element, Operator};
 use super::error::CollectiveError;
 
@@ -17,7 +17,7 @@ impl Communicator {
     /// Returns once every rank has called it.
     pub async fn barrier(&mut self, timeout: Duration) -> Result<(), CollectiveError> {
         let op = self.begin("barrier", timeout);
-        let out = op.run(algorithm::barrier(&op)).await;
+        let out = op.run(algorithm::barrier(&Group::all(&op))).await;
         self.finish(&op);
         out
     }
@@ -35,7 +35,7 @@ impl Communicator {
             .run(async {
                 check_root(&op, root)?;
                 let mut bytes = encode_in_turns(data).await;
-                algorithm::broadcast(&op, root, &mut bytes).await?;
+                algorithm::broadcast(&Group::all(&op), root, &mut bytes).await?;
                 if op.rank() != root {
                     let got: Vec<T> = decode_in_turns(&bytes)
                         .await
@@ -62,7 +62,7 @@ impl Communicator {
         let out = op
             .run(async {
                 check_root(&op, root)?;
-                algorithm::reduce(&op, root, data.to_vec(), o).await
+                algorithm::reduce(&Group::all(&op), root, data.to_vec(), o).await
             })
             .await;
         self.finish(&op);
@@ -78,7 +78,9 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
         let op = self.begin("all_reduce", timeout);
-        let out = op.run(algorithm::all_reduce(&op, data.to_vec(), o)).await;
+        let out = op
+            .run(algorithm::all_reduce(&Group::all(&op), data.to_vec(), o))
+            .await;
         self.finish(&op);
         out
     }
@@ -93,7 +95,8 @@ impl Communicator {
         let op = self.begin("all_gather", timeout);
         let out = op
             .run(async {
-                let all = algorithm::all_gather(&op, encode_in_turns(data).await).await?;
+                let all =
+                    algorithm::all_gather(&Group::all(&op), encode_in_turns(data).await).await?;
                 decode_in_turns(&all)
                     .await
                     .ok_or_else(|| op.mismatch(op.rank(), "element size"))
@@ -115,7 +118,7 @@ impl Communicator {
         let out = op
             .run(async {
                 check_blocks(&op, data.len())?;
-                algorithm::reduce_scatter(&op, data.to_vec(), o).await
+                algorithm::reduce_scatter(&Group::all(&op), data.to_vec(), o).await
             })
             .await;
         self.finish(&op);
@@ -134,7 +137,8 @@ impl Communicator {
         let out = op
             .run(async {
                 check_root(&op, root)?;
-                let all = algorithm::gather(&op, root, encode_in_turns(data).await).await?;
+                let all =
+                    algorithm::gather(&Group::all(&op), root, encode_in_turns(data).await).await?;
                 match all {
                     Some(b) => decode_in_turns(&b)
                         .await
@@ -166,7 +170,7 @@ impl Communicator {
                 } else {
                     None
                 };
-                let mine = algorithm::scatter(&op, root, bytes.as_deref(), 0).await?;
+                let mine = algorithm::scatter(&Group::all(&op), root, bytes.as_deref(), 0).await?;
                 decode_in_turns(&mine).await.ok_or_else(|| {
                     op.mismatch(root, "a block that is not a whole number of elements")
                 })
@@ -187,7 +191,8 @@ impl Communicator {
         let out = op
             .run(async {
                 check_blocks(&op, data.len())?;
-                let all = algorithm::all_to_all(&op, &encode_in_turns(data).await).await?;
+                let all =
+                    algorithm::all_to_all(&Group::all(&op), &encode_in_turns(data).await).await?;
                 decode_in_turns(&all)
                     .await
                     .ok_or_else(|| op.mismatch(op.rank(), "element size"))
@@ -208,7 +213,7 @@ impl Communicator {
         let op = self.begin("scan", timeout);
         let out = op
             .run(async {
-                let r = algorithm::scan(&op, data.to_vec(), o, false).await?;
+                let r = algorithm::scan(&Group::all(&op), data.to_vec(), o, false).await?;
                 r.ok_or_else(|| op.invalid("no result"))
             })
             .await;
@@ -225,7 +230,9 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<Option<Vec<T>>, CollectiveError> {
         let op = self.begin("exclusive_scan", timeout);
-        let out = op.run(algorithm::scan(&op, data.to_vec(), o, true)).await;
+        let out = op
+            .run(algorithm::scan(&Group::all(&op), data.to_vec(), o, true))
+            .await;
         self.finish(&op);
         out
     }
