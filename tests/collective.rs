@@ -950,3 +950,24 @@ fn invalid_arguments_and_mismatched_counts() {
         Ok(())
     }));
 }
+
+#[test]
+fn public_types_auto_traits() {
+    fn send_sync<T: Send + Sync + 'static>() {}
+    fn copy<T: Copy>() {}
+    send_sync::<CollectiveError>();
+    send_sync::<shardcx::collective::Member>();
+    send_sync::<Color>();
+    send_sync::<Tuning>();
+    send_sync::<Algorithm>();
+    send_sync::<shardcx::collective::CollectiveStats>();
+    copy::<shardcx::collective::Member>();
+    copy::<Tuning>();
+    trait AmbiguousIfSend<A> {
+        fn some_item() {}
+    }
+    impl<T: ?Sized> AmbiguousIfSend<()> for T {}
+    impl<T: ?Sized + Send> AmbiguousIfSend<u8> for T {}
+    // Compiles only if `Communicator` is NOT Send: it belongs to its rank's shard.
+    let _ = <Communicator as AmbiguousIfSend<_>>::some_item;
+}

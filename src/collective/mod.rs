@@ -62,9 +62,11 @@
 //!
 //! Chosen by message size and rank count ([`Tuning`]; the table is in [`algorithm`]):
 //! dissemination barrier, binomial trees, recursive doubling, Bruck's all-gather, and rings
-//! (reduce-scatter + all-gather) for large commutative reductions. What is not here yet:
-//! hierarchical algorithms (a node's shards first, then leaders), a cost model with measured
-//! constants, vector variants, in-place variants, pipelining of large messages.
+//! (reduce-scatter + all-gather) for large commutative reductions. All-reduce over several
+//! nodes is hierarchical: through the leaders, or by slices (each shard all-reducing its slice
+//! with its counterparts on the other nodes, on its own rail). What is not here yet:
+//! hierarchical forms of the other operations, a cost model with measured constants, vector
+//! variants, in-place variants, pipelining of large messages.
 
 pub mod algorithm;
 mod comm;
