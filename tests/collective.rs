@@ -334,6 +334,57 @@ async fn movements<T: Num>(c: &mut Communicator, n: usize, ty: &str) -> Result<(
     Ok(())
 }
 
+/// The vector variants of `T`: blocks whose length depends on the ranks (some empty).
+async fn varying<T: Num>(c: &mut Communicator, ty: &str) -> Result<(), String> {
+    let (r, p) = (c.rank(), c.size());
+    let e = |what: &str, err: CollectiveError| format!("rank {r}: {ty} {what}: {err}");
+    // Element `k` of the block rank `r` sends to rank `j`: `r * 1000 + j * 10 + k`; its
+    // length: `(r + 2j + salt) mod 4` (0 to 3).
+    let v = |r: usize, j: usize, k: usize| T::of((r * 1000 + j * 10 + k) as i64);
+    let len = |r: usize, j: usize, salt: usize| (r + 2 * j + salt) % 4;
+    let block = |r: usize, j: usize, salt: usize| -> Vec<T> {
+        (0..len(r, j, salt)).map(|k| v(r, j, k)).collect()
+    };
+    for root in 0..p {
+        let got = c
+            .gatherv(root, &block(r, root, 1), T)
+            .await
+            .map_err(|x| e("gatherv", x))?;
+        let exp = (r == root).then(|| (0..p).map(|q| block(q, root, 1)).collect::<Vec<_>>());
+        ensure!(r, got == exp, "{ty} gatherv at {root}: {got:?} != {exp:?}");
+
+        let blocks: Vec<Vec<T>> = if r == root {
+            (0..p).map(|j| block(root, j, 2)).collect()
+        } else {
+            Vec::new()
+        };
+        let got = c
+            .scatterv(root, &blocks, T)
+            .await
+            .map_err(|x| e("scatterv", x))?;
+        let exp = block(root, r, 2);
+        ensure!(
+            r,
+            got == exp,
+            "{ty} scatterv from {root}: {got:?} != {exp:?}"
+        );
+    }
+    let got = c
+        .all_gatherv(&block(r, 0, 3), T)
+        .await
+        .map_err(|x| e("all_gatherv", x))?;
+    let exp: Vec<Vec<T>> = (0..p).map(|q| block(q, 0, 3)).collect();
+    ensure!(r, got == exp, "{ty} all_gatherv: {got:?} != {exp:?}");
+    let out: Vec<Vec<T>> = (0..p).map(|j| block(r, j, 0)).collect();
+    let got = c
+        .all_to_allv(&out, T)
+        .await
+        .map_err(|x| e("all_to_allv", x))?;
+    let exp: Vec<Vec<T>> = (0..p).map(|i| block(i, r, 0)).collect();
+    ensure!(r, got == exp, "{ty} all_to_allv: {got:?} != {exp:?}");
+    Ok(())
+}
+
 /// 2×2 integer matrices, row-major, multiplied (wrapping): not commutative.
 fn matmul(a: &[i64; 4], b: &[i64; 4]) -> [i64; 4] {
     let m = |x: i64, y: i64| x.wrapping_mul(y);
@@ -426,6 +477,8 @@ async fn suite(c: &mut Communicator, n: usize) -> Result<(), String> {
     movements::<u8>(c, n, "u8").await?;
     movements::<i64>(c, n, "i64").await?;
     movements::<f64>(c, n, "f64").await?;
+    varying::<u8>(c, "u8").await?;
+    varying::<f64>(c, "f64").await?;
     non_commutative(c).await
 }
 

@@ -36,6 +36,7 @@ use std::ops::Range;
 use super::comm::{Group, PHASE_SHIFT};
 use super::element::{combine_in_turns, decode_in_turns, encode_in_turns, Element, Operator};
 use super::error::CollectiveError;
+use super::state::MAX_BUFFERED_BYTES;
 
 /// The algorithm an operation used ([`super::Communicator::last_algorithm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -717,6 +718,183 @@ pub(crate) async fn scatter(
         mask >>= 1;
     }
     Ok(buf[..b].to_vec())
+}
+
+/// Blocks of varying lengths in one message: a `u32` count and a `u64` length per block
+/// (little-endian), then the blocks' bytes.
+fn pack(blocks: &[Vec<u8>]) -> Vec<u8> {
+    let data: usize = blocks.iter().map(Vec::len).sum();
+    let mut out = Vec::with_capacity(4 + 8 * blocks.len() + data);
+    out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+    for b in blocks {
+        out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+    }
+    for b in blocks {
+        out.extend_from_slice(b);
+    }
+    out
+}
+
+/// The `count` blocks [`pack`]ed in `msg` from group rank `from`, or a mismatch.
+fn unpack(
+    g: &Group<'_>,
+    from: usize,
+    msg: &[u8],
+    count: usize,
+) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    let bad = |what: &str| g.mismatch(from, format!("a block list with {what}"));
+    let n = msg
+        .get(..4)
+        .and_then(|b| b.try_into().ok())
+        .map(u32::from_le_bytes)
+        .ok_or_else(|| bad("no count"))?;
+    if n as usize != count {
+        return Err(bad(&format!("{n} blocks, not {count}")));
+    }
+    let mut at = 4 + 8 * count;
+    let lens = msg.get(4..at).ok_or_else(|| bad("no lengths"))?;
+    let mut out = Vec::with_capacity(count);
+    for l in lens.chunks_exact(8) {
+        let len = l
+            .try_into()
+            .map(u64::from_le_bytes)
+            .ok()
+            .and_then(|l| usize::try_from(l).ok())
+            .ok_or_else(|| bad("a bad length"))?;
+        let end = at.checked_add(len).ok_or_else(|| bad("a bad length"))?;
+        out.push(
+            msg.get(at..end)
+                .ok_or_else(|| bad("lengths past its end"))?
+                .to_vec(),
+        );
+        at = end;
+    }
+    if at != msg.len() {
+        return Err(bad("bytes after its blocks"));
+    }
+    Ok(out)
+}
+
+/// Binomial gather at `root` of blocks of any length: every rank's block, in rank order, there.
+pub(crate) async fn gatherv(
+    g: &Group<'_>,
+    root: usize,
+    mine: Vec<u8>,
+) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+    g.chose(Algorithm::BinomialTree);
+    let (r, p) = (g.rank(), g.size());
+    let vr = (r + p - root) % p;
+    // The blocks of virtual ranks vr, vr + 1, ... of this rank's subtree.
+    let mut have = vec![mine];
+    let mut mask = 1;
+    while mask < p {
+        if vr & mask != 0 {
+            g.send(real(vr - mask, root, p), step(0, 0), pack(&have))
+                .await?;
+            return Ok(None);
+        }
+        if vr + mask < p {
+            let from = real(vr + mask, root, p);
+            let d = g.recv(from, step(0, 0)).await?;
+            have.extend(unpack(g, from, &d, mask.min(p - vr - mask))?);
+        }
+        mask <<= 1;
+    }
+    let mut out = vec![Vec::new(); p];
+    for (v, b) in have.into_iter().enumerate() {
+        out[real(v, root, p)] = b;
+    }
+    Ok(Some(out))
+}
+
+/// Binomial scatter from `root` of one block of any length per rank (`blocks` on the root,
+/// in rank order): this rank's block.
+pub(crate) async fn scatterv(
+    g: &Group<'_>,
+    root: usize,
+    blocks: Option<Vec<Vec<u8>>>,
+) -> Result<Vec<u8>, CollectiveError> {
+    g.chose(Algorithm::BinomialTree);
+    let (r, p) = (g.rank(), g.size());
+    let vr = (r + p - root) % p;
+    let lowbit = vr & vr.wrapping_neg();
+    let have: Vec<Vec<u8>> = if vr == 0 {
+        let mut blocks = blocks.ok_or_else(|| g.invalid("the root has no blocks to scatter"))?;
+        (0..p)
+            .map(|v| std::mem::take(&mut blocks[real(v, root, p)]))
+            .collect()
+    } else {
+        let parent = real(vr - lowbit, root, p);
+        let d = g.recv(parent, step(0, 0)).await?;
+        unpack(g, parent, &d, lowbit.min(p - vr))?
+    };
+    let mut mask = if vr == 0 {
+        p.next_power_of_two() >> 1
+    } else {
+        lowbit >> 1
+    };
+    while mask > 0 {
+        if vr + mask < p {
+            let count = mask.min(p - vr - mask);
+            let part = pack(&have[mask..mask + count]);
+            g.send(real(vr + mask, root, p), step(0, 0), part).await?;
+        }
+        mask >>= 1;
+    }
+    Ok(have.into_iter().next().unwrap_or_default())
+}
+
+/// All-gather of blocks of any length: the lengths first (an all-gather), then a ring.
+pub(crate) async fn all_gatherv(
+    g: &Group<'_>,
+    mine: Vec<u8>,
+) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    let (r, p) = (g.rank(), g.size());
+    let lens = all_gather(g, (mine.len() as u64).to_le_bytes().to_vec()).await?;
+    let mut ranges = Vec::with_capacity(p);
+    let mut at = 0usize;
+    for (i, l) in lens.chunks_exact(8).enumerate() {
+        let len = l
+            .try_into()
+            .map(u64::from_le_bytes)
+            .ok()
+            .and_then(|l| usize::try_from(l).ok())
+            .and_then(|l| {
+                at.checked_add(l)
+                    .filter(|&end| end <= MAX_BUFFERED_BYTES)
+                    .map(|e| e - at)
+            })
+            .ok_or_else(|| g.mismatch(i, "a block too large to gather"))?;
+        ranges.push(at..at + len);
+        at += len;
+    }
+    let mut buf = vec![0u8; at];
+    buf[ranges[r].clone()].copy_from_slice(&mine);
+    ring_allgather(g, &mut buf, &ranges, 1).await?;
+    g.chose(Algorithm::Ring);
+    Ok(ranges
+        .into_iter()
+        .map(|range| buf[range].to_vec())
+        .collect())
+}
+
+/// All-to-all of blocks of any length (`blocks[j]` for rank `j`): block `i` of the result
+/// came from rank `i`.
+pub(crate) async fn all_to_allv(
+    g: &Group<'_>,
+    mut blocks: Vec<Vec<u8>>,
+) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    g.chose(Algorithm::Pairwise);
+    let (r, p) = (g.rank(), g.size());
+    let mut out = vec![Vec::new(); p];
+    out[r] = std::mem::take(&mut blocks[r]);
+    for s in 1..p {
+        let (to, from) = ((r + s) % p, (r + p - s) % p);
+        g.send(to, step(0, s), std::mem::take(&mut blocks[to]))
+            .await?;
+        out[from] = g.recv(from, step(0, s)).await?;
+    }
+    Ok(out)
 }
 
 /// Reduce-scatter of equal blocks: this rank's block of the reduction.

@@ -238,6 +238,128 @@ impl Communicator {
     }
 }
 
+/// Vector variants: every rank's block may have its own length.
+impl Communicator {
+    /// Gather of blocks of any length: every rank's `data`, in rank order, `Some` on rank
+    /// `root`, `None` elsewhere.
+    pub async fn gatherv<T: Element>(
+        &mut self,
+        root: usize,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<Option<Vec<Vec<T>>>, CollectiveError> {
+        let op = self.begin("gatherv", timeout);
+        let out = op
+            .run(async {
+                check_root(&op, root)?;
+                let mine = encode_in_turns(data).await;
+                match algorithm::gatherv(&Group::all(&op), root, mine).await? {
+                    Some(blocks) => Ok(Some(decode_blocks(&op, blocks).await?)),
+                    None => Ok(None),
+                }
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// Scatter of blocks of any length: rank `root` passes one block per rank (`size()` of
+    /// them), rank `i` gets block `i`. Other ranks' `blocks` are not read (pass `&[]`).
+    pub async fn scatterv<T: Element>(
+        &mut self,
+        root: usize,
+        blocks: &[Vec<T>],
+        timeout: Duration,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let op = self.begin("scatterv", timeout);
+        let out = op
+            .run(async {
+                check_root(&op, root)?;
+                let bytes = if op.rank() == root {
+                    check_count(&op, blocks.len())?;
+                    let mut v = Vec::with_capacity(blocks.len());
+                    for b in blocks {
+                        v.push(encode_in_turns(b).await);
+                    }
+                    Some(v)
+                } else {
+                    None
+                };
+                let mine = algorithm::scatterv(&Group::all(&op), root, bytes).await?;
+                decode_in_turns(&mine).await.ok_or_else(|| {
+                    op.mismatch(root, "a block that is not a whole number of elements")
+                })
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// All-gather of blocks of any length: every rank's `data`, in rank order, on every rank.
+    pub async fn all_gatherv<T: Element>(
+        &mut self,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<T>>, CollectiveError> {
+        let op = self.begin("all_gatherv", timeout);
+        let out = op
+            .run(async {
+                let mine = encode_in_turns(data).await;
+                let blocks = algorithm::all_gatherv(&Group::all(&op), mine).await?;
+                decode_blocks(&op, blocks).await
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// All-to-all of blocks of any length: `blocks[j]` (one per rank, `size()` of them) goes
+    /// to rank `j`; block `i` of the result came from rank `i`.
+    pub async fn all_to_allv<T: Element>(
+        &mut self,
+        blocks: &[Vec<T>],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<T>>, CollectiveError> {
+        let op = self.begin("all_to_allv", timeout);
+        let out = op
+            .run(async {
+                check_count(&op, blocks.len())?;
+                let mut bytes = Vec::with_capacity(blocks.len());
+                for b in blocks {
+                    bytes.push(encode_in_turns(b).await);
+                }
+                let got = algorithm::all_to_allv(&Group::all(&op), bytes).await?;
+                decode_blocks(&op, got).await
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+}
+
+/// The elements of each rank's block (block `i` from rank `i`).
+async fn decode_blocks<T: Element>(
+    op: &Op,
+    blocks: Vec<Vec<u8>>,
+) -> Result<Vec<Vec<T>>, CollectiveError> {
+    let mut out = Vec::with_capacity(blocks.len());
+    for (i, b) in blocks.iter().enumerate() {
+        out.push(
+            decode_in_turns(b)
+                .await
+                .ok_or_else(|| op.mismatch(i, "a block that is not a whole number of elements"))?,
+        );
+    }
+    Ok(out)
+}
+
+fn check_count(op: &Op, count: usize) -> Result<(), CollectiveError> {
+    if count != op.size() {
+        return Err(op.invalid(format!("{count} blocks for {} ranks", op.size())));
+    }
+    Ok(())
+}
+
 fn check_root(op: &Op, root: usize) -> Result<(), CollectiveError> {
     if root >= op.size() {
         return Err(op.invalid(format!("root {root} of {} ranks", op.size())));
