@@ -130,6 +130,18 @@ macro_rules! num {
 }
 num!(u8, i32, i64, u32, u64, f32, f64);
 
+// Exact for the small integers the suite uses (up to 256 for bf16).
+impl Num for half::f16 {
+    fn of(v: i64) -> Self {
+        half::f16::from_f32(v as f32)
+    }
+}
+impl Num for half::bf16 {
+    fn of(v: i64) -> Self {
+        half::bf16::from_f32(v as f32)
+    }
+}
+
 /// Rank `r`'s element `i` for sums: `3r + i + 1`.
 fn xs(r: usize, i: usize) -> i64 {
     (3 * r + i + 1) as i64
@@ -474,6 +486,8 @@ async fn suite(c: &mut Communicator, n: usize) -> Result<(), String> {
     reductions::<u64>(c, n, "u64").await?;
     reductions::<f32>(c, n, "f32").await?;
     reductions::<f64>(c, n, "f64").await?;
+    reductions::<half::f16>(c, n, "f16").await?;
+    reductions::<half::bf16>(c, n, "bf16").await?;
     movements::<u8>(c, n, "u8").await?;
     movements::<i64>(c, n, "i64").await?;
     movements::<f64>(c, n, "f64").await?;

@@ -1,7 +1,8 @@
 //! Element types and reduction operators.
 //!
 //! An [`Element`] is a fixed-size value that travels as little-endian bytes: the built-in
-//! numbers (`u8`, `i32`, `i64`, `u32`, `u64`, `f32`, `f64`), or a type of the application's
+//! numbers (`u8`, `i8`, `u16`, `i16`, `i32`, `i64`, `u32`, `u64`, `f32`, `f64`, and the 16-bit
+//! floats `half::f16` and `half::bf16`), arrays of elements, or a type of the application's
 //! (a 2×2 matrix, a pair of values) that says how it is written and read. A reduction
 //! [`Operator`] combines two elements and says whether it commutes: a commutative operator may
 //! be applied in any order (the ring algorithms use that), a non-commutative one is applied in
@@ -189,6 +190,11 @@ element!(u8, i8, u16, i16, i32, i64, u32, u64, f32, f64);
 integer!(u8, i8, u16, i16, i32, i64, u32, u64);
 float!(f32, f64);
 
+// 16-bit floats from the `half` crate: sums and products computed in `f32` and rounded back,
+// as `half` does.
+element!(half::f16, half::bf16);
+float!(half::f16, half::bf16);
+
 /// Arrays of elements are elements (a 2×2 matrix as `[i64; 4]`, a vector of three floats).
 impl<T: Element, const N: usize> Element for [T; N] {
     const SIZE: usize = T::SIZE * N;
@@ -303,6 +309,22 @@ mod tests {
         assert_eq!(decode::<[i64; 4]>(&encode(&ms)).unwrap(), ms);
         assert_eq!(encode(&[0x0102_0304u32]), vec![4, 3, 2, 1]);
         assert!(decode::<u32>(&[1, 2, 3]).is_none());
+    }
+
+    #[test]
+    fn half_floats() {
+        use half::{bf16, f16};
+        let xs = [f16::from_f32(1.5), f16::from_f32(-2.0)];
+        assert_eq!(decode::<f16>(&encode(&xs)).unwrap(), xs);
+        assert_eq!(Sum.combine(&xs[0], &xs[1]), f16::from_f32(-0.5));
+        assert_eq!(
+            Max.combine(&bf16::from_f32(3.0), &bf16::from_f32(4.0)),
+            bf16::from_f32(4.0)
+        );
+        assert_eq!(
+            Prod.combine(&bf16::from_f32(3.0), &bf16::from_f32(4.0)),
+            bf16::from_f32(12.0)
+        );
     }
 
     #[test]

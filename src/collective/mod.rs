@@ -1,5 +1,6 @@
 //! Collectives: barrier, broadcast, reduce, all-reduce, all-gather, reduce-scatter, gather,
-//! scatter, all-to-all and scans over groups of ranks.
+//! scatter, all-to-all, scans, and vector variants of gather, scatter, all-gather and
+//! all-to-all, over groups of ranks.
 //!
 //! ## The model
 //!
@@ -26,8 +27,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Elements are [`Element`]s (`u8`, `i32`, `i64`, `u32`, `u64`, `f32`, `f64`, arrays of
-//! them, or an application's type); reductions take an [`Operator`]: [`Sum`], [`Prod`],
+//! Elements are [`Element`]s (integers of 8 to 64 bits, `f32`, `f64`, `half::f16`,
+//! `half::bf16`, arrays of them, or an application's type); reductions take an [`Operator`]: [`Sum`], [`Prod`],
 //! [`Min`], [`Max`], or a [`UserOp`] that says whether it commutes. A non-commutative
 //! operator is applied in rank order (`x0 ∘ x1 ∘ … ∘ x(p-1)`).
 //!
@@ -65,8 +66,8 @@
 //! (reduce-scatter + all-gather) for large commutative reductions. All-reduce over several
 //! nodes is hierarchical: through the leaders, or by slices (each shard all-reducing its slice
 //! with its counterparts on the other nodes, on its own rail). What is not here yet:
-//! hierarchical forms of the other operations, a cost model with measured constants, vector
-//! variants, in-place variants, pipelining of large messages.
+//! hierarchical forms of the other operations, a cost model with measured constants, in-place
+//! variants (but [`Communicator::broadcast`]), pipelining of large messages.
 
 pub mod algorithm;
 mod comm;
