@@ -931,6 +931,52 @@ fn a_deadline_that_expires_fails_with_the_typed_error() {
     }));
 }
 
+/// A collective whose future is dropped on one rank: the others fail with `Aborted` and the
+/// cause `Cancelled` (at once, not at their deadline); the communicator works afterwards.
+#[test]
+fn a_dropped_collective_aborts_it_on_the_others() {
+    let _g = serial();
+    all_ok(world(&[1, 1], |mut c: Communicator| async move {
+        let r = c.rank();
+        if r == 0 {
+            let dropped = futures_lite::future::or(async { Some(c.barrier(T).await) }, async {
+                sleep(Duration::from_millis(100)).await;
+                None
+            })
+            .await;
+            ensure!(r, dropped.is_none(), "the barrier ended: {dropped:?}");
+        } else {
+            sleep(Duration::from_millis(500)).await;
+            let t0 = Instant::now();
+            let out = c.barrier(T).await;
+            ensure!(
+                r,
+                matches!(
+                    out,
+                    Err(CollectiveError::Aborted {
+                        by: 0,
+                        cause: AbortCause::Cancelled,
+                        ..
+                    })
+                ),
+                "{out:?}"
+            );
+            ensure!(
+                r,
+                t0.elapsed() < Duration::from_secs(5),
+                "after {:?}",
+                t0.elapsed()
+            );
+        }
+        let sum = c
+            .all_reduce(&[1i32], &Sum, T)
+            .await
+            .map_err(|e| e.to_string())?;
+        ensure!(r, sum == [2], "after the drop: {sum:?}");
+        Ok(())
+    }));
+}
+
 /// A node that leaves during an all-reduce: the ranks waiting for it fail with `RankFailed`
 /// naming it, long before their deadline.
 #[test]
