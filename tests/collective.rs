@@ -116,6 +116,45 @@ fn all_ok(results: Vec<Result<(), String>>) {
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
+/// A new world of the nodes of `c` (collective): what ranks do after `c` was revoked.
+async fn renew(c: &Communicator) -> Result<Communicator, String> {
+    let mut nodes = Vec::new();
+    for m in c.members() {
+        if !nodes.contains(&m.node) {
+            nodes.push(m.node);
+        }
+    }
+    Communicator::world(c.node(), &nodes, T)
+        .await
+        .map_err(|e| format!("rank {}: renew: {e}", c.rank()))
+}
+
+/// Checks that `c` is revoked by rank `by` for `cause`, and that its next operation fails at
+/// once with `Revoked`.
+async fn revoked(c: &mut Communicator, by: usize, cause: AbortCause) -> Result<(), String> {
+    let r = c.rank();
+    ensure!(
+        r,
+        c.revoked() == Some((by, cause)),
+        "revoked: {:?}",
+        c.revoked()
+    );
+    let t0 = Instant::now();
+    let out = c.barrier(T).await;
+    ensure!(
+        r,
+        matches!(&out, Err(CollectiveError::Revoked { by: b, cause: c, .. }) if *b == by && *c == cause),
+        "after the revocation: {out:?}"
+    );
+    ensure!(
+        r,
+        t0.elapsed() < Duration::from_secs(1),
+        "Revoked after {:?}",
+        t0.elapsed()
+    );
+    Ok(())
+}
+
 /// Numbers the suite runs on, made from small integers (wrapping like the operators do).
 trait Num: Element + Number + PartialEq {
     fn of(v: i64) -> Self;
@@ -881,7 +920,7 @@ fn back_to_back_collectives_of_different_kinds() {
 
 /// A rank that arrives after the others' deadline: they fail with `TimedOut` naming the rank
 /// they waited for, in bounded time; the late rank fails at once with `Aborted` (the others
-/// told it); the communicator works again afterwards.
+/// told it); the communicator is then revoked on both, and a new world works.
 #[test]
 fn a_deadline_that_expires_fails_with_the_typed_error() {
     let _g = serial();
@@ -922,6 +961,8 @@ fn a_deadline_that_expires_fails_with_the_typed_error() {
             );
             ensure!(r, took < short, "the abort took {took:?}");
         }
+        revoked(&mut c, 0, AbortCause::TimedOut).await?;
+        let mut c = renew(&c).await?;
         let sum = c
             .all_reduce(&[r as u64 + 1], &Sum, T)
             .await
@@ -932,7 +973,8 @@ fn a_deadline_that_expires_fails_with_the_typed_error() {
 }
 
 /// A collective whose future is dropped on one rank: the others fail with `Aborted` and the
-/// cause `Cancelled` (at once, not at their deadline); the communicator works afterwards.
+/// cause `Cancelled` (at once, not at their deadline); the communicator is revoked, and a new
+/// world works.
 #[test]
 fn a_dropped_collective_aborts_it_on_the_others() {
     let _g = serial();
@@ -968,6 +1010,8 @@ fn a_dropped_collective_aborts_it_on_the_others() {
                 t0.elapsed()
             );
         }
+        revoked(&mut c, 0, AbortCause::Cancelled).await?;
+        let mut c = renew(&c).await?;
         let sum = c
             .all_reduce(&[1i32], &Sum, T)
             .await
@@ -1012,8 +1056,149 @@ fn a_lost_rank_fails_the_collective_in_bounded_time() {
     all_ok(results);
 }
 
+/// Node B of `a_rank_killed_mid_all_reduce`, in a child process: prints its address, makes
+/// the world with node A, then all-reduces until it is killed (or 60 s pass), printing
+/// `ROUND k` now and then.
+#[test]
+#[ignore = "run by a_rank_killed_mid_all_reduce in a child process"]
+fn child_rank() {
+    const A: NodeId = NodeId::new(0xA1);
+    const B: NodeId = NodeId::new(0xB1);
+    Node::builder()
+        .shards(2)
+        .placement(Placement::Unpinned)
+        .transports("tcp")
+        .io_memory(256 << 10)
+        .node_id(B)
+        .psk(KEY)
+        .listen("127.0.0.1:0".parse().unwrap())
+        .run(|node: Node| async move {
+            if let Some(a) = node.listen_addr() {
+                println!("ADDR {a}");
+            }
+            let mut c = Communicator::world(&node, &[A, B], T).await.expect("world");
+            let t0 = Instant::now();
+            let mut k = 0u64;
+            while t0.elapsed() < LIMIT {
+                let sum = c.all_reduce(&[k], &Sum, T).await.expect("all_reduce");
+                assert_eq!(sum, [k * c.size() as u64]);
+                if c.rank() == 2 && k % 50 == 0 {
+                    println!("ROUND {k}");
+                }
+                k += 1;
+            }
+        })
+        .expect("node B");
+}
+
+/// A node killed (SIGKILL) while the ranks all-reduce in a loop: every rank of the other node
+/// fails with `RankFailed` naming a rank of the killed node, or `Aborted`/`Revoked` by a rank
+/// that did (a rank a step ahead waits in the next all-reduce for one that will never come:
+/// the revocation ends that wait), within seconds of the kill, long before its 60 s deadline.
+#[test]
+fn a_rank_killed_mid_all_reduce() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    const A: NodeId = NodeId::new(0xA1);
+    const B: NodeId = NodeId::new(0xB1);
+    let _g = serial();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_rank", "--nocapture"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn node B");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr: SocketAddr = loop {
+        let line = lines.next().expect("node B ended early").unwrap();
+        if let Some(a) = line.strip_prefix("ADDR ") {
+            break a.parse().unwrap();
+        }
+    };
+    let killed: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let killed_a = killed.clone();
+    let a = std::thread::spawn(move || {
+        Node::builder()
+            .shards(2)
+            .placement(Placement::Unpinned)
+            .transports("tcp")
+            .io_memory(256 << 10)
+            .node_id(A)
+            .psk(KEY)
+            .run(move |node: Node| {
+                let killed = killed_a.clone();
+                async move {
+                    if node.shard().get() == 0 {
+                        node.connect(addr).await.expect("connect");
+                    }
+                    let mut c = Communicator::world(&node, &[A, B], T).await.expect("world");
+                    let t0 = Instant::now();
+                    let mut k = 0u64;
+                    let err = loop {
+                        assert!(t0.elapsed() < LIMIT, "no failure within {LIMIT:?}");
+                        match c.all_reduce(&[k], &Sum, Duration::from_secs(60)).await {
+                            Ok(sum) => assert_eq!(sum, [k * c.size() as u64]),
+                            Err(e) => break e,
+                        }
+                        k += 1;
+                    };
+                    let after = killed.lock().unwrap().map(|t| t.elapsed());
+                    (c.rank(), err, after)
+                }
+            })
+            .expect("node A")
+    });
+    // Kill node B once the ranks are well into their loop.
+    loop {
+        let line = lines
+            .next()
+            .expect("node B ended before round 200")
+            .unwrap();
+        if line == "ROUND 200" {
+            break;
+        }
+    }
+    *killed.lock().unwrap() = Some(Instant::now());
+    child.kill().expect("kill node B");
+    let _ = child.wait();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(a.join());
+    });
+    let results = rx
+        .recv_timeout(LIMIT)
+        .expect("node A still running after LIMIT")
+        .expect("node A panicked");
+    for (rank, err, after) in results {
+        let after = after.expect("failed before the kill");
+        assert!(
+            matches!(
+                &err,
+                CollectiveError::RankFailed { failed: 2 | 3, .. }
+                    | CollectiveError::Aborted {
+                        by: 0 | 1,
+                        cause: AbortCause::RankFailed,
+                        ..
+                    }
+                    | CollectiveError::Revoked {
+                        by: 0 | 1,
+                        cause: AbortCause::RankFailed,
+                        ..
+                    }
+            ),
+            "rank {rank}: {err:?}"
+        );
+        assert!(
+            after < Duration::from_secs(15),
+            "rank {rank} failed {after:?} after the kill"
+        );
+    }
+}
+
 /// Invalid arguments are refused with `InvalidArgument` on the rank that passed them, and the
-/// others are told (`Aborted` with `Mismatch`); counts that differ give `Mismatch`.
+/// others are told (`Aborted` with `Mismatch`); counts that differ give `Mismatch`. Each
+/// failure revokes the communicator; a new world goes on.
 #[test]
 fn invalid_arguments_and_mismatched_counts() {
     let _g = serial();
@@ -1044,6 +1229,8 @@ fn invalid_arguments_and_mismatched_counts() {
                 "{out:?}"
             );
         }
+        revoked(&mut c, 0, AbortCause::Mismatch).await?;
+        let mut c = renew(&c).await?;
         // Two elements on rank 0, three on rank 1.
         let out = c.all_reduce(&vec![1u32; 2 + r], &Sum, T).await;
         ensure!(
@@ -1055,6 +1242,8 @@ fn invalid_arguments_and_mismatched_counts() {
             ),
             "{out:?}"
         );
+        ensure!(r, c.revoked().is_some(), "not revoked after the mismatch");
+        let mut c = renew(&c).await?;
         let sum = c
             .all_reduce(&[2u8], &Sum, T)
             .await

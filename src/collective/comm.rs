@@ -328,6 +328,14 @@ impl Communicator {
         self.last_algorithm
     }
 
+    /// Whether this communicator is revoked (an operation failed: every later one fails at
+    /// once with [`CollectiveError::Revoked`]): the rank whose failure revoked it, and why.
+    pub fn revoked(&self) -> Option<(usize, AbortCause)> {
+        self.state
+            .revoked(self.id)
+            .map(|(by, cause)| (by as usize, cause))
+    }
+
     /// This shard's collective counters (all communicators).
     pub fn stats(&self) -> super::CollectiveStats {
         self.state.stats()
@@ -442,10 +450,12 @@ impl Op {
         &self,
         body: impl Future<Output = Result<T, CollectiveError>>,
     ) -> Result<T, CollectiveError> {
-        let out = match self.state.aborted(self.comm, self.seq) {
+        let aborted = self.state.aborted(self.comm, self.seq);
+        let out = match (aborted, self.state.revoked(self.comm)) {
             // Another rank has already given up on this operation.
-            Some((by, cause)) => Err(self.aborted(by, cause)),
-            None => {
+            (Some((by, cause)), _) => Err(self.aborted(by, cause)),
+            (None, Some((by, cause))) => Err(self.revoked(by, cause)),
+            (None, None) => {
                 futures_lite::future::or(body, async {
                     sleep(self.timeout).await;
                     Err(CollectiveError::TimedOut {
@@ -462,10 +472,20 @@ impl Op {
         self.state.end(self.comm, self.seq);
         if let Err(e) = &out {
             if let Some(cause) = e.abort_cause() {
+                self.state.revoke(self.comm, self.rank as u32, cause);
                 self.abort_others(cause);
             }
         }
         out
+    }
+
+    fn revoked(&self, by: u32, cause: AbortCause) -> CollectiveError {
+        CollectiveError::Revoked {
+            op: self.name,
+            rank: self.rank,
+            by: by as usize,
+            cause,
+        }
     }
 
     fn aborted(&self, by: u32, cause: AbortCause) -> CollectiveError {
@@ -546,6 +566,7 @@ impl Op {
             }
             match self.state.blocked(self.comm, self.seq, node, self.since) {
                 Some(Blocked::Aborted { by, cause }) => Poll::Ready(Err(self.aborted(by, cause))),
+                Some(Blocked::Revoked { by, cause }) => Poll::Ready(Err(self.revoked(by, cause))),
                 Some(Blocked::Lost(why)) => Poll::Ready(Err(self.failed(from, why))),
                 Some(Blocked::SendFailed { to, why }) => {
                     Poll::Ready(Err(self.failed(to as usize, why)))
@@ -691,6 +712,8 @@ impl Drop for Op {
             // Dropped before it ended: the other ranks would wait for this one until their
             // deadline.
             self.state.end(self.comm, self.seq);
+            self.state
+                .revoke(self.comm, self.rank as u32, AbortCause::Cancelled);
             self.abort_others(AbortCause::Cancelled);
         }
     }
@@ -826,6 +849,14 @@ fn rename(e: CollectiveError, op: &'static str) -> CollectiveError {
         CollectiveError::InvalidArgument { what, .. } => {
             CollectiveError::InvalidArgument { op, what }
         }
+        CollectiveError::Revoked {
+            rank, by, cause, ..
+        } => CollectiveError::Revoked {
+            op,
+            rank,
+            by,
+            cause,
+        },
         CollectiveError::ShuttingDown { rank, .. } => CollectiveError::ShuttingDown { op, rank },
         other => other,
     }

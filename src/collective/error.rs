@@ -63,6 +63,20 @@ pub enum CollectiveError {
         /// Why it did.
         cause: AbortCause,
     },
+    /// The communicator is revoked: an earlier operation failed (here or on rank `by`, which
+    /// will not take part in later ones). Every operation fails at once from then on; make a
+    /// new communicator.
+    #[error("{op} on rank {rank}: the communicator is revoked (rank {by} failed: {cause:?})")]
+    Revoked {
+        /// The operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The rank whose failure revoked it (this rank, when it failed here).
+        by: usize,
+        /// Why it failed.
+        cause: AbortCause,
+    },
     /// The ranks disagree: a message of the wrong length (different counts on different
     /// ranks), or different members of a new communicator.
     #[error("{op} on rank {rank}: mismatch with rank {other}: {what}")]
@@ -149,7 +163,9 @@ impl CollectiveError {
             CollectiveError::Unreachable { .. } | CollectiveError::ShuttingDown { .. } => {
                 Some(AbortCause::RankFailed)
             }
-            CollectiveError::Aborted { .. } | CollectiveError::NotOnShard => None,
+            CollectiveError::Aborted { .. }
+            | CollectiveError::Revoked { .. }
+            | CollectiveError::NotOnShard => None,
         }
     }
 }

@@ -56,8 +56,14 @@
 //! rank cannot be sent. The rank that fails tells the others at once (an abort message), which
 //! then fail with [`CollectiveError::Aborted`] naming it and its cause instead of waiting for
 //! their own deadline; dropping an operation's future aborts it the same way. Nothing waits
-//! past its deadline. A failed operation leaves the communicator usable for the next one, but
-//! nothing tells the ranks which of them are still alive (no revocation or shrink yet).
+//! past its deadline.
+//!
+//! A failure revokes the communicator, on the rank that failed and on every rank its abort
+//! reaches (also a rank that has already finished that operation and waits in the next one:
+//! the rank that failed will not come): from then on every operation on it fails at once
+//! with [`CollectiveError::Revoked`] ([`Communicator::revoked`] says by whom and why). The
+//! ranks then make a new communicator (a new [`Communicator::world`]); `shrink()`, a new
+//! communicator of the survivors only, is not there yet.
 //!
 //! ## Algorithms
 //!

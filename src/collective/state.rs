@@ -79,6 +79,8 @@ struct Inner {
     buffered: usize,
     comms: HashMap<u64, CommEntry>,
     aborts: HashMap<(u64, u64), (u32, AbortCause)>,
+    /// Communicators revoked here: the first rank known to have failed, and why.
+    revoked: HashMap<u64, (u32, AbortCause)>,
     /// Sends of an operation that failed after the operation went on (mesh sends are not
     /// awaited): the rank and why.
     failed_sends: HashMap<(u64, u64), (u32, String)>,
@@ -104,6 +106,8 @@ pub(crate) struct ShardState {
 pub(crate) enum Blocked {
     /// Rank `by` aborted the operation.
     Aborted { by: u32, cause: AbortCause },
+    /// The communicator is revoked: rank `by` failed an operation with `cause`.
+    Revoked { by: u32, cause: AbortCause },
     /// A message of this operation to rank `to` could not be delivered.
     SendFailed { to: u32, why: String },
     /// The node of the awaited rank was lost after the operation began.
@@ -128,6 +132,7 @@ impl ShardState {
     pub(crate) fn retire(&self, comm: u64) {
         let mut s = self.inner.borrow_mut();
         s.comms.insert(comm, CommEntry::Retired);
+        s.revoked.remove(&comm);
         s.purge(|c, _| c == comm);
     }
 
@@ -180,6 +185,9 @@ impl ShardState {
         if let Some(&(by, cause)) = s.aborts.get(&(comm, seq)) {
             return Some(Blocked::Aborted { by, cause });
         }
+        if let Some(&(by, cause)) = s.revoked.get(&comm) {
+            return Some(Blocked::Revoked { by, cause });
+        }
         if let Some((to, why)) = s.failed_sends.get(&(comm, seq)) {
             return Some(Blocked::SendFailed {
                 to: *to,
@@ -193,6 +201,28 @@ impl ShardState {
             Some((e, why)) if *e > since => Some(Blocked::Lost(why.clone())),
             _ => None,
         }
+    }
+
+    /// Revokes communicator `comm` on this shard (rank `by` failed an operation with `cause`;
+    /// the first revocation stays): every wait of its operations fails from now on.
+    pub(crate) fn revoke(&self, comm: u64, by: u32, cause: AbortCause) {
+        let waiters: Vec<Waker> = {
+            let mut s = self.inner.borrow_mut();
+            s.revoked.entry(comm).or_insert((by, cause));
+            s.waiters
+                .iter()
+                .filter(|((c, _), _)| *c == comm)
+                .map(|(_, w)| w.clone())
+                .collect()
+        };
+        for w in waiters {
+            w.wake();
+        }
+    }
+
+    /// Whether communicator `comm` is revoked here: the rank that failed, and why.
+    pub(crate) fn revoked(&self, comm: u64) -> Option<(u32, AbortCause)> {
+        self.inner.borrow().revoked.get(&comm).copied()
     }
 
     /// Whether rank `by`'s abort of `(comm, seq)` is here.
@@ -234,6 +264,10 @@ impl ShardState {
     /// A message (or a part of one) from `node`: kept for its operation, or dropped and counted.
     /// `data` is taken when it is the whole message, copied otherwise.
     pub(crate) fn deliver(&self, node: NodeId, h: Header, data: Data<'_>) {
+        if let Kind::Abort(cause) = h.kind {
+            self.abort(h, cause);
+            return;
+        }
         let waker = {
             let mut s = self.inner.borrow_mut();
             if let Some(entry) = s.comms.get(&h.comm) {
@@ -247,10 +281,7 @@ impl ShardState {
                 }
             }
             match h.kind {
-                Kind::Abort(cause) => {
-                    s.stats.aborts_received += 1;
-                    s.aborts.entry((h.comm, h.seq)).or_insert((h.src, cause));
-                }
+                Kind::Abort(_) => {}
                 Kind::Data => {
                     if !s.store(node, h, data) {
                         return;
@@ -262,6 +293,28 @@ impl ShardState {
         if let Some(w) = waker {
             w.wake();
         }
+    }
+
+    /// Rank `h.src` ended operation `h.seq` with `cause`: that operation fails here (now, or
+    /// when it starts), and the communicator is revoked, also when the operation has already
+    /// ended here (its rank will not take part in the next ones).
+    fn abort(&self, h: Header, cause: AbortCause) {
+        {
+            let mut s = self.inner.borrow_mut();
+            let live = match s.comms.get(&h.comm) {
+                Some(CommEntry::Retired) => {
+                    s.stats.dropped_stale += 1;
+                    return;
+                }
+                Some(CommEntry::Live { floor }) => h.seq >= *floor,
+                None => true,
+            };
+            s.stats.aborts_received += 1;
+            if live {
+                s.aborts.entry((h.comm, h.seq)).or_insert((h.src, cause));
+            }
+        }
+        self.revoke(h.comm, h.src, cause);
     }
 
     /// `node`'s connection ended (`None`: this node is shutting down): waits on ranks there
