@@ -54,7 +54,8 @@ pub struct Communicator {
 
 /// One operation in progress on one rank: its identity on the wire, its deadline, and what it
 /// waits for. Ending it (done or failed) or dropping it releases its messages; a failure or a
-/// drop tells the other ranks (an abort) unless another rank's abort caused it.
+/// drop revokes the communicator and tells the other ranks (an abort), unless another rank's
+/// abort caused it.
 pub(crate) struct Op {
     node: Node,
     state: Rc<ShardState>,
@@ -444,8 +445,9 @@ impl Op {
         }
     }
 
-    /// Runs the operation's body within its deadline; on failure, tells the other ranks
-    /// (unless another rank's abort is the failure).
+    /// Runs the operation's body within its deadline (at once `Aborted` or `Revoked` when
+    /// another rank's abort is already here); on a failure of its own, revokes the
+    /// communicator here and tells the other ranks.
     pub(crate) async fn run<T>(
         &self,
         body: impl Future<Output = Result<T, CollectiveError>>,
@@ -510,8 +512,10 @@ impl Op {
     }
 
     /// Sends `data` as step `step` of this operation to rank `to`: through the mesh to a shard
-    /// of this node (moved), on the rail to the shard of another node (in parts of at most
-    /// [`SEGMENT`] bytes). Resolves once it is delivered (mesh) or with UCX or queued (rail).
+    /// of this node (moved; resolves at once, the forward runs in a task of its own and a
+    /// failure of it fails this operation's next wait), on the rail to the shard of another
+    /// node (in parts of at most [`SEGMENT`] bytes; resolves once they are with UCX or
+    /// queued).
     pub(crate) async fn send(
         &self,
         to: usize,
