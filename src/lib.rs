@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod bench;
+pub mod collective;
 mod error;
 pub mod metrics;
 pub mod node;

@@ -727,6 +727,8 @@ fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(A
     shardcx_shards::tag::install_with(ctx, tag);
     // RPC: this shard's functions and the request and cancel frame handlers.
     crate::rpc::install(ctx, &shared);
+    // Collectives: this shard's mailbox, its message handler and its loss hook.
+    crate::collective::install(ctx);
     for (id, factory) in handlers {
         let handler = factory();
         let id = *id;

@@ -1,0 +1,1008 @@
+//! The algorithms, and how one is chosen.
+//!
+//! Every algorithm is written against one operation's `send(to, step, bytes)` and
+//! `recv(from, step)`; a message is named by its step, so each pair of ranks uses a step
+//! number at most once per operation and messages may arrive in any order. An
+//! operation made of phases (a reduce-scatter then an all-gather) gives each phase its own
+//! range of steps (`phase << PHASE_SHIFT`).
+//!
+//! With `p` ranks and `n` bytes per rank:
+//!
+//! | operation | small (`n` < [`Tuning::large_from`]) | large |
+//! | --- | --- | --- |
+//! | barrier | dissemination, ⌈log2 p⌉ rounds | – |
+//! | broadcast | binomial tree | scatter (binomial) + ring all-gather (p > 2) |
+//! | reduce | binomial tree | ring reduce-scatter + binomial gather (commutative, p > 2) |
+//! | all-reduce | recursive doubling (non-powers of two folded in) | ring reduce-scatter + ring all-gather (commutative, p > 2) |
+//! | all-reduce over several nodes | through the leaders, unless every node has the same power-of-two number of ranks numbered node by node | by slices: a node's ranks reduce-scatter, rank `s` of every node all-reduces slice `s`, a node's ranks all-gather (commutative, as many ranks on every node) |
+//! | reduce-scatter | binomial reduce to rank 0 + binomial scatter | ring (commutative) |
+//! | all-gather | Bruck, ⌈log2 p⌉ rounds | ring |
+//! | gather, scatter | binomial tree | binomial tree |
+//! | all-to-all | pairwise exchange, p − 1 rounds | pairwise exchange |
+//! | scan, exclusive scan | recursive doubling | recursive doubling |
+//!
+//! Non-commutative operators always take the tree and recursive-doubling forms, which combine
+//! contiguous blocks of ranks, lower ranks on the left: the result is `x0 ∘ x1 ∘ … ∘ x(p-1)`
+//! (through the leaders only when every node's ranks are contiguous).
+//!
+//! Hierarchical all-reduce ([`Tuning::with_hierarchical`], on by default) runs sub-algorithms
+//! on groups of the operation's ranks: a node's ranks talk through the cross-shard mesh, ranks
+//! of different nodes on their rails. Recursive doubling over ranks numbered node by node,
+//! with the same power of two on every node, is already hierarchical: its first rounds pair a
+//! node's shards, the later ones each shard with its counterparts on the other nodes.
+
+use std::ops::Range;
+
+use super::comm::{Group, PHASE_SHIFT};
+use super::element::{combine_in_turns, decode_in_turns, encode_in_turns, Element, Operator};
+use super::error::CollectiveError;
+use super::state::MAX_BUFFERED_BYTES;
+
+/// The algorithm an operation used ([`super::Communicator::last_algorithm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Algorithm {
+    /// Barrier: in round `k` each rank signals rank `r + 2^k`.
+    Dissemination,
+    /// A binomial tree rooted at the root (or at rank 0 for a non-commutative reduce).
+    BinomialTree,
+    /// Pairs of ranks `r ^ 2^k` exchange and combine.
+    RecursiveDoubling,
+    /// Around the ring of ranks, one block per step.
+    Ring,
+    /// Bruck's all-gather: blocks doubling each round.
+    Bruck,
+    /// All-to-all: in round `k`, rank `r` sends to `r + k` and receives from `r - k`.
+    Pairwise,
+    /// Reduce to rank 0 on a binomial tree, then scatter.
+    ReduceThenScatter,
+    /// Broadcast: scatter the blocks, then a ring all-gather.
+    ScatterAllGather,
+    /// Reduce: ring reduce-scatter, then gather the blocks at the root.
+    ReduceScatterGather,
+    /// All-reduce: each node's ranks reduce to their leader through the mesh, the leaders
+    /// all-reduce across nodes, each leader broadcasts to its node.
+    Hierarchical,
+    /// All-reduce: each node's ranks reduce-scatter through the mesh, each slice is all-reduced
+    /// by the ranks holding it on every node (each on its own rail), each node all-gathers.
+    HierarchicalSlices,
+}
+
+/// What chooses the algorithms: the same on every rank of a communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    large_from: usize,
+    hierarchical: bool,
+}
+
+/// Default of [`Tuning::large_from`]: 64 KiB.
+pub const DEFAULT_LARGE_FROM: usize = 64 << 10;
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            large_from: DEFAULT_LARGE_FROM,
+            hierarchical: true,
+        }
+    }
+}
+
+impl Tuning {
+    /// Operations on at least this many bytes per rank take the large-message algorithms
+    /// (see the module docs); `0` always, `usize::MAX` never.
+    pub fn large_from(self) -> usize {
+        self.large_from
+    }
+
+    /// With [`Tuning::large_from`] set to `bytes`.
+    pub fn with_large_from(self, bytes: usize) -> Tuning {
+        Tuning {
+            large_from: bytes,
+            ..self
+        }
+    }
+
+    /// Whether all-reduce may take a hierarchical form when the ranks span several nodes
+    /// (default: yes; see the module docs).
+    pub fn hierarchical(self) -> bool {
+        self.hierarchical
+    }
+
+    /// With [`Tuning::hierarchical`] set to `on`.
+    pub fn with_hierarchical(self, on: bool) -> Tuning {
+        Tuning {
+            hierarchical: on,
+            ..self
+        }
+    }
+
+    fn large(&self, bytes: usize) -> bool {
+        bytes >= self.large_from
+    }
+}
+
+/// Block `i` of `n` items cut into `p` blocks whose sizes differ by at most one.
+fn block(n: usize, p: usize, i: usize) -> Range<usize> {
+    let (base, extra) = (n / p, n % p);
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+/// The range covering blocks `first..first + count` (clipped to `p`).
+fn blocks(n: usize, p: usize, first: usize, count: usize) -> Range<usize> {
+    let last = (first + count).min(p);
+    if first >= last {
+        let s = block(n, p, first.min(p - 1)).end;
+        return s..s;
+    }
+    block(n, p, first).start..block(n, p, last - 1).end
+}
+
+fn step(phase: u32, i: usize) -> u32 {
+    (phase << PHASE_SHIFT) | i as u32
+}
+
+/// Rank of virtual rank `v` in a tree rooted at `root`.
+fn real(v: usize, root: usize, p: usize) -> usize {
+    (v + root) % p
+}
+
+/// Receives `len` bytes from `from`, or a mismatch naming it.
+async fn recv_len(
+    g: &Group<'_>,
+    from: usize,
+    st: u32,
+    len: usize,
+) -> Result<Vec<u8>, CollectiveError> {
+    let d = g.recv(from, st).await?;
+    if d.len() != len {
+        return Err(g.mismatch(from, format!("{} bytes where {len} were expected", d.len())));
+    }
+    Ok(d)
+}
+
+/// Receives `len` elements from `from`.
+async fn recv_elems<T: Element>(
+    g: &Group<'_>,
+    from: usize,
+    st: u32,
+    len: usize,
+) -> Result<Vec<T>, CollectiveError> {
+    let d = recv_len(g, from, st, len * T::SIZE).await?;
+    decode_in_turns(&d)
+        .await
+        .ok_or_else(|| g.mismatch(from, "a length that is not a whole number of elements"))
+}
+
+pub(crate) async fn barrier(g: &Group<'_>) -> Result<(), CollectiveError> {
+    g.chose(Algorithm::Dissemination);
+    let (r, p) = (g.rank(), g.size());
+    let (mut dist, mut k) = (1, 0);
+    while dist < p {
+        g.send((r + dist) % p, step(0, k), Vec::new()).await?;
+        g.recv((r + p - dist) % p, step(0, k)).await?;
+        dist <<= 1;
+        k += 1;
+    }
+    Ok(())
+}
+
+/// Broadcast of `buf` (its bytes on the root; the same length everywhere).
+pub(crate) async fn broadcast(
+    g: &Group<'_>,
+    root: usize,
+    buf: &mut [u8],
+) -> Result<(), CollectiveError> {
+    let p = g.size();
+    if p > 2 && g.tuning().large(buf.len()) {
+        g.chose(Algorithm::ScatterAllGather);
+        scatter_allgather(g, root, buf).await
+    } else {
+        g.chose(Algorithm::BinomialTree);
+        binomial_bcast(g, root, buf, 0).await
+    }
+}
+
+async fn binomial_bcast(
+    g: &Group<'_>,
+    root: usize,
+    buf: &mut [u8],
+    phase: u32,
+) -> Result<(), CollectiveError> {
+    let (r, p) = (g.rank(), g.size());
+    let vr = (r + p - root) % p;
+    let mut mask = 1;
+    while mask < p {
+        if vr & mask != 0 {
+            let d = recv_len(g, real(vr - mask, root, p), step(phase, 0), buf.len()).await?;
+            buf.copy_from_slice(&d);
+            break;
+        }
+        mask <<= 1;
+    }
+    mask >>= 1;
+    while mask > 0 {
+        if vr + mask < p {
+            g.send(real(vr + mask, root, p), step(phase, 0), buf.to_vec())
+                .await?;
+        }
+        mask >>= 1;
+    }
+    Ok(())
+}
+
+/// Van de Geijn's broadcast: the root's blocks scattered down a binomial tree, then a ring
+/// all-gather (in virtual ranks, root first).
+async fn scatter_allgather(
+    g: &Group<'_>,
+    root: usize,
+    buf: &mut [u8],
+) -> Result<(), CollectiveError> {
+    let (r, p, n) = (g.rank(), g.size(), buf.len());
+    let vr = (r + p - root) % p;
+    let lowbit = vr & vr.wrapping_neg();
+    if vr != 0 {
+        let range = blocks(n, p, vr, lowbit.min(p - vr));
+        let d = recv_len(g, real(vr - lowbit, root, p), step(0, 0), range.len()).await?;
+        buf[range].copy_from_slice(&d);
+    }
+    let mut mask = if vr == 0 {
+        p.next_power_of_two() >> 1
+    } else {
+        lowbit >> 1
+    };
+    while mask > 0 {
+        if vr + mask < p {
+            let range = blocks(n, p, vr + mask, mask.min(p - vr - mask));
+            g.send(real(vr + mask, root, p), step(0, 0), buf[range].to_vec())
+                .await?;
+        }
+        mask >>= 1;
+    }
+    let (right, left) = (real((vr + 1) % p, root, p), real((vr + p - 1) % p, root, p));
+    for s in 0..p - 1 {
+        let out = block(n, p, (vr + p - s) % p);
+        g.send(right, step(1, s), buf[out].to_vec()).await?;
+        let inn = block(n, p, (vr + 2 * p - s - 1) % p);
+        let d = recv_len(g, left, step(1, s), inn.len()).await?;
+        buf[inn].copy_from_slice(&d);
+    }
+    Ok(())
+}
+
+/// Reduce to `root`: `Some(result)` there.
+pub(crate) async fn reduce<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    root: usize,
+    data: Vec<T>,
+    o: &O,
+) -> Result<Option<Vec<T>>, CollectiveError> {
+    let p = g.size();
+    if p > 2 && o.is_commutative() && data.len() >= p && g.tuning().large(data.len() * T::SIZE) {
+        g.chose(Algorithm::ReduceScatterGather);
+        let n = data.len();
+        let mut acc = data;
+        ring_reduce_scatter(g, &mut acc, o, 0).await?;
+        let mine = encode_in_turns(&acc[block(n, p, g.rank())]).await;
+        let lens: Vec<usize> = (0..p).map(|i| block(n, p, i).len() * T::SIZE).collect();
+        let all = gather_blocks(g, root, mine, &lens, 1).await?;
+        return match all {
+            Some(b) => decode_in_turns(&b)
+                .await
+                .map(Some)
+                .ok_or_else(|| g.mismatch(root, "a partial length")),
+            None => Ok(None),
+        };
+    }
+    g.chose(Algorithm::BinomialTree);
+    reduce_tree(g, root, data, o, 0).await
+}
+
+/// Binomial-tree reduce. A non-commutative operator reduces on a tree rooted at rank 0
+/// (contiguous blocks of ranks, lower on the left) and rank 0 sends the result on to `root`.
+async fn reduce_tree<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    root: usize,
+    data: Vec<T>,
+    o: &O,
+    phase: u32,
+) -> Result<Option<Vec<T>>, CollectiveError> {
+    let (r, p) = (g.rank(), g.size());
+    let tree_root = if o.is_commutative() { root } else { 0 };
+    let vr = (r + p - tree_root) % p;
+    let n = data.len();
+    let mut acc = Some(data);
+    let mut mask = 1;
+    while mask < p {
+        if vr & mask != 0 {
+            if let Some(a) = acc.take() {
+                g.send(
+                    real(vr - mask, tree_root, p),
+                    step(phase, 0),
+                    encode_in_turns(&a).await,
+                )
+                .await?;
+            }
+            break;
+        }
+        if vr + mask < p {
+            let from = real(vr + mask, tree_root, p);
+            let t: Vec<T> = recv_elems(g, from, step(phase, 0), n).await?;
+            if let Some(a) = acc.as_mut() {
+                combine_in_turns(o, a, &t, false).await;
+            }
+        }
+        mask <<= 1;
+    }
+    if tree_root == root {
+        return Ok(if r == root { acc } else { None });
+    }
+    if r == tree_root {
+        if let Some(a) = acc.take() {
+            g.send(root, step(phase, 1), encode_in_turns(&a).await)
+                .await?;
+        }
+    }
+    if r == root {
+        return Ok(Some(recv_elems(g, tree_root, step(phase, 1), n).await?));
+    }
+    Ok(None)
+}
+
+/// All-reduce: hierarchical when the ranks span several nodes and some node has several of
+/// them (see [`node_blocks`] and the module docs), flat otherwise.
+pub(crate) async fn all_reduce<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    data: Vec<T>,
+    o: &O,
+) -> Result<Vec<T>, CollectiveError> {
+    let (p, n) = (g.size(), data.len());
+    let blocks = node_blocks(g);
+    let (nodes, k) = (blocks.len(), blocks[0].len());
+    let contiguous = blocks.iter().flatten().copied().eq(0..p);
+    if g.tuning().hierarchical() && nodes > 1 && nodes < p && (o.is_commutative() || contiguous) {
+        let same = blocks.iter().all(|b| b.len() == k);
+        if o.is_commutative() && same && n >= k && g.tuning().large(n * T::SIZE) {
+            return sliced_all_reduce(g, &blocks, data, o).await;
+        }
+        // With as many ranks on every node, a power of two, numbered node by node, recursive
+        // doubling already pairs a node's shards first, then each shard with its counterparts
+        // on the other nodes (on their own rails): nothing to gain from leaders.
+        if !(same && k.is_power_of_two() && contiguous) {
+            return leaders_all_reduce(g, &blocks, data, o).await;
+        }
+    }
+    flat_all_reduce(g, data, o).await
+}
+
+/// The group's ranks by node (group ranks, ascending), nodes in the order of their lowest rank.
+fn node_blocks(g: &Group<'_>) -> Vec<Vec<usize>> {
+    let mut blocks: Vec<(shardcx_shards::proto::NodeId, Vec<usize>)> = Vec::new();
+    for i in 0..g.size() {
+        let node = g.node_of(i);
+        match blocks.iter_mut().find(|(n, _)| *n == node) {
+            Some((_, b)) => b.push(i),
+            None => blocks.push((node, vec![i])),
+        }
+    }
+    blocks.into_iter().map(|(_, b)| b).collect()
+}
+
+/// Hierarchical all-reduce through the leaders: each node's ranks reduce to the lowest of them
+/// through the mesh (binomial tree), the leaders all-reduce across nodes (flat), and each
+/// leader broadcasts to its node. Rank order holds when every node's ranks are contiguous.
+async fn leaders_all_reduce<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    blocks: &[Vec<usize>],
+    data: Vec<T>,
+    o: &O,
+) -> Result<Vec<T>, CollectiveError> {
+    let n = data.len();
+    let mine = blocks
+        .iter()
+        .find(|b| b.contains(&g.rank()))
+        .ok_or_else(|| g.invalid("this rank is on no node"))?;
+    let local = g
+        .sub(mine.clone(), 1)
+        .ok_or_else(|| g.invalid("this rank is not in its node's group"))?;
+    let partial = reduce_tree(&local, 0, data, o, 0).await?;
+    let mut bytes = match partial {
+        Some(p) => {
+            let leaders = g
+                .sub(blocks.iter().map(|b| b[0]).collect(), 2)
+                .ok_or_else(|| g.invalid("a node's first rank is not a leader"))?;
+            let all = flat_all_reduce(&leaders, p, o).await?;
+            encode_in_turns(&all).await
+        }
+        None => vec![0u8; n * T::SIZE],
+    };
+    binomial_bcast(&local, 0, &mut bytes, 1).await?;
+    g.chose(Algorithm::Hierarchical);
+    decode_in_turns(&bytes)
+        .await
+        .ok_or_else(|| g.mismatch(g.rank(), "element size"))
+}
+
+/// Hierarchical all-reduce by slices, for `k` ranks on every node: each node's ranks
+/// reduce-scatter the vector into `k` slices through the mesh (ring), the `s`-th rank of every
+/// node all-reduces slice `s` with its counterparts on the other nodes (each shard on its own
+/// rail), and each node's ranks all-gather the slices (ring). Commutative operators only.
+async fn sliced_all_reduce<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    blocks: &[Vec<usize>],
+    data: Vec<T>,
+    o: &O,
+) -> Result<Vec<T>, CollectiveError> {
+    let n = data.len();
+    let (node, s) = blocks
+        .iter()
+        .enumerate()
+        .find_map(|(i, b)| b.iter().position(|&r| r == g.rank()).map(|s| (i, s)))
+        .ok_or_else(|| g.invalid("this rank is on no node"))?;
+    let k = blocks[node].len();
+    let local = g
+        .sub(blocks[node].clone(), 1)
+        .ok_or_else(|| g.invalid("this rank is not in its node's group"))?;
+    let mut acc = data;
+    ring_reduce_scatter(&local, &mut acc, o, 0).await?;
+    let slice = block(n, k, s);
+    let column = g
+        .sub(blocks.iter().map(|b| b[s]).collect(), 2)
+        .ok_or_else(|| g.invalid("this rank is not in its column"))?;
+    let reduced = flat_all_reduce(&column, acc[slice.clone()].to_vec(), o).await?;
+    acc[slice].copy_from_slice(&reduced);
+    let mut bytes = encode_in_turns(&acc).await;
+    let ranges: Vec<Range<usize>> = (0..k)
+        .map(|i| {
+            let b = block(n, k, i);
+            b.start * T::SIZE..b.end * T::SIZE
+        })
+        .collect();
+    ring_allgather(&local, &mut bytes, &ranges, 1).await?;
+    g.chose(Algorithm::HierarchicalSlices);
+    decode_in_turns(&bytes)
+        .await
+        .ok_or_else(|| g.mismatch(g.rank(), "element size"))
+}
+
+/// Flat all-reduce: ring for large commutative reductions, recursive doubling otherwise.
+async fn flat_all_reduce<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    data: Vec<T>,
+    o: &O,
+) -> Result<Vec<T>, CollectiveError> {
+    let (p, n) = (g.size(), data.len());
+    if p > 2 && o.is_commutative() && n >= p && g.tuning().large(n * T::SIZE) {
+        g.chose(Algorithm::Ring);
+        let mut acc = data;
+        ring_reduce_scatter(g, &mut acc, o, 0).await?;
+        let mut bytes = encode_in_turns(&acc).await;
+        let ranges: Vec<Range<usize>> = (0..p)
+            .map(|i| {
+                let b = block(n, p, i);
+                b.start * T::SIZE..b.end * T::SIZE
+            })
+            .collect();
+        ring_allgather(g, &mut bytes, &ranges, 1).await?;
+        return decode_in_turns(&bytes)
+            .await
+            .ok_or_else(|| g.mismatch(g.rank(), "element size"));
+    }
+    g.chose(Algorithm::RecursiveDoubling);
+    recursive_doubling(g, data, o).await
+}
+
+/// Recursive doubling with the ranks beyond the largest power of two folded in first: ranks
+/// `2i` and `2i + 1` (for `i` below the remainder) combine into one, so every participant
+/// holds a contiguous block of ranks and the combination order stays the rank order.
+async fn recursive_doubling<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    data: Vec<T>,
+    o: &O,
+) -> Result<Vec<T>, CollectiveError> {
+    let (r, p, n) = (g.rank(), g.size(), data.len());
+    let pof2 = if p.is_power_of_two() {
+        p
+    } else {
+        p.next_power_of_two() >> 1
+    };
+    let rem = p - pof2;
+    let mut acc = data;
+    let newrank = if r < 2 * rem {
+        if r % 2 == 0 {
+            g.send(r + 1, step(0, 0), encode_in_turns(&acc).await)
+                .await?;
+            None
+        } else {
+            let t: Vec<T> = recv_elems(g, r - 1, step(0, 0), n).await?;
+            combine_in_turns(o, &mut acc, &t, true).await;
+            Some(r / 2)
+        }
+    } else {
+        Some(r - rem)
+    };
+    if let Some(nr) = newrank {
+        let (mut mask, mut k) = (1, 0);
+        while mask < pof2 {
+            let nd = nr ^ mask;
+            let dst = if nd < rem { nd * 2 + 1 } else { nd + rem };
+            g.send(dst, step(1, k), encode_in_turns(&acc).await).await?;
+            let t: Vec<T> = recv_elems(g, dst, step(1, k), n).await?;
+            combine_in_turns(o, &mut acc, &t, dst < r).await;
+            mask <<= 1;
+            k += 1;
+        }
+    }
+    if r < 2 * rem {
+        if r % 2 == 1 {
+            g.send(r - 1, step(2, 0), encode_in_turns(&acc).await)
+                .await?;
+        } else {
+            acc = recv_elems(g, r + 1, step(2, 0), n).await?;
+        }
+    }
+    Ok(acc)
+}
+
+/// Ring reduce-scatter in place: afterwards block `rank` of `acc` (blocks as [`block`]) holds
+/// the reduction of everyone's block. Commutative operators only (the ring combines in ring
+/// order).
+async fn ring_reduce_scatter<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    acc: &mut [T],
+    o: &O,
+    phase: u32,
+) -> Result<(), CollectiveError> {
+    let (r, p, n) = (g.rank(), g.size(), acc.len());
+    let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+    for s in 0..p.saturating_sub(1) {
+        let out = block(n, p, (r + 2 * p - s - 1) % p);
+        g.send(right, step(phase, s), encode_in_turns(&acc[out]).await)
+            .await?;
+        let inn = block(n, p, (r + 2 * p - s - 2) % p);
+        let t: Vec<T> = recv_elems(g, left, step(phase, s), inn.len()).await?;
+        combine_in_turns(o, &mut acc[inn], &t, true).await;
+    }
+    Ok(())
+}
+
+/// Ring all-gather in place: rank `i` holds bytes `ranges[i]` of `buf`; afterwards every
+/// rank holds all of them.
+async fn ring_allgather(
+    g: &Group<'_>,
+    buf: &mut [u8],
+    ranges: &[Range<usize>],
+    phase: u32,
+) -> Result<(), CollectiveError> {
+    let (r, p) = (g.rank(), g.size());
+    let (right, left) = ((r + 1) % p, (r + p - 1) % p);
+    for s in 0..p.saturating_sub(1) {
+        let out = ranges[(r + p - s) % p].clone();
+        g.send(right, step(phase, s), buf[out].to_vec()).await?;
+        let inn = ranges[(r + 2 * p - s - 1) % p].clone();
+        let d = recv_len(g, left, step(phase, s), inn.len()).await?;
+        buf[inn].copy_from_slice(&d);
+    }
+    Ok(())
+}
+
+/// All-gather of equal blocks (`mine` from this rank): every rank's, in rank order.
+pub(crate) async fn all_gather(g: &Group<'_>, mine: Vec<u8>) -> Result<Vec<u8>, CollectiveError> {
+    let (r, p, b) = (g.rank(), g.size(), mine.len());
+    if p > 2 && g.tuning().large(b) {
+        g.chose(Algorithm::Ring);
+        let mut buf = vec![0u8; p * b];
+        buf[r * b..(r + 1) * b].copy_from_slice(&mine);
+        let ranges: Vec<Range<usize>> = (0..p).map(|i| i * b..(i + 1) * b).collect();
+        ring_allgather(g, &mut buf, &ranges, 0).await?;
+        return Ok(buf);
+    }
+    g.chose(Algorithm::Bruck);
+    // `have` holds blocks r, r+1, ... (mod p), doubling each round.
+    let mut have = mine;
+    let (mut dist, mut k) = (1, 0);
+    while dist < p {
+        let count = dist.min(p - dist);
+        g.send((r + p - dist) % p, step(0, k), have[..count * b].to_vec())
+            .await?;
+        let d = recv_len(g, (r + dist) % p, step(0, k), count * b).await?;
+        have.extend_from_slice(&d);
+        dist <<= 1;
+        k += 1;
+    }
+    let mut out = vec![0u8; p * b];
+    for (j, chunk) in have.chunks_exact(b.max(1)).enumerate().take(p) {
+        let i = (r + j) % p;
+        out[i * b..(i + 1) * b].copy_from_slice(chunk);
+    }
+    Ok(out)
+}
+
+/// Gather of equal blocks at `root`: every rank's block, in rank order, there.
+pub(crate) async fn gather(
+    g: &Group<'_>,
+    root: usize,
+    mine: Vec<u8>,
+) -> Result<Option<Vec<u8>>, CollectiveError> {
+    g.chose(Algorithm::BinomialTree);
+    let lens = vec![mine.len(); g.size()];
+    gather_blocks(g, root, mine, &lens, 0).await
+}
+
+/// Binomial gather at `root` of blocks whose lengths (`lens[rank]`) every rank knows: a
+/// rank collects the blocks of its subtree (virtual ranks `vr..vr + 2^k`) and sends them up.
+async fn gather_blocks(
+    g: &Group<'_>,
+    root: usize,
+    mine: Vec<u8>,
+    lens: &[usize],
+    phase: u32,
+) -> Result<Option<Vec<u8>>, CollectiveError> {
+    let (r, p) = (g.rank(), g.size());
+    let vr = (r + p - root) % p;
+    let vlen = |v: usize| lens[real(v, root, p)];
+    let mut buf = mine;
+    let mut mask = 1;
+    while mask < p {
+        if vr & mask != 0 {
+            g.send(real(vr - mask, root, p), step(phase, 0), buf)
+                .await?;
+            return Ok(None);
+        }
+        if vr + mask < p {
+            let last = (vr + 2 * mask).min(p);
+            let len: usize = (vr + mask..last).map(vlen).sum();
+            let d = recv_len(g, real(vr + mask, root, p), step(phase, 0), len).await?;
+            buf.extend_from_slice(&d);
+        }
+        mask <<= 1;
+    }
+    // The root: blocks in virtual-rank order; put them in rank order.
+    let mut offsets = Vec::with_capacity(p);
+    let mut at = 0;
+    for v in 0..p {
+        offsets.push(at);
+        at += vlen(v);
+    }
+    let mut out = Vec::with_capacity(at);
+    for i in 0..p {
+        let v = (i + p - root) % p;
+        out.extend_from_slice(&buf[offsets[v]..offsets[v] + lens[i]]);
+    }
+    Ok(Some(out))
+}
+
+/// Binomial scatter from `root` of `p` equal blocks (`data` on the root): this rank's block.
+pub(crate) async fn scatter(
+    g: &Group<'_>,
+    root: usize,
+    data: Option<&[u8]>,
+    phase: u32,
+) -> Result<Vec<u8>, CollectiveError> {
+    g.chose(Algorithm::BinomialTree);
+    let (r, p) = (g.rank(), g.size());
+    let vr = (r + p - root) % p;
+    let lowbit = vr & vr.wrapping_neg();
+    // `buf`: the blocks of virtual ranks vr.. of this rank's subtree, `b` bytes each.
+    let (buf, b) = if vr == 0 {
+        let data = data.ok_or_else(|| g.invalid("the root has no data to scatter"))?;
+        let b = data.len() / p;
+        let mut buf = Vec::with_capacity(data.len());
+        for v in 0..p {
+            let i = real(v, root, p);
+            buf.extend_from_slice(&data[i * b..(i + 1) * b]);
+        }
+        (buf, b)
+    } else {
+        let parent = real(vr - lowbit, root, p);
+        let count = lowbit.min(p - vr);
+        let buf = g.recv(parent, step(phase, 0)).await?;
+        if buf.len() % count != 0 {
+            return Err(g.mismatch(parent, format!("{} bytes for {count} blocks", buf.len())));
+        }
+        let b = buf.len() / count;
+        (buf, b)
+    };
+    let mut mask = if vr == 0 {
+        p.next_power_of_two() >> 1
+    } else {
+        lowbit >> 1
+    };
+    while mask > 0 {
+        if vr + mask < p {
+            let count = mask.min(p - vr - mask);
+            let part = buf[mask * b..(mask + count) * b].to_vec();
+            g.send(real(vr + mask, root, p), step(phase, 0), part)
+                .await?;
+        }
+        mask >>= 1;
+    }
+    Ok(buf[..b].to_vec())
+}
+
+/// Blocks of varying lengths in one message: a `u32` count and a `u64` length per block
+/// (little-endian), then the blocks' bytes.
+fn pack(blocks: &[Vec<u8>]) -> Vec<u8> {
+    let data: usize = blocks.iter().map(Vec::len).sum();
+    let mut out = Vec::with_capacity(4 + 8 * blocks.len() + data);
+    out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+    for b in blocks {
+        out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+    }
+    for b in blocks {
+        out.extend_from_slice(b);
+    }
+    out
+}
+
+/// The `count` blocks [`pack`]ed in `msg` from group rank `from`, or a mismatch.
+fn unpack(
+    g: &Group<'_>,
+    from: usize,
+    msg: &[u8],
+    count: usize,
+) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    let bad = |what: &str| g.mismatch(from, format!("a block list with {what}"));
+    let n = msg
+        .get(..4)
+        .and_then(|b| b.try_into().ok())
+        .map(u32::from_le_bytes)
+        .ok_or_else(|| bad("no count"))?;
+    if n as usize != count {
+        return Err(bad(&format!("{n} blocks, not {count}")));
+    }
+    let mut at = 4 + 8 * count;
+    let lens = msg.get(4..at).ok_or_else(|| bad("no lengths"))?;
+    let mut out = Vec::with_capacity(count);
+    for l in lens.chunks_exact(8) {
+        let len = l
+            .try_into()
+            .map(u64::from_le_bytes)
+            .ok()
+            .and_then(|l| usize::try_from(l).ok())
+            .ok_or_else(|| bad("a bad length"))?;
+        let end = at.checked_add(len).ok_or_else(|| bad("a bad length"))?;
+        out.push(
+            msg.get(at..end)
+                .ok_or_else(|| bad("lengths past its end"))?
+                .to_vec(),
+        );
+        at = end;
+    }
+    if at != msg.len() {
+        return Err(bad("bytes after its blocks"));
+    }
+    Ok(out)
+}
+
+/// Binomial gather at `root` of blocks of any length: every rank's block, in rank order, there.
+pub(crate) async fn gatherv(
+    g: &Group<'_>,
+    root: usize,
+    mine: Vec<u8>,
+) -> Result<Option<Vec<Vec<u8>>>, CollectiveError> {
+    g.chose(Algorithm::BinomialTree);
+    let (r, p) = (g.rank(), g.size());
+    let vr = (r + p - root) % p;
+    // The blocks of virtual ranks vr, vr + 1, ... of this rank's subtree.
+    let mut have = vec![mine];
+    let mut mask = 1;
+    while mask < p {
+        if vr & mask != 0 {
+            g.send(real(vr - mask, root, p), step(0, 0), pack(&have))
+                .await?;
+            return Ok(None);
+        }
+        if vr + mask < p {
+            let from = real(vr + mask, root, p);
+            let d = g.recv(from, step(0, 0)).await?;
+            have.extend(unpack(g, from, &d, mask.min(p - vr - mask))?);
+        }
+        mask <<= 1;
+    }
+    let mut out = vec![Vec::new(); p];
+    for (v, b) in have.into_iter().enumerate() {
+        out[real(v, root, p)] = b;
+    }
+    Ok(Some(out))
+}
+
+/// Binomial scatter from `root` of one block of any length per rank (`blocks` on the root,
+/// in rank order): this rank's block.
+pub(crate) async fn scatterv(
+    g: &Group<'_>,
+    root: usize,
+    blocks: Option<Vec<Vec<u8>>>,
+) -> Result<Vec<u8>, CollectiveError> {
+    g.chose(Algorithm::BinomialTree);
+    let (r, p) = (g.rank(), g.size());
+    let vr = (r + p - root) % p;
+    let lowbit = vr & vr.wrapping_neg();
+    let have: Vec<Vec<u8>> = if vr == 0 {
+        let mut blocks = blocks.ok_or_else(|| g.invalid("the root has no blocks to scatter"))?;
+        (0..p)
+            .map(|v| std::mem::take(&mut blocks[real(v, root, p)]))
+            .collect()
+    } else {
+        let parent = real(vr - lowbit, root, p);
+        let d = g.recv(parent, step(0, 0)).await?;
+        unpack(g, parent, &d, lowbit.min(p - vr))?
+    };
+    let mut mask = if vr == 0 {
+        p.next_power_of_two() >> 1
+    } else {
+        lowbit >> 1
+    };
+    while mask > 0 {
+        if vr + mask < p {
+            let count = mask.min(p - vr - mask);
+            let part = pack(&have[mask..mask + count]);
+            g.send(real(vr + mask, root, p), step(0, 0), part).await?;
+        }
+        mask >>= 1;
+    }
+    Ok(have.into_iter().next().unwrap_or_default())
+}
+
+/// All-gather of blocks of any length: the lengths first (an all-gather), then a ring.
+pub(crate) async fn all_gatherv(
+    g: &Group<'_>,
+    mine: Vec<u8>,
+) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    let (r, p) = (g.rank(), g.size());
+    let lens = all_gather(g, (mine.len() as u64).to_le_bytes().to_vec()).await?;
+    let mut ranges = Vec::with_capacity(p);
+    let mut at = 0usize;
+    for (i, l) in lens.chunks_exact(8).enumerate() {
+        let len = l
+            .try_into()
+            .map(u64::from_le_bytes)
+            .ok()
+            .and_then(|l| usize::try_from(l).ok())
+            .and_then(|l| {
+                at.checked_add(l)
+                    .filter(|&end| end <= MAX_BUFFERED_BYTES)
+                    .map(|e| e - at)
+            })
+            .ok_or_else(|| g.mismatch(i, "a block too large to gather"))?;
+        ranges.push(at..at + len);
+        at += len;
+    }
+    let mut buf = vec![0u8; at];
+    buf[ranges[r].clone()].copy_from_slice(&mine);
+    ring_allgather(g, &mut buf, &ranges, 1).await?;
+    g.chose(Algorithm::Ring);
+    Ok(ranges
+        .into_iter()
+        .map(|range| buf[range].to_vec())
+        .collect())
+}
+
+/// All-to-all of blocks of any length (`blocks[j]` for rank `j`): block `i` of the result
+/// came from rank `i`.
+pub(crate) async fn all_to_allv(
+    g: &Group<'_>,
+    mut blocks: Vec<Vec<u8>>,
+) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    g.chose(Algorithm::Pairwise);
+    let (r, p) = (g.rank(), g.size());
+    let mut out = vec![Vec::new(); p];
+    out[r] = std::mem::take(&mut blocks[r]);
+    for s in 1..p {
+        let (to, from) = ((r + s) % p, (r + p - s) % p);
+        g.send(to, step(0, s), std::mem::take(&mut blocks[to]))
+            .await?;
+        out[from] = g.recv(from, step(0, s)).await?;
+    }
+    Ok(out)
+}
+
+/// Reduce-scatter of equal blocks: this rank's block of the reduction.
+pub(crate) async fn reduce_scatter<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    data: Vec<T>,
+    o: &O,
+) -> Result<Vec<T>, CollectiveError> {
+    let (r, p, n) = (g.rank(), g.size(), data.len());
+    let count = n / p;
+    if o.is_commutative() && p > 1 && g.tuning().large(n * T::SIZE) {
+        g.chose(Algorithm::Ring);
+        let mut acc = data;
+        ring_reduce_scatter(g, &mut acc, o, 0).await?;
+        return Ok(acc[r * count..(r + 1) * count].to_vec());
+    }
+    let all = reduce_tree(g, 0, data, o, 0).await?;
+    let bytes = match &all {
+        Some(a) => Some(encode_in_turns(a).await),
+        None => None,
+    };
+    let mine = scatter(g, 0, bytes.as_deref(), 1).await?;
+    g.chose(Algorithm::ReduceThenScatter);
+    decode_in_turns(&mine)
+        .await
+        .ok_or_else(|| g.mismatch(0, "a block that is not a whole number of elements"))
+}
+
+/// All-to-all of equal blocks: block `i` of the result came from rank `i`.
+pub(crate) async fn all_to_all(g: &Group<'_>, data: &[u8]) -> Result<Vec<u8>, CollectiveError> {
+    g.chose(Algorithm::Pairwise);
+    let (r, p) = (g.rank(), g.size());
+    let b = data.len() / p;
+    let mut out = vec![0u8; data.len()];
+    out[r * b..(r + 1) * b].copy_from_slice(&data[r * b..(r + 1) * b]);
+    for s in 1..p {
+        let (to, from) = ((r + s) % p, (r + p - s) % p);
+        g.send(to, step(0, s), data[to * b..(to + 1) * b].to_vec())
+            .await?;
+        let d = recv_len(g, from, step(0, s), b).await?;
+        out[from * b..(from + 1) * b].copy_from_slice(&d);
+    }
+    Ok(out)
+}
+
+/// Inclusive (`exclusive == false`) or exclusive scan by recursive doubling: `Some` of the
+/// reduction of ranks `0..=rank` (`0..rank`), `None` for rank 0's exclusive scan.
+pub(crate) async fn scan<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    data: Vec<T>,
+    o: &O,
+    exclusive: bool,
+) -> Result<Option<Vec<T>>, CollectiveError> {
+    g.chose(Algorithm::RecursiveDoubling);
+    let (r, p, n) = (g.rank(), g.size(), data.len());
+    let mut result = if exclusive { None } else { Some(data.clone()) };
+    let mut partial = data;
+    let (mut mask, mut k) = (1, 0);
+    while mask < p {
+        let dst = r ^ mask;
+        if dst < p {
+            g.send(dst, step(0, k), encode_in_turns(&partial).await)
+                .await?;
+            let t: Vec<T> = recv_elems(g, dst, step(0, k), n).await?;
+            if dst < r {
+                combine_in_turns(o, &mut partial, &t, true).await;
+                result = Some(match result {
+                    None => t,
+                    Some(mut x) => {
+                        combine_in_turns(o, &mut x, &t, true).await;
+                        x
+                    }
+                });
+            } else {
+                combine_in_turns(o, &mut partial, &t, false).await;
+            }
+        }
+        mask <<= 1;
+        k += 1;
+    }
+    Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_everything_once() {
+        for n in 0..20 {
+            for p in 1..9 {
+                let mut at = 0;
+                for i in 0..p {
+                    let b = block(n, p, i);
+                    assert_eq!(b.start, at);
+                    at = b.end;
+                }
+                assert_eq!(at, n);
+                for first in 0..p {
+                    for count in 0..=p {
+                        let r = blocks(n, p, first, count);
+                        let want: usize = (first..(first + count).min(p))
+                            .map(|i| block(n, p, i).len())
+                            .sum();
+                        assert_eq!(r.len(), want, "n {n} p {p} first {first} count {count}");
+                    }
+                }
+            }
+        }
+    }
+}

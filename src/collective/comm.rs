@@ -1,0 +1,884 @@
+//! Communicators: who the ranks are, how they are made, and how one operation sends and
+//! receives.
+
+use std::cell::Cell;
+use std::future::{poll_fn, Future};
+use std::rc::Rc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use glommio::timer::sleep;
+use shardcx_shards::proto::{NodeId, ShardId};
+
+use super::algorithm::{Algorithm, Tuning};
+use super::error::{AbortCause, CollectiveError};
+use super::state::{self, Blocked, Data, ShardState};
+use super::wire::{Header, Kind, COLLECTIVE_AM, SEGMENT};
+use crate::{Error, Node, Peer};
+
+/// A rank's place: one shard of one node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Member {
+    /// The node.
+    pub node: NodeId,
+    /// The shard of it.
+    pub shard: ShardId,
+}
+
+/// The color of [`Communicator::split`]: ranks with the same color form one new communicator;
+/// [`Color::UNDEFINED`] leaves the rank out of all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Color(Option<u32>);
+
+/// A group of ranks, as seen by one of them, on its shard: `!Send`.
+///
+/// A rank is one shard of one node ([`Member`]); ranks are numbered node by node, in the order
+/// of the node list the world was made from, and by shard within a node. Every rank of a
+/// communicator holds its own `Communicator` and calls the same operations on it in the same
+/// order; operations take `&mut self`, so one rank runs one operation of a communicator at a
+/// time ([`Communicator::dup`] gives another communicator to run operations concurrently).
+///
+/// Made collectively: [`Communicator::world`], then [`Communicator::split`],
+/// [`Communicator::dup`], [`Communicator::node_local`] and [`Communicator::leaders`] on an
+/// existing one. Dropping it on a rank makes that rank drop messages that still come for it.
+pub struct Communicator {
+    node: Node,
+    state: Rc<ShardState>,
+    id: u64,
+    members: Rc<[Member]>,
+    rank: usize,
+    next_seq: u64,
+    tuning: Tuning,
+    last_algorithm: Option<Algorithm>,
+}
+
+/// One operation in progress on one rank: its identity on the wire, its deadline, and what it
+/// waits for. Ending it (done or failed) or dropping it releases its messages; a failure or a
+/// drop revokes the communicator and tells the other ranks (an abort), unless another rank's
+/// abort caused it.
+pub(crate) struct Op {
+    node: Node,
+    state: Rc<ShardState>,
+    comm: u64,
+    members: Rc<[Member]>,
+    rank: usize,
+    pub(crate) name: &'static str,
+    seq: u64,
+    timeout: Duration,
+    since: u64,
+    waiting_for: Cell<Option<usize>>,
+    ended: Cell<bool>,
+    algorithm: Cell<Option<Algorithm>>,
+    pub(crate) tuning: Tuning,
+}
+
+/// Some ranks of an operation, renumbered `0..size()` in the order given, that run an
+/// algorithm among themselves (a node's shards, the leaders of nodes): their messages are the
+/// operation's, with the group's phase in the top bits of the step, so several groups of one
+/// operation never take each other's messages.
+pub(crate) struct Group<'a> {
+    op: &'a Op,
+    ranks: Vec<usize>,
+    me: usize,
+    phase: u32,
+}
+
+/// Step bits below a group's phase.
+const GROUP_SHIFT: u32 = 28;
+
+/// How often world creation looks whether the sessions to the other nodes are up.
+const SESSION_POLL: Duration = Duration::from_millis(2);
+
+/// Step numbers of one phase of an operation start at `phase << PHASE_SHIFT`.
+pub(crate) const PHASE_SHIFT: u32 = 24;
+
+const UNDEFINED_COLOR: i64 = -1;
+
+impl Color {
+    /// The rank takes part in no new communicator.
+    pub const UNDEFINED: Color = Color(None);
+
+    /// Color `c`.
+    pub const fn new(c: u32) -> Color {
+        Color(Some(c))
+    }
+
+    /// The color's value, `None` for [`Color::UNDEFINED`].
+    pub fn get(self) -> Option<u32> {
+        self.0
+    }
+
+    fn to_wire(self) -> i64 {
+        self.0.map_or(UNDEFINED_COLOR, i64::from)
+    }
+}
+
+impl Member {
+    /// The peer this member is, from another node.
+    pub fn peer(&self) -> Peer {
+        Peer::new(self.node).shard(self.shard)
+    }
+}
+
+impl Communicator {
+    /// The world of the nodes `nodes` (this node among them; the same list, in the same order,
+    /// on every rank): every shard of every node is a rank, numbered node by node in list
+    /// order. Collective: every shard of every node calls it, and it returns once all have,
+    /// or fails at `timeout`.
+    ///
+    /// The other nodes must be connected (a session with each, from any shard, either way)
+    /// or their listen addresses known ([`crate::NodeBuilder::peer_addr`]: then they are
+    /// connected to here); it waits for their sessions until the deadline
+    /// ([`CollectiveError::Unreachable`] then). Worlds made again from the same list are
+    /// different communicators.
+    pub async fn world(
+        node: &Node,
+        nodes: &[NodeId],
+        timeout: Duration,
+    ) -> Result<Communicator, CollectiveError> {
+        const OP: &str = "world";
+        let start = Instant::now();
+        let me = node.id();
+        let invalid = |what: String| CollectiveError::InvalidArgument { op: OP, what };
+        if !nodes.contains(&me) {
+            return Err(invalid(format!("this node ({me}) is not in the list")));
+        }
+        for (i, n) in nodes.iter().enumerate() {
+            if nodes[..i].contains(n) {
+                return Err(invalid(format!("node {n} is listed twice")));
+            }
+        }
+        let mut members = Vec::new();
+        for &n in nodes {
+            let count = if n == me {
+                node.shard_count()
+            } else {
+                usize::from(remote_shard_count(node, n, start, timeout).await?)
+            };
+            members.extend((0..count).map(|s| Member {
+                node: n,
+                shard: ShardId::new(s as u16),
+            }));
+        }
+        let rank = members
+            .iter()
+            .position(|m| m.node == me && m.shard == node.shard())
+            .ok_or_else(|| invalid("this shard is not a member".into()))?;
+        let state = state::of(node.shard_ctx());
+        let list = hash(nodes.iter().map(|n| n.get()));
+        let ordinal = state.next_world(list);
+        let id = hash([0x5752_4c44, list, ordinal]);
+        // Each shard has waited for the rails it holds; once this node's shards have all
+        // done so (a barrier through the mesh), any of them may send to any remote shard.
+        let here: Rc<[Member]> = members.iter().filter(|m| m.node == me).copied().collect();
+        let local_id = hash([0x4c4f_4341, id]);
+        let local_rank = node.shard().index();
+        let mut local =
+            Communicator::make(node.clone(), state.clone(), local_id, here, local_rank, OP)?;
+        let left = timeout.saturating_sub(start.elapsed());
+        local.barrier(left).await.map_err(|e| rename(e, OP))?;
+        drop(local);
+        let mut comm = Communicator::make(node.clone(), state, id, members.into(), rank, OP)?;
+        // Everyone must see the same members: gather every rank's view of them.
+        let view = hash(
+            comm.members
+                .iter()
+                .map(|m| m.node.get() << 16 | u64::from(m.shard.get())),
+        );
+        let left = timeout.saturating_sub(start.elapsed());
+        let views = comm
+            .all_gather(&[view], left)
+            .await
+            .map_err(|e| rename(e, OP))?;
+        if let Some(other) = views.iter().position(|&v| v != view) {
+            return Err(CollectiveError::Mismatch {
+                op: OP,
+                rank,
+                other,
+                what: "a different list of members (shard counts)".into(),
+            });
+        }
+        Ok(comm)
+    }
+
+    /// Splits this communicator: ranks that pass the same `color` form a new communicator, in
+    /// which they are ordered by `key`, then by rank here. Collective on this communicator;
+    /// `Ok(None)` on the ranks that passed [`Color::UNDEFINED`].
+    pub async fn split(
+        &mut self,
+        color: Color,
+        key: i64,
+        timeout: Duration,
+    ) -> Result<Option<Communicator>, CollectiveError> {
+        const OP: &str = "split";
+        let seq = self.next_seq;
+        let all = self
+            .all_gather(&[color.to_wire(), key], timeout)
+            .await
+            .map_err(|e| rename(e, OP))?;
+        let Some(c) = color.0 else { return Ok(None) };
+        let mut chosen: Vec<(i64, usize)> = all
+            .chunks_exact(2)
+            .enumerate()
+            .filter(|(_, ck)| ck[0] == i64::from(c))
+            .map(|(r, ck)| (ck[1], r))
+            .collect();
+        chosen.sort_unstable();
+        let members: Rc<[Member]> = chosen.iter().map(|&(_, r)| self.members[r]).collect();
+        let rank = chosen
+            .iter()
+            .position(|&(_, r)| r == self.rank)
+            .ok_or_else(|| CollectiveError::InvalidArgument {
+                op: OP,
+                what: "this rank is not in its own color".into(),
+            })?;
+        let id = hash([0x5350_4c54, self.id, seq, u64::from(c)]);
+        Communicator::make(self.node.clone(), self.state.clone(), id, members, rank, OP).map(Some)
+    }
+
+    /// A communicator with the same ranks in the same order, whose operations never mix with
+    /// this one's. Collective on this communicator.
+    pub async fn dup(&mut self, timeout: Duration) -> Result<Communicator, CollectiveError> {
+        const OP: &str = "dup";
+        let seq = self.next_seq;
+        self.barrier(timeout).await.map_err(|e| rename(e, OP))?;
+        let id = hash([0x4455_5000, self.id, seq]);
+        Communicator::make(
+            self.node.clone(),
+            self.state.clone(),
+            id,
+            self.members.clone(),
+            self.rank,
+            OP,
+        )
+    }
+
+    /// The ranks of this communicator on this rank's node, in rank order. Collective on this
+    /// communicator.
+    pub async fn node_local(&mut self, timeout: Duration) -> Result<Communicator, CollectiveError> {
+        let me = self.members[self.rank].node;
+        let first = self
+            .members
+            .iter()
+            .position(|m| m.node == me)
+            .unwrap_or(self.rank);
+        let color = Color::new(u32::try_from(first).unwrap_or(u32::MAX));
+        let key = self.rank as i64;
+        let comm = self.split(color, key, timeout).await?;
+        comm.ok_or(CollectiveError::InvalidArgument {
+            op: "node_local",
+            what: "no communicator for a defined color".into(),
+        })
+    }
+
+    /// The leaders: the lowest rank of this communicator on each node, in rank order.
+    /// Collective on this communicator; `Ok(None)` on the ranks that are not leaders.
+    pub async fn leaders(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<Communicator>, CollectiveError> {
+        let me = self.members[self.rank].node;
+        let lead = self.members.iter().position(|m| m.node == me) == Some(self.rank);
+        let color = if lead {
+            Color::new(0)
+        } else {
+            Color::UNDEFINED
+        };
+        let key = self.rank as i64;
+        self.split(color, key, timeout).await
+    }
+
+    /// This rank's number.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The ranks, in rank order.
+    pub fn members(&self) -> &[Member] {
+        &self.members
+    }
+
+    /// The communicator's id (the same on every rank; it is on every message).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The node this rank runs on.
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// The thresholds that choose algorithms.
+    pub fn tuning(&self) -> Tuning {
+        self.tuning
+    }
+
+    /// Sets the thresholds that choose algorithms (the same on every rank: ranks that choose
+    /// differently do not meet, and fail at their deadline).
+    pub fn set_tuning(&mut self, tuning: Tuning) {
+        self.tuning = tuning;
+    }
+
+    /// The algorithm the last operation that ended here used.
+    pub fn last_algorithm(&self) -> Option<Algorithm> {
+        self.last_algorithm
+    }
+
+    /// Whether this communicator is revoked (an operation failed: every later one fails at
+    /// once with [`CollectiveError::Revoked`]): the rank whose failure revoked it, and why.
+    pub fn revoked(&self) -> Option<(usize, AbortCause)> {
+        self.state
+            .revoked(self.id)
+            .map(|(by, cause)| (by as usize, cause))
+    }
+
+    /// This shard's collective counters (all communicators).
+    pub fn stats(&self) -> super::CollectiveStats {
+        self.state.stats()
+    }
+
+    fn make(
+        node: Node,
+        state: Rc<ShardState>,
+        id: u64,
+        members: Rc<[Member]>,
+        rank: usize,
+        op: &'static str,
+    ) -> Result<Communicator, CollectiveError> {
+        if !state.register(id) {
+            return Err(CollectiveError::InvalidArgument {
+                op,
+                what: format!("communicator id {id:#x} already in use on this shard"),
+            });
+        }
+        Ok(Communicator {
+            node,
+            state,
+            id,
+            members,
+            rank,
+            next_seq: 0,
+            tuning: Tuning::default(),
+            last_algorithm: None,
+        })
+    }
+
+    /// Begins the next operation.
+    pub(crate) fn begin(&mut self, name: &'static str, timeout: Duration) -> Op {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let since = self.state.begin(self.id, seq);
+        Op {
+            node: self.node.clone(),
+            state: self.state.clone(),
+            comm: self.id,
+            members: self.members.clone(),
+            rank: self.rank,
+            name,
+            seq,
+            timeout,
+            since,
+            waiting_for: Cell::new(None),
+            ended: Cell::new(false),
+            algorithm: Cell::new(None),
+            tuning: self.tuning,
+        }
+    }
+
+    /// Operation `op` has ended: remembers its algorithm.
+    pub(crate) fn finish(&mut self, op: &Op) {
+        if let Some(a) = op.algorithm.get() {
+            self.last_algorithm = Some(a);
+        }
+    }
+}
+
+impl Op {
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The operation's ranks.
+    pub(crate) fn members(&self) -> &[Member] {
+        &self.members
+    }
+
+    /// Records the algorithm this operation runs.
+    pub(crate) fn chose(&self, a: Algorithm) {
+        self.algorithm.set(Some(a));
+    }
+
+    /// A failure of this operation caused by rank `failed`.
+    pub(crate) fn failed(&self, failed: usize, cause: impl ToString) -> CollectiveError {
+        CollectiveError::RankFailed {
+            op: self.name,
+            rank: self.rank,
+            failed,
+            cause: cause.to_string(),
+        }
+    }
+
+    /// A message of the wrong shape from rank `other`.
+    pub(crate) fn mismatch(&self, other: usize, what: impl ToString) -> CollectiveError {
+        CollectiveError::Mismatch {
+            op: self.name,
+            rank: self.rank,
+            other,
+            what: what.to_string(),
+        }
+    }
+
+    /// An invalid argument of this rank's.
+    pub(crate) fn invalid(&self, what: impl ToString) -> CollectiveError {
+        CollectiveError::InvalidArgument {
+            op: self.name,
+            what: what.to_string(),
+        }
+    }
+
+    /// Runs the operation's body within its deadline (at once `Aborted` or `Revoked` when
+    /// another rank's abort is already here); on a failure of its own, revokes the
+    /// communicator here and tells the other ranks.
+    pub(crate) async fn run<T>(
+        &self,
+        body: impl Future<Output = Result<T, CollectiveError>>,
+    ) -> Result<T, CollectiveError> {
+        let aborted = self.state.aborted(self.comm, self.seq);
+        let out = match (aborted, self.state.revoked(self.comm)) {
+            // Another rank has already given up on this operation.
+            (Some((by, cause)), _) => Err(self.aborted(by, cause)),
+            (None, Some((by, cause))) => Err(self.revoked(by, cause)),
+            (None, None) => {
+                futures_lite::future::or(body, async {
+                    sleep(self.timeout).await;
+                    Err(CollectiveError::TimedOut {
+                        op: self.name,
+                        rank: self.rank,
+                        waiting_for: self.waiting_for.get(),
+                        after: self.timeout,
+                    })
+                })
+                .await
+            }
+        };
+        self.ended.set(true);
+        self.state.end(self.comm, self.seq);
+        if let Err(e) = &out {
+            if let Some(cause) = e.abort_cause() {
+                self.state.revoke(self.comm, self.rank as u32, cause);
+                self.abort_others(cause);
+            }
+        }
+        out
+    }
+
+    fn revoked(&self, by: u32, cause: AbortCause) -> CollectiveError {
+        CollectiveError::Revoked {
+            op: self.name,
+            rank: self.rank,
+            by: by as usize,
+            cause,
+        }
+    }
+
+    fn aborted(&self, by: u32, cause: AbortCause) -> CollectiveError {
+        CollectiveError::Aborted {
+            op: self.name,
+            rank: self.rank,
+            by: by as usize,
+            cause,
+        }
+    }
+
+    fn header(&self, kind: Kind, step: u32, total: usize) -> Header {
+        Header {
+            kind,
+            src: self.rank as u32,
+            comm: self.comm,
+            seq: self.seq,
+            step,
+            total: total as u64,
+            offset: 0,
+        }
+    }
+
+    /// Sends `data` as step `step` of this operation to rank `to`: through the mesh to a shard
+    /// of this node (moved; resolves at once, the forward runs in a task of its own and a
+    /// failure of it fails this operation's next wait), on the rail to the shard of another
+    /// node (in parts of at most [`SEGMENT`] bytes; resolves once they are with UCX or
+    /// queued).
+    pub(crate) async fn send(
+        &self,
+        to: usize,
+        step: u32,
+        data: Vec<u8>,
+    ) -> Result<(), CollectiveError> {
+        let h = self.header(Kind::Data, step, data.len());
+        let m = self.members[to];
+        if m.node == self.node.id() && m.shard != self.node.shard() {
+            // Through the mesh, not awaited (the receiver needs no answer, and waiting for the
+            // job's completion would cost a cross-shard round trip per message); a failure
+            // fails this operation's next wait.
+            let state = self.state.clone();
+            let (comm, seq, to32) = (self.comm, self.seq, to as u32);
+            let from = self.node.id();
+            let fwd = self
+                .node
+                .shard_ctx()
+                .forward(m.shard, move |ctx| async move {
+                    state::of(&ctx).deliver(from, h, Data::Owned(data));
+                });
+            glommio::spawn_local(async move {
+                if let Err(e) = fwd.await {
+                    state.send_failed(comm, seq, to32, e.to_string());
+                }
+            })
+            .detach();
+            return Ok(());
+        }
+        deliver_to(&self.node, m, h, data)
+            .await
+            .map_err(|e| self.failed(to, e))
+    }
+
+    /// Receives step `step` of this operation from rank `from`. Fails when `from`'s node is
+    /// lost, another rank aborts the operation, or this node shuts down; the deadline is the
+    /// operation's (see [`Op::run`]).
+    pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Vec<u8>, CollectiveError> {
+        let key = (self.comm, self.seq, from as u32, step);
+        let node = self.members[from].node;
+        self.waiting_for.set(Some(from));
+        let got = poll_fn(|cx| {
+            if let Some((sender, data)) = self.state.take(key) {
+                return Poll::Ready(if sender == node {
+                    Ok(data)
+                } else {
+                    Err(self.mismatch(
+                        from,
+                        format!("its message came from node {sender}, not {node}"),
+                    ))
+                });
+            }
+            match self.state.blocked(self.comm, self.seq, node, self.since) {
+                Some(Blocked::Aborted { by, cause }) => Poll::Ready(Err(self.aborted(by, cause))),
+                Some(Blocked::Revoked { by, cause }) => Poll::Ready(Err(self.revoked(by, cause))),
+                Some(Blocked::Lost(why)) => Poll::Ready(Err(self.failed(from, why))),
+                Some(Blocked::SendFailed { to, why }) => {
+                    Poll::Ready(Err(self.failed(to as usize, why)))
+                }
+                Some(Blocked::ShuttingDown) => Poll::Ready(Err(CollectiveError::ShuttingDown {
+                    op: self.name,
+                    rank: self.rank,
+                })),
+                None => {
+                    self.state.wait(self.comm, self.seq, cx.waker());
+                    Poll::Pending
+                }
+            }
+        })
+        .await;
+        self.waiting_for.set(None);
+        got
+    }
+
+    /// Tells every other rank that this operation ended here with `cause` (best effort, from a
+    /// task of its own: a rank that cannot be reached is skipped).
+    fn abort_others(&self, cause: AbortCause) {
+        let (node, members, me) = (self.node.clone(), self.members.clone(), self.rank);
+        let h = self.header(Kind::Abort(cause), 0, 0);
+        glommio::spawn_local(async move {
+            for (r, m) in members.iter().enumerate() {
+                if r != me {
+                    let _ = deliver_to(&node, *m, h, Vec::new()).await;
+                }
+            }
+        })
+        .detach();
+    }
+}
+
+impl<'a> Group<'a> {
+    /// Every rank of `op`, in rank order.
+    pub(crate) fn all(op: &'a Op) -> Group<'a> {
+        Group {
+            op,
+            ranks: (0..op.size()).collect(),
+            me: op.rank(),
+            phase: 0,
+        }
+    }
+
+    /// The ranks `ranks` of the operation (operation ranks, in the new group's order), with
+    /// group phase `phase` (1 to 15; distinct per group an operation uses); `None` when this
+    /// rank is not among them.
+    pub(crate) fn of(op: &'a Op, ranks: Vec<usize>, phase: u32) -> Option<Group<'a>> {
+        let me = ranks.iter().position(|&r| r == op.rank())?;
+        Some(Group {
+            op,
+            ranks,
+            me,
+            phase,
+        })
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.me
+    }
+
+    pub(crate) fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// The operation's thresholds.
+    pub(crate) fn tuning(&self) -> Tuning {
+        self.op.tuning
+    }
+
+    /// Records the algorithm the operation runs.
+    pub(crate) fn chose(&self, a: Algorithm) {
+        self.op.chose(a);
+    }
+
+    /// The node of group rank `i`.
+    pub(crate) fn node_of(&self, i: usize) -> NodeId {
+        self.op.members()[self.ranks[i]].node
+    }
+
+    /// The group of this group's ranks `ranks` (group ranks, in the new group's order), with
+    /// group phase `phase` (1 to 15, distinct per group an operation uses; groups are made
+    /// from the whole operation only); `None` when this rank is not among them.
+    pub(crate) fn sub(&self, ranks: Vec<usize>, phase: u32) -> Option<Group<'a>> {
+        debug_assert!(self.phase == 0 && (1..16).contains(&phase));
+        let ranks: Vec<usize> = ranks.into_iter().map(|i| self.ranks[i]).collect();
+        Group::of(self.op, ranks, phase)
+    }
+
+    /// A message of the wrong shape from group rank `other`.
+    pub(crate) fn mismatch(&self, other: usize, what: impl ToString) -> CollectiveError {
+        self.op.mismatch(self.ranks[other], what)
+    }
+
+    /// An invalid argument of this rank's.
+    pub(crate) fn invalid(&self, what: impl ToString) -> CollectiveError {
+        self.op.invalid(what)
+    }
+
+    fn step(&self, step: u32) -> u32 {
+        debug_assert!(step < 1 << GROUP_SHIFT);
+        self.phase << GROUP_SHIFT | step
+    }
+
+    /// [`Op::send`] to group rank `to`.
+    pub(crate) async fn send(
+        &self,
+        to: usize,
+        step: u32,
+        data: Vec<u8>,
+    ) -> Result<(), CollectiveError> {
+        self.op.send(self.ranks[to], self.step(step), data).await
+    }
+
+    /// [`Op::recv`] from group rank `from`.
+    pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Vec<u8>, CollectiveError> {
+        self.op.recv(self.ranks[from], self.step(step)).await
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.state.retire(self.id);
+    }
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("id", &format_args!("{:#x}", self.id))
+            .field("rank", &self.rank)
+            .field("size", &self.members.len())
+            .field("next_seq", &self.next_seq)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        if !self.ended.get() {
+            // Dropped before it ended: the other ranks would wait for this one until their
+            // deadline.
+            self.state.end(self.comm, self.seq);
+            self.state
+                .revoke(self.comm, self.rank as u32, AbortCause::Cancelled);
+            self.abort_others(AbortCause::Cancelled);
+        }
+    }
+}
+
+/// How long an abort may take to reach one rank.
+const ABORT_DEADLINE: Duration = Duration::from_secs(1);
+
+/// Sends message `h` with `data` to member `to` (see [`Op::send`]).
+async fn deliver_to(node: &Node, to: Member, h: Header, data: Vec<u8>) -> Result<(), Error> {
+    let me = node.id();
+    if to.node == me {
+        let from = me;
+        if to.shard == node.shard() {
+            state::of(node.shard_ctx()).deliver(from, h, Data::Owned(data));
+            return Ok(());
+        }
+        node.shard_ctx()
+            .forward(to.shard, move |ctx| async move {
+                state::of(&ctx).deliver(from, h, Data::Owned(data));
+            })
+            .await?;
+        return Ok(());
+    }
+    let peer = to.peer();
+    let timeout = if matches!(h.kind, Kind::Abort(_)) {
+        ABORT_DEADLINE
+    } else {
+        node.default_deadline()
+    };
+    if data.len() <= SEGMENT {
+        return peer
+            .am_send_within(COLLECTIVE_AM, &h.encode(), &data, timeout)
+            .await;
+    }
+    for (i, part) in data.chunks(SEGMENT).enumerate() {
+        let part_h = Header {
+            offset: (i * SEGMENT) as u64,
+            ..h
+        };
+        peer.am_send_within(COLLECTIVE_AM, &part_h.encode(), part, timeout)
+            .await?;
+    }
+    Ok(())
+}
+
+/// The number of shards of node `n`, from this shard's session with it, once the rails this
+/// shard holds to it are ready: connected to first when its address is known; waited for
+/// until `start + timeout` otherwise.
+async fn remote_shard_count(
+    node: &Node,
+    n: NodeId,
+    start: Instant,
+    timeout: Duration,
+) -> Result<u16, CollectiveError> {
+    let mut tried_connect = false;
+    loop {
+        let ctx = node.shard_ctx();
+        if let Some(remote) = ctx.session(n) {
+            // Ready once every rail this shard holds to the node is.
+            let ready = (0..remote.shard_count).all(|j| {
+                let j = ShardId::new(j);
+                ctx.owner_of_shard(n, j) != Some(ctx.id()) || ctx.rail(n, j).is_some()
+            });
+            if ready {
+                return Ok(remote.shard_count);
+            }
+        }
+        let left = timeout.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(CollectiveError::Unreachable {
+                op: "world",
+                node: n,
+                cause: format!("no session within {timeout:?}"),
+            });
+        }
+        if !tried_connect && node.known_peers().iter().any(|(p, _)| p.node_id() == n) {
+            tried_connect = true;
+            if let Err(e) = crate::node::connect_lazily(node, n, left).await {
+                return Err(CollectiveError::Unreachable {
+                    op: "world",
+                    node: n,
+                    cause: e.to_string(),
+                });
+            }
+            continue;
+        }
+        sleep(SESSION_POLL.min(left)).await;
+    }
+}
+
+/// An error of the operation a communicator was made with, named after the creation.
+fn rename(e: CollectiveError, op: &'static str) -> CollectiveError {
+    match e {
+        CollectiveError::TimedOut {
+            rank,
+            waiting_for,
+            after,
+            ..
+        } => CollectiveError::TimedOut {
+            op,
+            rank,
+            waiting_for,
+            after,
+        },
+        CollectiveError::RankFailed {
+            rank,
+            failed,
+            cause,
+            ..
+        } => CollectiveError::RankFailed {
+            op,
+            rank,
+            failed,
+            cause,
+        },
+        CollectiveError::Aborted {
+            rank, by, cause, ..
+        } => CollectiveError::Aborted {
+            op,
+            rank,
+            by,
+            cause,
+        },
+        CollectiveError::Mismatch {
+            rank, other, what, ..
+        } => CollectiveError::Mismatch {
+            op,
+            rank,
+            other,
+            what,
+        },
+        CollectiveError::InvalidArgument { what, .. } => {
+            CollectiveError::InvalidArgument { op, what }
+        }
+        CollectiveError::Revoked {
+            rank, by, cause, ..
+        } => CollectiveError::Revoked {
+            op,
+            rank,
+            by,
+            cause,
+        },
+        CollectiveError::ShuttingDown { rank, .. } => CollectiveError::ShuttingDown { op, rank },
+        other => other,
+    }
+}
+
+/// FNV-1a over the words, then a 64-bit finalizer (communicator ids: the same inputs give
+/// the same id on every rank; different inputs collide with probability about 2^-64).
+fn hash(words: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in words {
+        for b in w.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}

@@ -1,0 +1,347 @@
+//! Element types and reduction operators.
+//!
+//! An [`Element`] is a fixed-size value that travels as little-endian bytes: the built-in
+//! numbers (`u8`, `i8`, `u16`, `i16`, `i32`, `i64`, `u32`, `u64`, `f32`, `f64`, and the 16-bit
+//! floats `half::f16` and `half::bf16`), arrays of elements, or a type of the application's
+//! (a 2×2 matrix, a pair of values) that says how it is written and read. A reduction
+//! [`Operator`] combines two elements and says whether it commutes: a commutative operator may
+//! be applied in any order (the ring algorithms use that), a non-commutative one is applied in
+//! rank order, `x0 ∘ x1 ∘ … ∘ x(p-1)`, always with the lower ranks' value on the left.
+
+use std::fmt::Debug;
+
+/// A value collectives can move and reduce: `SIZE` bytes on the wire, little-endian.
+///
+/// Implement it for an application type to move it or reduce it with a [`UserOp`]; reading
+/// must accept any `SIZE` bytes (the bytes come from another rank; a value that makes no sense
+/// must still not panic).
+pub trait Element: Copy + Debug + Send + 'static {
+    /// Bytes of one element on the wire.
+    const SIZE: usize;
+    /// Writes the element into `out` (exactly `SIZE` bytes).
+    fn write_le(&self, out: &mut [u8]);
+    /// Reads an element from `bytes` (exactly `SIZE` bytes).
+    fn read_le(bytes: &[u8]) -> Self;
+}
+
+/// Numbers the built-in operators ([`Sum`], [`Prod`], [`Min`], [`Max`]) work on. Integer sums
+/// and products wrap on overflow (MPI leaves them undefined; a panic in a collective is not an
+/// option); float minimum and maximum return the other operand when one is NaN.
+pub trait Number: Element + PartialOrd {
+    /// `a + b`.
+    fn add(self, b: Self) -> Self;
+    /// `a × b`.
+    fn mul(self, b: Self) -> Self;
+}
+
+/// A reduction operator on elements of type `T`.
+///
+/// `combine(a, b)` is `a ∘ b`, where `a` always holds the lower ranks' contribution. An
+/// operator that is not [commutative](Operator::is_commutative) is applied in rank order only;
+/// every operator must be associative.
+pub trait Operator<T> {
+    /// `a ∘ b` (`a` from lower ranks than `b`).
+    fn combine(&self, a: &T, b: &T) -> T;
+    /// Whether `a ∘ b == b ∘ a` for all elements.
+    fn is_commutative(&self) -> bool;
+}
+
+/// Sum of numbers (commutative; integers wrap).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sum;
+/// Product of numbers (commutative; integers wrap).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Prod;
+/// Minimum (commutative).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Min;
+/// Maximum (commutative).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Max;
+
+/// An operator of the application's: a function and whether it commutes.
+///
+/// ```
+/// use shardcx::collective::{Operator, UserOp};
+/// // 2×2 integer matrices, row-major: the product does not commute.
+/// let mul = UserOp::new(false, |a: &[i64; 4], b: &[i64; 4]| {
+///     [a[0] * b[0] + a[1] * b[2], a[0] * b[1] + a[1] * b[3],
+///      a[2] * b[0] + a[3] * b[2], a[2] * b[1] + a[3] * b[3]]
+/// });
+/// assert!(!mul.is_commutative());
+/// assert_eq!(mul.combine(&[1, 1, 0, 1], &[1, 0, 1, 1]), [2, 1, 1, 1]);
+/// ```
+#[derive(Clone, Copy)]
+pub struct UserOp<F> {
+    f: F,
+    commutative: bool,
+}
+
+impl<F> UserOp<F> {
+    /// The operator `a ∘ b = f(a, b)`; `commutative` says whether `f(a, b) == f(b, a)` (when it
+    /// is false, reductions are applied in rank order).
+    pub fn new(commutative: bool, f: F) -> Self {
+        Self { f, commutative }
+    }
+}
+
+impl<F> Debug for UserOp<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UserOp")
+            .field("commutative", &self.commutative)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T, F: Fn(&T, &T) -> T> Operator<T> for UserOp<F> {
+    fn combine(&self, a: &T, b: &T) -> T {
+        (self.f)(a, b)
+    }
+
+    fn is_commutative(&self) -> bool {
+        self.commutative
+    }
+}
+
+impl<T: Number> Operator<T> for Sum {
+    fn combine(&self, a: &T, b: &T) -> T {
+        a.add(*b)
+    }
+
+    fn is_commutative(&self) -> bool {
+        true
+    }
+}
+
+impl<T: Number> Operator<T> for Prod {
+    fn combine(&self, a: &T, b: &T) -> T {
+        a.mul(*b)
+    }
+
+    fn is_commutative(&self) -> bool {
+        true
+    }
+}
+
+impl<T: Number> Operator<T> for Min {
+    fn combine(&self, a: &T, b: &T) -> T {
+        // `b < a` is false when either is NaN: then `a`, unless `a` is the NaN.
+        if b < a || a.partial_cmp(a).is_none() {
+            *b
+        } else {
+            *a
+        }
+    }
+
+    fn is_commutative(&self) -> bool {
+        true
+    }
+}
+
+impl<T: Number> Operator<T> for Max {
+    fn combine(&self, a: &T, b: &T) -> T {
+        if b > a || a.partial_cmp(a).is_none() {
+            *b
+        } else {
+            *a
+        }
+    }
+
+    fn is_commutative(&self) -> bool {
+        true
+    }
+}
+
+macro_rules! element {
+    ($($t:ty),*) => {$(
+        impl Element for $t {
+            const SIZE: usize = std::mem::size_of::<$t>();
+            fn write_le(&self, out: &mut [u8]) {
+                out.copy_from_slice(&self.to_le_bytes());
+            }
+            fn read_le(bytes: &[u8]) -> Self {
+                let mut b = [0u8; std::mem::size_of::<$t>()];
+                b.copy_from_slice(bytes);
+                <$t>::from_le_bytes(b)
+            }
+        }
+    )*};
+}
+
+macro_rules! integer {
+    ($($t:ty),*) => {$(
+        impl Number for $t {
+            fn add(self, b: Self) -> Self { self.wrapping_add(b) }
+            fn mul(self, b: Self) -> Self { self.wrapping_mul(b) }
+        }
+    )*};
+}
+
+macro_rules! float {
+    ($($t:ty),*) => {$(
+        impl Number for $t {
+            fn add(self, b: Self) -> Self { self + b }
+            fn mul(self, b: Self) -> Self { self * b }
+        }
+    )*};
+}
+
+element!(u8, i8, u16, i16, i32, i64, u32, u64, f32, f64);
+integer!(u8, i8, u16, i16, i32, i64, u32, u64);
+float!(f32, f64);
+
+// 16-bit floats from the `half` crate: sums and products computed in `f32` and rounded back,
+// as `half` does.
+element!(half::f16, half::bf16);
+float!(half::f16, half::bf16);
+
+/// Arrays of elements are elements (a 2×2 matrix as `[i64; 4]`, a vector of three floats).
+impl<T: Element, const N: usize> Element for [T; N] {
+    const SIZE: usize = T::SIZE * N;
+    fn write_le(&self, out: &mut [u8]) {
+        for (x, o) in self.iter().zip(out.chunks_exact_mut(T::SIZE)) {
+            x.write_le(o);
+        }
+    }
+    fn read_le(bytes: &[u8]) -> Self {
+        std::array::from_fn(|i| T::read_le(&bytes[i * T::SIZE..(i + 1) * T::SIZE]))
+    }
+}
+
+/// The bytes of `xs`, `T::SIZE` each.
+pub(crate) fn encode<T: Element>(xs: &[T]) -> Vec<u8> {
+    let mut out = vec![0u8; xs.len() * T::SIZE];
+    if T::SIZE > 0 {
+        for (x, o) in xs.iter().zip(out.chunks_exact_mut(T::SIZE)) {
+            x.write_le(o);
+        }
+    }
+    out
+}
+
+/// The elements in `bytes`, or `None` when its length is not a multiple of `T::SIZE`.
+pub(crate) fn decode<T: Element>(bytes: &[u8]) -> Option<Vec<T>> {
+    if T::SIZE == 0 {
+        return bytes.is_empty().then(Vec::new);
+    }
+    if bytes.len() % T::SIZE != 0 {
+        return None;
+    }
+    Some(bytes.chunks_exact(T::SIZE).map(T::read_le).collect())
+}
+
+/// `acc[i] = left[i] ∘ acc[i]` (`left` from lower ranks) or `acc[i] = acc[i] ∘ right[i]`.
+pub(crate) fn combine_into<T, O: Operator<T> + ?Sized>(
+    op: &O,
+    acc: &mut [T],
+    other: &[T],
+    other_is_lower: bool,
+) {
+    for (a, b) in acc.iter_mut().zip(other) {
+        *a = if other_is_lower {
+            op.combine(b, a)
+        } else {
+            op.combine(a, b)
+        };
+    }
+}
+
+/// Elements handled between two looks at whether the shard has other work (its progress
+/// driver, heartbeats): a reduction of megabytes must not hold the shard for its whole length.
+const TURN: usize = 16 << 10;
+
+/// [`encode`], letting the shard's other tasks run every [`TURN`] elements.
+pub(crate) async fn encode_in_turns<T: Element>(xs: &[T]) -> Vec<u8> {
+    if xs.len() <= TURN || T::SIZE == 0 {
+        return encode(xs);
+    }
+    let mut out = vec![0u8; xs.len() * T::SIZE];
+    for (xs, out) in xs.chunks(TURN).zip(out.chunks_mut(TURN * T::SIZE)) {
+        for (x, o) in xs.iter().zip(out.chunks_exact_mut(T::SIZE)) {
+            x.write_le(o);
+        }
+        glommio::yield_if_needed().await;
+    }
+    out
+}
+
+/// [`decode`], letting the shard's other tasks run every [`TURN`] elements.
+pub(crate) async fn decode_in_turns<T: Element>(bytes: &[u8]) -> Option<Vec<T>> {
+    if bytes.len() <= TURN * T::SIZE || T::SIZE == 0 {
+        return decode(bytes);
+    }
+    if bytes.len() % T::SIZE != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() / T::SIZE);
+    for chunk in bytes.chunks(TURN * T::SIZE) {
+        out.extend(chunk.chunks_exact(T::SIZE).map(T::read_le));
+        glommio::yield_if_needed().await;
+    }
+    Some(out)
+}
+
+/// [`combine_into`], letting the shard's other tasks run every [`TURN`] elements.
+pub(crate) async fn combine_in_turns<T, O: Operator<T> + ?Sized>(
+    op: &O,
+    acc: &mut [T],
+    other: &[T],
+    other_is_lower: bool,
+) {
+    for (acc, other) in acc.chunks_mut(TURN).zip(other.chunks(TURN)) {
+        combine_into(op, acc, other, other_is_lower);
+        if acc.len() == TURN {
+            glommio::yield_if_needed().await;
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
+mod tests {
+    use super::*;
+
+    #[test]
+    fn elements_round_trip_through_their_bytes() {
+        let xs = [1.5f64, -0.0, f64::MAX, f64::MIN_POSITIVE];
+        assert_eq!(decode::<f64>(&encode(&xs)).unwrap(), xs);
+        let ms = [[1i64, -2, 3, i64::MIN], [0, 0, 0, 7]];
+        assert_eq!(decode::<[i64; 4]>(&encode(&ms)).unwrap(), ms);
+        assert_eq!(encode(&[0x0102_0304u32]), vec![4, 3, 2, 1]);
+        assert!(decode::<u32>(&[1, 2, 3]).is_none());
+    }
+
+    #[test]
+    fn half_floats() {
+        use half::{bf16, f16};
+        let xs = [f16::from_f32(1.5), f16::from_f32(-2.0)];
+        assert_eq!(decode::<f16>(&encode(&xs)).unwrap(), xs);
+        assert_eq!(Sum.combine(&xs[0], &xs[1]), f16::from_f32(-0.5));
+        assert_eq!(
+            Max.combine(&bf16::from_f32(3.0), &bf16::from_f32(4.0)),
+            bf16::from_f32(4.0)
+        );
+        assert_eq!(
+            Prod.combine(&bf16::from_f32(3.0), &bf16::from_f32(4.0)),
+            bf16::from_f32(12.0)
+        );
+    }
+
+    #[test]
+    fn built_in_operators() {
+        assert_eq!(Sum.combine(&u8::MAX, &2), 1);
+        assert_eq!(Prod.combine(&-3i32, &4), -12);
+        assert_eq!(Min.combine(&2.0f32, &-1.0), -1.0);
+        assert_eq!(Max.combine(&2u64, &9), 9);
+        assert_eq!(Min.combine(&f64::NAN, &1.0), 1.0);
+        assert_eq!(Max.combine(&1.0f64, &f64::NAN), 1.0);
+        let mut acc = [1i64, 2];
+        combine_into(
+            &UserOp::new(false, |a: &i64, b: &i64| a * 10 + b),
+            &mut acc,
+            &[3, 4],
+            true,
+        );
+        assert_eq!(acc, [31, 42]);
+    }
+}

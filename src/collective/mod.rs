@@ -1,0 +1,92 @@
+//! Collectives: barrier, broadcast, reduce, all-reduce, all-gather, reduce-scatter, gather,
+//! scatter, all-to-all, scans, and vector variants of gather, scatter, all-gather and
+//! all-to-all, over groups of ranks.
+//!
+//! ## The model
+//!
+//! A *rank* is one shard of one node ([`Member`]). A [`Communicator`] is a group of ranks as
+//! one of them sees it: every rank holds its own, on its own shard (`!Send`), and calls the
+//! same operations on it in the same order, each an `async` method with its own deadline.
+//! [`Communicator::world`] makes the world of a list of nodes (every shard of every node, ranks
+//! numbered node by node in list order, then by shard); [`Communicator::split`] (by color and
+//! key, with [`Color::UNDEFINED`] to stay out), [`Communicator::dup`],
+//! [`Communicator::node_local`] and [`Communicator::leaders`] make new ones from it. Making a
+//! communicator is itself collective and has a deadline.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use shardcx::collective::{Communicator, Sum};
+//! use shardcx::{Node, NodeId};
+//!
+//! # async fn demo(node: Node) -> Result<(), shardcx::collective::CollectiveError> {
+//! let t = Duration::from_secs(5);
+//! // On every shard of nodes 1 and 2 (connected to each other):
+//! let mut world = Communicator::world(&node, &[NodeId::new(1), NodeId::new(2)], t).await?;
+//! let sum = world.all_reduce(&[world.rank() as u64, 1], &Sum, t).await?;
+//! assert_eq!(sum[1], world.size() as u64);
+//! # Ok(()) }
+//! ```
+//!
+//! Elements are [`Element`]s (integers of 8 to 64 bits, `f32`, `f64`, `half::f16`,
+//! `half::bf16`, arrays of them, or an application's type); reductions take an [`Operator`]: [`Sum`], [`Prod`],
+//! [`Min`], [`Max`], or a [`UserOp`] that says whether it commutes. A non-commutative
+//! operator is applied in rank order (`x0 ∘ x1 ∘ … ∘ x(p-1)`).
+//!
+//! ## Messages
+//!
+//! Collectives are built from the messages everything else uses, no side channel: between
+//! shards of one node the cross-shard mesh (the data moves, no copy), between nodes an active
+//! message on the rail to the destination shard (`Peer::shard`; see [`wire`] for the
+//! header). Every message carries the communicator id and the operation's sequence number on
+//! it, with the sending rank and the step: messages of consecutive operations, or of other
+//! communicators, are never taken by mistake, at any rank count, and a message that arrives
+//! before its operation starts on the receiving rank waits for it. Messages of an operation
+//! that has ended on the receiving rank are dropped ([`CollectiveStats::dropped_stale`]).
+//! Communicator ids are hashes of how the communicator was made (the parent's id and the
+//! sequence number of the `split`/`dup`, the color; for a world, the node list and how many
+//! worlds this shard made from it before), so every rank computes the same id without a
+//! message; different communicators get the same id with probability about 2^-64, and a
+//! shard refuses an id it already uses.
+//!
+//! ## Failure
+//!
+//! An operation ends, on every rank, with a [`CollectiveError`] when its deadline passes
+//! ([`CollectiveError::TimedOut`], with the rank it was waiting for), when the node of a rank
+//! it waits for loses its connection ([`CollectiveError::RankFailed`]), or when a message to a
+//! rank cannot be sent. The rank that fails tells the others at once (an abort message), which
+//! then fail with [`CollectiveError::Aborted`] naming it and its cause instead of waiting for
+//! their own deadline; dropping an operation's future aborts it the same way. Nothing waits
+//! past its deadline.
+//!
+//! A failure revokes the communicator, on the rank that failed and on every rank its abort
+//! reaches (also a rank that has already finished that operation and waits in the next one:
+//! the rank that failed will not come): from then on every operation on it fails at once
+//! with [`CollectiveError::Revoked`] ([`Communicator::revoked`] says by whom and why). The
+//! ranks then make a new communicator (a new [`Communicator::world`]); `shrink()`, a new
+//! communicator of the survivors only, is not there yet.
+//!
+//! ## Algorithms
+//!
+//! Chosen by message size and rank count ([`Tuning`]; the table is in [`algorithm`]):
+//! dissemination barrier, binomial trees, recursive doubling, Bruck's all-gather, and rings
+//! (reduce-scatter + all-gather) for large commutative reductions. All-reduce over several
+//! nodes is hierarchical: through the leaders, or by slices (each shard all-reducing its slice
+//! with its counterparts on the other nodes, on its own rail). What is not here yet:
+//! hierarchical forms of the other operations, a cost model with measured constants, in-place
+//! variants (but [`Communicator::broadcast`]), pipelining of large messages.
+
+pub mod algorithm;
+mod comm;
+mod element;
+mod error;
+mod ops;
+mod state;
+pub mod wire;
+
+pub use algorithm::{Algorithm, Tuning};
+pub use comm::{Color, Communicator, Member};
+pub use element::{Element, Max, Min, Number, Operator, Prod, Sum, UserOp};
+pub use error::{AbortCause, CollectiveError};
+pub use state::{CollectiveStats, MAX_BUFFERED_BYTES};
+
+pub(crate) use state::install;

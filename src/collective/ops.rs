@@ -1,0 +1,375 @@
+//! The operations, as methods of [`Communicator`].
+//!
+//! Every operation is called on every rank of the communicator, in the same order, with its
+//! own deadline (`timeout`): it returns the same kind of result on every rank, or a
+//! [`CollectiveError`] naming the cause and the rank. Counts must agree where MPI requires it
+//! (a rank that receives a message of the wrong length fails with
+//! [`CollectiveError::Mismatch`] and aborts the operation on the others).
+
+use std::time::Duration;
+
+use super::algorithm;
+use super::comm::{Communicator, Group, Op};
+use super::element::{decode_in_turns, encode_in_turns, Element, Operator};
+use super::error::CollectiveError;
+
+impl Communicator {
+    /// Returns once every rank has called it.
+    pub async fn barrier(&mut self, timeout: Duration) -> Result<(), CollectiveError> {
+        let op = self.begin("barrier", timeout);
+        let out = op.run(algorithm::barrier(&Group::all(&op))).await;
+        self.finish(&op);
+        out
+    }
+
+    /// Broadcast: `data` of rank `root` is copied into `data` of every rank (the same length
+    /// on every rank).
+    pub async fn broadcast<T: Element>(
+        &mut self,
+        root: usize,
+        data: &mut [T],
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        let op = self.begin("broadcast", timeout);
+        let out = op
+            .run(async {
+                check_root(&op, root)?;
+                let mut bytes = encode_in_turns(data).await;
+                algorithm::broadcast(&Group::all(&op), root, &mut bytes).await?;
+                if op.rank() != root {
+                    let got: Vec<T> = decode_in_turns(&bytes)
+                        .await
+                        .ok_or_else(|| op.mismatch(root, "element size"))?;
+                    data.copy_from_slice(&got);
+                }
+                Ok(())
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// Reduce: the element-wise reduction of every rank's `data` with `o` (in rank order when
+    /// `o` does not commute), `Some` on rank `root`, `None` elsewhere.
+    pub async fn reduce<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        root: usize,
+        data: &[T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<Option<Vec<T>>, CollectiveError> {
+        let op = self.begin("reduce", timeout);
+        let out = op
+            .run(async {
+                check_root(&op, root)?;
+                algorithm::reduce(&Group::all(&op), root, data.to_vec(), o).await
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// All-reduce: the element-wise reduction of every rank's `data` with `o` (in rank order
+    /// when `o` does not commute), on every rank.
+    pub async fn all_reduce<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        data: &[T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let op = self.begin("all_reduce", timeout);
+        let out = op
+            .run(algorithm::all_reduce(&Group::all(&op), data.to_vec(), o))
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// All-gather: every rank's `data` (the same length on every rank), concatenated in rank
+    /// order, on every rank.
+    pub async fn all_gather<T: Element>(
+        &mut self,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let op = self.begin("all_gather", timeout);
+        let out = op
+            .run(async {
+                let all =
+                    algorithm::all_gather(&Group::all(&op), encode_in_turns(data).await).await?;
+                decode_in_turns(&all)
+                    .await
+                    .ok_or_else(|| op.mismatch(op.rank(), "element size"))
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// Reduce-scatter (MPI's `Reduce_scatter_block`): `data` is `size()` blocks of equal
+    /// length; rank `i` gets the reduction of everyone's block `i`.
+    pub async fn reduce_scatter<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        data: &[T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let op = self.begin("reduce_scatter", timeout);
+        let out = op
+            .run(async {
+                check_blocks(&op, data.len())?;
+                algorithm::reduce_scatter(&Group::all(&op), data.to_vec(), o).await
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// Gather: every rank's `data` (the same length on every rank), concatenated in rank
+    /// order, `Some` on rank `root`, `None` elsewhere.
+    pub async fn gather<T: Element>(
+        &mut self,
+        root: usize,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<Option<Vec<T>>, CollectiveError> {
+        let op = self.begin("gather", timeout);
+        let out = op
+            .run(async {
+                check_root(&op, root)?;
+                let all =
+                    algorithm::gather(&Group::all(&op), root, encode_in_turns(data).await).await?;
+                match all {
+                    Some(b) => decode_in_turns(&b)
+                        .await
+                        .map(Some)
+                        .ok_or_else(|| op.mismatch(op.rank(), "element size")),
+                    None => Ok(None),
+                }
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// Scatter: `data` of rank `root` is `size()` blocks of equal length; rank `i` gets block
+    /// `i`. Other ranks' `data` is not read (pass `&[]`).
+    pub async fn scatter<T: Element>(
+        &mut self,
+        root: usize,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let op = self.begin("scatter", timeout);
+        let out = op
+            .run(async {
+                check_root(&op, root)?;
+                let bytes = if op.rank() == root {
+                    check_blocks(&op, data.len())?;
+                    Some(encode_in_turns(data).await)
+                } else {
+                    None
+                };
+                let mine = algorithm::scatter(&Group::all(&op), root, bytes.as_deref(), 0).await?;
+                decode_in_turns(&mine).await.ok_or_else(|| {
+                    op.mismatch(root, "a block that is not a whole number of elements")
+                })
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// All-to-all: `data` is `size()` blocks of equal length (the same on every rank); block
+    /// `j` goes to rank `j`, and block `i` of the result came from rank `i`.
+    pub async fn all_to_all<T: Element>(
+        &mut self,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let op = self.begin("all_to_all", timeout);
+        let out = op
+            .run(async {
+                check_blocks(&op, data.len())?;
+                let all =
+                    algorithm::all_to_all(&Group::all(&op), &encode_in_turns(data).await).await?;
+                decode_in_turns(&all)
+                    .await
+                    .ok_or_else(|| op.mismatch(op.rank(), "element size"))
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// Inclusive scan: on rank `r`, the reduction of the `data` of ranks `0..=r`, in rank
+    /// order.
+    pub async fn scan<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        data: &[T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let op = self.begin("scan", timeout);
+        let out = op
+            .run(async {
+                let r = algorithm::scan(&Group::all(&op), data.to_vec(), o, false).await?;
+                r.ok_or_else(|| op.invalid("no result"))
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// Exclusive scan: on rank `r > 0`, the reduction of the `data` of ranks `0..r`, in rank
+    /// order; `None` on rank 0.
+    pub async fn exclusive_scan<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        data: &[T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<Option<Vec<T>>, CollectiveError> {
+        let op = self.begin("exclusive_scan", timeout);
+        let out = op
+            .run(algorithm::scan(&Group::all(&op), data.to_vec(), o, true))
+            .await;
+        self.finish(&op);
+        out
+    }
+}
+
+/// Vector variants: every rank's block may have its own length.
+impl Communicator {
+    /// Gather of blocks of any length: every rank's `data`, in rank order, `Some` on rank
+    /// `root`, `None` elsewhere.
+    pub async fn gatherv<T: Element>(
+        &mut self,
+        root: usize,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<Option<Vec<Vec<T>>>, CollectiveError> {
+        let op = self.begin("gatherv", timeout);
+        let out = op
+            .run(async {
+                check_root(&op, root)?;
+                let mine = encode_in_turns(data).await;
+                match algorithm::gatherv(&Group::all(&op), root, mine).await? {
+                    Some(blocks) => Ok(Some(decode_blocks(&op, blocks).await?)),
+                    None => Ok(None),
+                }
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// Scatter of blocks of any length: rank `root` passes one block per rank (`size()` of
+    /// them), rank `i` gets block `i`. Other ranks' `blocks` are not read (pass `&[]`).
+    pub async fn scatterv<T: Element>(
+        &mut self,
+        root: usize,
+        blocks: &[Vec<T>],
+        timeout: Duration,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let op = self.begin("scatterv", timeout);
+        let out = op
+            .run(async {
+                check_root(&op, root)?;
+                let bytes = if op.rank() == root {
+                    check_count(&op, blocks.len())?;
+                    let mut v = Vec::with_capacity(blocks.len());
+                    for b in blocks {
+                        v.push(encode_in_turns(b).await);
+                    }
+                    Some(v)
+                } else {
+                    None
+                };
+                let mine = algorithm::scatterv(&Group::all(&op), root, bytes).await?;
+                decode_in_turns(&mine).await.ok_or_else(|| {
+                    op.mismatch(root, "a block that is not a whole number of elements")
+                })
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// All-gather of blocks of any length: every rank's `data`, in rank order, on every rank.
+    pub async fn all_gatherv<T: Element>(
+        &mut self,
+        data: &[T],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<T>>, CollectiveError> {
+        let op = self.begin("all_gatherv", timeout);
+        let out = op
+            .run(async {
+                let mine = encode_in_turns(data).await;
+                let blocks = algorithm::all_gatherv(&Group::all(&op), mine).await?;
+                decode_blocks(&op, blocks).await
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+
+    /// All-to-all of blocks of any length: `blocks[j]` (one per rank, `size()` of them) goes
+    /// to rank `j`; block `i` of the result came from rank `i`.
+    pub async fn all_to_allv<T: Element>(
+        &mut self,
+        blocks: &[Vec<T>],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<T>>, CollectiveError> {
+        let op = self.begin("all_to_allv", timeout);
+        let out = op
+            .run(async {
+                check_count(&op, blocks.len())?;
+                let mut bytes = Vec::with_capacity(blocks.len());
+                for b in blocks {
+                    bytes.push(encode_in_turns(b).await);
+                }
+                let got = algorithm::all_to_allv(&Group::all(&op), bytes).await?;
+                decode_blocks(&op, got).await
+            })
+            .await;
+        self.finish(&op);
+        out
+    }
+}
+
+/// The elements of each rank's block (block `i` from rank `i`).
+async fn decode_blocks<T: Element>(
+    op: &Op,
+    blocks: Vec<Vec<u8>>,
+) -> Result<Vec<Vec<T>>, CollectiveError> {
+    let mut out = Vec::with_capacity(blocks.len());
+    for (i, b) in blocks.iter().enumerate() {
+        out.push(
+            decode_in_turns(b)
+                .await
+                .ok_or_else(|| op.mismatch(i, "a block that is not a whole number of elements"))?,
+        );
+    }
+    Ok(out)
+}
+
+fn check_count(op: &Op, count: usize) -> Result<(), CollectiveError> {
+    if count != op.size() {
+        return Err(op.invalid(format!("{count} blocks for {} ranks", op.size())));
+    }
+    Ok(())
+}
+
+fn check_root(op: &Op, root: usize) -> Result<(), CollectiveError> {
+    if root >= op.size() {
+        return Err(op.invalid(format!("root {root} of {} ranks", op.size())));
+    }
+    Ok(())
+}
+
+fn check_blocks(op: &Op, len: usize) -> Result<(), CollectiveError> {
+    if len % op.size() != 0 {
+        return Err(op.invalid(format!("{len} elements are not {} equal blocks", op.size())));
+    }
+    Ok(())
+}
