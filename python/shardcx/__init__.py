@@ -83,6 +83,9 @@ __all__ = [
     "SEND_WINDOW",
 ]
 
+#: Longest a node may take to start its shards (``SHARDCX_START_LIMIT_S``; seconds).
+_START_LIMIT_S = float(os.environ.get("SHARDCX_START_LIMIT_S", "30"))
+
 #: Most sends of one endpoint handed to its shard and not finished (see :meth:`Endpoint.send`).
 SEND_WINDOW = 64
 
@@ -343,7 +346,22 @@ class Node:
         )
         _live_nodes.add(self)
         loop.add_reader(self._rt.fileno(), self._on_events)
-        await asyncio.shield(self._started)
+        try:
+            async with asyncio.timeout(_START_LIMIT_S):
+                await asyncio.shield(self._started)
+        except TimeoutError:
+            # A shard that never reached its serving loop: say so rather than wait forever.
+            exc = Error(
+                f"the node's {self._shards} shard(s) did not all start within "
+                f"{_START_LIMIT_S:.0f} s (SHARDCX_START_LIMIT_S)"
+            )
+            if not self._started.done():
+                self._started.set_exception(exc)
+                # Read here; other callers of `_start` get it from the future.
+                self._started.exception()
+            self._rt.stop()
+            self._finish(Closed("the node did not start"))
+            raise exc from None
 
     async def close(self, *, deadline: float = 15.0) -> None:
         """Closes every endpoint and stops the node: it stops accepting, drains the work in
