@@ -686,7 +686,24 @@ fn idempotent_calls_are_sent_again_after_the_connection_fails_and_others_are_not
                 .join()
                 .expect("first server panicked")
                 .expect("first server");
-            flaky_server(addr, 2)
+            // The port can be taken for a moment once it is free: the client's reconnects pick
+            // ephemeral ports, and one may get this one (a CI run failed with "Address already
+            // in use" here). Start again until the bind holds.
+            let t0 = Instant::now();
+            loop {
+                let (switch, h) = flaky_server(addr, 2);
+                std::thread::sleep(Duration::from_millis(200));
+                if !h.is_finished() {
+                    return (switch, h);
+                }
+                let r = h.join();
+                match r {
+                    Ok(Err(shardcx::Error::Boot(shardcx::shards::BootError::Listen {
+                        ..
+                    }))) if t0.elapsed() < Duration::from_secs(10) => {}
+                    other => return (switch, std::thread::spawn(move || other.unwrap())),
+                }
+            }
         });
         let out = within(move || {
             node(CLIENT)
