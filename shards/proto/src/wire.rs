@@ -38,11 +38,12 @@
 //! layer) carry the same fields in a shorter form, the *data header*: the sender's node id
 //! first, no magic (the AM id says what follows), no `payload_len` (UCX delivers the length
 //! with the data, and it is checked against the limit), and `req_id` and `ttl_ns` only when set.
-//! 28 bytes for an active message, at most [`DATA_HEADER_MAX`] = 44 for a request. With UCX's
-//! own element and AM headers and a small payload, a whole active message then fits one
-//! 64-byte cache line of a shared-memory FIFO, and the receiver reads nothing beyond it (the
-//! 48-byte header made it read a second line, written by the sender's core: a cache miss per
-//! message).
+//! 28 bytes for an active message, at most [`DATA_HEADER_MAX`] = 44 for a request, against the
+//! 64 of the routing part and the frame header before. UCX writes the user header after the
+//! payload in a shared-memory FIFO element (about 28 bytes of element header and 8 of AM header
+//! first), so what the receiver reads of a small message spans fewer bytes of the second cache
+//! line, written by the sender's core, but not none: an 8-byte message ends at byte 72. Fitting
+//! the first line would take a header of at most 20 bytes (see the README, "The data header").
 //!
 //! ```text
 //! offset size field
