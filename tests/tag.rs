@@ -59,8 +59,18 @@ fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     rx.recv_timeout(LIMIT).expect("still running after LIMIT")
 }
 
-#[test]
-fn tagged_messages_both_ways_from_every_shard() {
+/// Runs node B (listening) and node A (connecting to it), two shards each: once every shard
+/// of its node has started, each shard of A runs `on_a(node, B)` and each shard of B runs
+/// `on_b(node, A)`. Returns each node's results, by shard; fails past `LIMIT`.
+fn pair<FA, FutA, RA, FB, FutB, RB>(on_a: FA, on_b: FB) -> (Vec<RA>, Vec<RB>)
+where
+    FA: Fn(Node, Peer) -> FutA + Send + Clone + 'static,
+    FutA: std::future::Future<Output = RA> + 'static,
+    RA: Send + 'static,
+    FB: Fn(Node, Peer) -> FutB + Send + Clone + 'static,
+    FutB: std::future::Future<Output = RB> + 'static,
+    RB: Send + 'static,
+{
     let _g = serial();
     let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
     let addr_a = addr.clone();
@@ -69,43 +79,13 @@ fn tagged_messages_both_ways_from_every_shard() {
         node(B)
             .listen("127.0.0.1:0".parse().unwrap())
             .run(move |node: Node| {
-                let (addr, ready) = (addr.clone(), ready.clone());
+                let (addr, ready, on_b) = (addr.clone(), ready.clone(), on_b.clone());
                 async move {
                     install_all(&node, &ready).await;
                     if let Some(a) = node.listen_addr() {
                         let _ = addr.set(a);
                     }
-                    let a = Peer::new(A);
-                    let me = u64::from(node.shard().get());
-                    // Exact: this shard's stream, in order.
-                    for seq in 0..N {
-                        let (t, d) = a.tag_recv(0x100 | me, TAG_MASK_EXACT).await.expect("exact");
-                        assert_eq!((t, d), (0x100 | me, payload(0x100 | me, seq)));
-                    }
-                    // Masked: tags 0x2?m with any middle nibble, in order; echoed back.
-                    for seq in 0..N {
-                        let (t, d) = a.tag_recv(0x200 | me, 0xF0F).await.expect("masked");
-                        assert_eq!(t, 0x200 | me | (u64::from(seq) % 16) << 4);
-                        assert_eq!(d, payload(0x200 | me, seq));
-                        a.tag_send(0x300 | me, &d).await.expect("echo");
-                    }
-                    // A receive that times out does not take the next message.
-                    let r = a
-                        .tag_recv_within(0x400 | me, TAG_MASK_EXACT, Duration::from_millis(30))
-                        .await;
-                    assert!(
-                        matches!(
-                            r,
-                            Err(Error::TimedOut {
-                                what: "tag_recv",
-                                ..
-                            })
-                        ),
-                        "{r:?}"
-                    );
-                    a.tag_send(0x500 | me, b"go").await.expect("go");
-                    let (t, d) = a.tag_recv(0x400 | me, TAG_MASK_EXACT).await.expect("last");
-                    assert_eq!((t, d.as_slice()), (0x400 | me, &b"last"[..]));
+                    on_b(node, Peer::new(A)).await
                 }
             })
             .expect("node B")
@@ -114,37 +94,79 @@ fn tagged_messages_both_ways_from_every_shard() {
         let ready = Arc::new(AtomicU32::new(0));
         node(A)
             .run(move |node: Node| {
-                let (addr, ready) = (addr_a.clone(), ready.clone());
+                let (addr, ready, on_a) = (addr_a.clone(), ready.clone(), on_a.clone());
                 async move {
                     install_all(&node, &ready).await;
                     wait_for(|| addr.get().is_some()).await;
                     let b = node.connect(*addr.get().unwrap()).await.expect("connect");
-                    let me = u64::from(node.shard().get());
-                    for seq in 0..N {
-                        b.tag_send(0x100 | me, &payload(0x100 | me, seq))
-                            .await
-                            .expect("send");
-                    }
-                    for seq in 0..N {
-                        let t = 0x200 | me | (u64::from(seq) % 16) << 4;
-                        b.tag_send(t, &payload(0x200 | me, seq))
-                            .await
-                            .expect("send");
-                    }
-                    for seq in 0..N {
-                        let (t, d) = b.tag_recv(0x300 | me, TAG_MASK_EXACT).await.expect("echo");
-                        assert_eq!((t, d), (0x300 | me, payload(0x200 | me, seq)));
-                    }
-                    let (t, _) = b.tag_recv(0x500 | me, TAG_MASK_EXACT).await.expect("go");
-                    assert_eq!(t, 0x500 | me);
-                    b.tag_send(0x400 | me, b"last").await.expect("last");
-                    node.owner_of(b) == node.shard()
+                    on_a(node, b).await
                 }
             })
             .expect("node A")
     });
-    let routes = within(move || a.join().expect("node A panicked"));
-    within(move || b.join().expect("node B panicked"));
+    let from_a = within(move || a.join().expect("node A panicked"));
+    let from_b = within(move || b.join().expect("node B panicked"));
+    (from_a, from_b)
+}
+
+#[test]
+fn tagged_messages_both_ways_from_every_shard() {
+    let (routes, _) = pair(
+        |node: Node, b: Peer| async move {
+            let me = u64::from(node.shard().get());
+            for seq in 0..N {
+                b.tag_send(0x100 | me, &payload(0x100 | me, seq))
+                    .await
+                    .expect("send");
+            }
+            for seq in 0..N {
+                let t = 0x200 | me | (u64::from(seq) % 16) << 4;
+                b.tag_send(t, &payload(0x200 | me, seq))
+                    .await
+                    .expect("send");
+            }
+            for seq in 0..N {
+                let (t, d) = b.tag_recv(0x300 | me, TAG_MASK_EXACT).await.expect("echo");
+                assert_eq!((t, d), (0x300 | me, payload(0x200 | me, seq)));
+            }
+            let (t, _) = b.tag_recv(0x500 | me, TAG_MASK_EXACT).await.expect("go");
+            assert_eq!(t, 0x500 | me);
+            b.tag_send(0x400 | me, b"last").await.expect("last");
+            node.owner_of(b) == node.shard()
+        },
+        |node: Node, a: Peer| async move {
+            let me = u64::from(node.shard().get());
+            // Exact: this shard's stream, in order.
+            for seq in 0..N {
+                let (t, d) = a.tag_recv(0x100 | me, TAG_MASK_EXACT).await.expect("exact");
+                assert_eq!((t, d), (0x100 | me, payload(0x100 | me, seq)));
+            }
+            // Masked: tags 0x2?m with any middle nibble, in order; echoed back.
+            for seq in 0..N {
+                let (t, d) = a.tag_recv(0x200 | me, 0xF0F).await.expect("masked");
+                assert_eq!(t, 0x200 | me | (u64::from(seq) % 16) << 4);
+                assert_eq!(d, payload(0x200 | me, seq));
+                a.tag_send(0x300 | me, &d).await.expect("echo");
+            }
+            // A receive that times out does not take the next message.
+            let r = a
+                .tag_recv_within(0x400 | me, TAG_MASK_EXACT, Duration::from_millis(30))
+                .await;
+            assert!(
+                matches!(
+                    r,
+                    Err(Error::TimedOut {
+                        what: "tag_recv",
+                        ..
+                    })
+                ),
+                "{r:?}"
+            );
+            a.tag_send(0x500 | me, b"go").await.expect("go");
+            let (t, d) = a.tag_recv(0x400 | me, TAG_MASK_EXACT).await.expect("last");
+            assert_eq!((t, d.as_slice()), (0x400 | me, &b"last"[..]));
+        },
+    );
     // Every shard of A holds its own rail to B: no message was forwarded between shards.
     assert_eq!(routes.iter().filter(|&&own| own).count(), 2, "{routes:?}");
 }
@@ -153,50 +175,22 @@ fn tagged_messages_both_ways_from_every_shard() {
 /// shard of the sender's default rail.
 #[test]
 fn a_tag_sent_to_a_named_shard_arrives_there() {
-    let _g = serial();
-    let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
-    let addr_a = addr.clone();
-    let b = std::thread::spawn(move || {
-        let ready = Arc::new(AtomicU32::new(0));
-        node(B)
-            .listen("127.0.0.1:0".parse().unwrap())
-            .run(move |node: Node| {
-                let (addr, ready) = (addr.clone(), ready.clone());
-                async move {
-                    install_all(&node, &ready).await;
-                    if let Some(a) = node.listen_addr() {
-                        let _ = addr.set(a);
-                    }
-                    let a = Peer::new(A);
-                    let wait = Duration::from_secs(if node.shard().get() == 1 { 20 } else { 2 });
-                    a.tag_recv_within(0x600, TAG_MASK_EXACT, wait)
-                        .await
-                        .map(|(_, d)| d)
-                }
-            })
-            .expect("node B")
-    });
-    let a = std::thread::spawn(move || {
-        let ready = Arc::new(AtomicU32::new(0));
-        node(A)
-            .run(move |node: Node| {
-                let (addr, ready) = (addr_a.clone(), ready.clone());
-                async move {
-                    install_all(&node, &ready).await;
-                    wait_for(|| addr.get().is_some()).await;
-                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
-                    if node.shard().get() == 0 {
-                        b.shard(shardcx::ShardId::new(1))
-                            .tag_send(0x600, b"to shard 1")
-                            .await
-                            .expect("send");
-                    }
-                }
-            })
-            .expect("node A")
-    });
-    within(move || a.join().expect("node A panicked"));
-    let got = within(move || b.join().expect("node B panicked"));
+    let (_, got) = pair(
+        |node: Node, b: Peer| async move {
+            if node.shard().get() == 0 {
+                b.shard(shardcx::ShardId::new(1))
+                    .tag_send(0x600, b"to shard 1")
+                    .await
+                    .expect("send");
+            }
+        },
+        |node: Node, a: Peer| async move {
+            let wait = Duration::from_secs(if node.shard().get() == 1 { 20 } else { 2 });
+            a.tag_recv_within(0x600, TAG_MASK_EXACT, wait)
+                .await
+                .map(|(_, d)| d)
+        },
+    );
     // Shard 0's receive ends without a message (at its deadline, or when A leaves).
     assert!(got[0].is_err(), "shard 0 got {:?}", got[0]);
     assert_eq!(

@@ -203,6 +203,7 @@ fn client(addr: SocketAddr, warmup: u64, iters: u64, json: bool) -> Result<(), S
             op,
             addr,
             timeout: Duration::from_secs(10),
+            endpoint: true,
         },
     )?;
     let mut ep = None;

@@ -463,7 +463,7 @@ class Node:
 
         return await self._call(
             shard,
-            lambda op: self._rt.connect(op, shard, ip, port, self._dl(deadline)),
+            lambda op: self._rt.connect(op, shard, ip, port, self._dl(deadline), True),
             on_done=opened,
         )
 
@@ -480,7 +480,7 @@ class Node:
         shard = self._next_shard
         self._next_shard = (shard + 1) % self._shards
         node_id = await self._call(
-            shard, lambda op: self._rt.connect_node(op, shard, ip, port, self._dl(deadline))
+            shard, lambda op: self._rt.connect(op, shard, ip, port, self._dl(deadline), False)
         )
         return Peer(self, node_id)
 

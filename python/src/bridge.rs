@@ -60,7 +60,7 @@ pub(crate) enum Value {
     None,
     /// A tag message: its application tag and payload.
     Tagged(u64, Vec<u8>),
-    /// A connected node (by [`Cmd::ConnectNode`]): its id.
+    /// A connected node (by [`Cmd::Connect`] with no endpoint): its id.
     Node(u64),
     /// An RPC function's reply.
     Bytes(Vec<u8>),
@@ -119,10 +119,13 @@ pub(crate) enum Event {
 
 /// From the event loop to one shard.
 pub(crate) enum Cmd {
+    /// Connects to the node at `addr`, and opens an endpoint on its listener when `endpoint`
+    /// (else for RPC: no endpoint, the node's id comes back).
     Connect {
         op: u64,
         addr: SocketAddr,
         timeout: Duration,
+        endpoint: bool,
     },
     TagSend {
         op: u64,
@@ -156,12 +159,6 @@ pub(crate) enum Cmd {
     },
     Cancel {
         op: u64,
-    },
-    /// Connects to the node at `addr`, with no endpoint (for RPC).
-    ConnectNode {
-        op: u64,
-        addr: SocketAddr,
-        timeout: Duration,
     },
     /// Calls the RPC function named `name` of `dest` with `data` (see [`rpc_call`]).
     RpcCall {
@@ -428,7 +425,19 @@ pub(crate) async fn within<T>(
 pub(crate) async fn run_op(node: Node, shared: Arc<Shared>, cmd: Cmd) -> Result<Value, ErrInfo> {
     let ctx = node.shard_ctx().clone();
     match cmd {
-        Cmd::Connect { addr, timeout, .. } => connect(&node, &shared, addr, timeout).await,
+        Cmd::Connect {
+            addr,
+            timeout,
+            endpoint: true,
+            ..
+        } => connect(&node, &shared, addr, timeout).await,
+        Cmd::Connect { addr, timeout, .. } => {
+            let peer = node
+                .connect_within(addr, timeout)
+                .await
+                .map_err(|e| ErrInfo::from_error(&e))?;
+            Ok(Value::Node(peer.node_id().get()))
+        }
         Cmd::TagSend {
             dest,
             tag,
@@ -489,13 +498,6 @@ pub(crate) async fn run_op(node: Node, shared: Arc<Shared>, cmd: Cmd) -> Result<
             Ok(Value::None)
         }
         Cmd::Cancel { .. } => Ok(Value::None),
-        Cmd::ConnectNode { addr, timeout, .. } => {
-            let peer = node
-                .connect_within(addr, timeout)
-                .await
-                .map_err(|e| ErrInfo::from_error(&e))?;
-            Ok(Value::Node(peer.node_id().get()))
-        }
         Cmd::RpcCall {
             dest,
             name,
@@ -790,7 +792,6 @@ pub(crate) async fn serve_shard(node: Node, shared: Arc<Shared>, shard_count: us
             | Cmd::TagRecv { op, .. }
             | Cmd::AmSend { op, .. }
             | Cmd::Close { op, .. }
-            | Cmd::ConnectNode { op, .. }
             | Cmd::RpcCall { op, .. }
             | Cmd::RpcFunctions { op, .. } => *op,
         };

@@ -236,15 +236,25 @@ impl Runtime {
         Ok(out)
     }
 
-    /// Connects (on `shard`) to the node listening at `host:port` (an IP address) and opens
-    /// an endpoint there. Completes with `(ep, remote_ep, node, remote_shard)`.
-    fn connect(&self, op: u64, shard: usize, host: &str, port: u16, timeout: f64) -> PyResult<()> {
+    /// Connects (on `shard`) to the node listening at `host:port` (an IP address). With
+    /// `endpoint`, opens an endpoint there and completes with `(ep, remote_ep, node,
+    /// remote_shard)`; without, completes with the node's id (for RPC calls).
+    fn connect(
+        &self,
+        op: u64,
+        shard: usize,
+        host: &str,
+        port: u16,
+        timeout: f64,
+        endpoint: bool,
+    ) -> PyResult<()> {
         self.submit(
             shard,
             Cmd::Connect {
                 op,
                 addr: socket_addr(host, port)?,
                 timeout: deadline(timeout)?,
+                endpoint,
             },
         )
     }
@@ -344,26 +354,6 @@ impl Runtime {
                 dest: dest(node, dest_shard),
                 remote_ep,
                 sent,
-                timeout: deadline(timeout)?,
-            },
-        )
-    }
-
-    /// Connects (on `shard`) to the node listening at `host:port` (an IP address), with no
-    /// endpoint: for RPC calls. Completes with the node's id.
-    fn connect_node(
-        &self,
-        op: u64,
-        shard: usize,
-        host: &str,
-        port: u16,
-        timeout: f64,
-    ) -> PyResult<()> {
-        self.submit(
-            shard,
-            Cmd::ConnectNode {
-                op,
-                addr: socket_addr(host, port)?,
                 timeout: deadline(timeout)?,
             },
         )

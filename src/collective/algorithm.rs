@@ -418,9 +418,7 @@ async fn leaders_all_reduce<T: Element, O: Operator<T> + ?Sized>(
     };
     binomial_bcast(&local, 0, &mut bytes, 1).await?;
     g.chose(Algorithm::Hierarchical);
-    decode_in_turns(&bytes)
-        .await
-        .ok_or_else(|| g.mismatch(g.rank(), "element size"))
+    g.decode_result(&bytes).await
 }
 
 /// Hierarchical all-reduce by slices, for `k` ranks on every node: each node's ranks
@@ -460,9 +458,7 @@ async fn sliced_all_reduce<T: Element, O: Operator<T> + ?Sized>(
         .collect();
     ring_allgather(&local, &mut bytes, &ranges, 1).await?;
     g.chose(Algorithm::HierarchicalSlices);
-    decode_in_turns(&bytes)
-        .await
-        .ok_or_else(|| g.mismatch(g.rank(), "element size"))
+    g.decode_result(&bytes).await
 }
 
 /// Flat all-reduce: ring for large commutative reductions, recursive doubling otherwise.
@@ -484,9 +480,7 @@ async fn flat_all_reduce<T: Element, O: Operator<T> + ?Sized>(
             })
             .collect();
         ring_allgather(g, &mut bytes, &ranges, 1).await?;
-        return decode_in_turns(&bytes)
-            .await
-            .ok_or_else(|| g.mismatch(g.rank(), "element size"));
+        return g.decode_result(&bytes).await;
     }
     g.chose(Algorithm::RecursiveDoubling);
     recursive_doubling(g, data, o).await

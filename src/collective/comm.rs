@@ -11,6 +11,7 @@ use glommio::timer::sleep;
 use shardcx_shards::proto::{NodeId, ShardId};
 
 use super::algorithm::{Algorithm, Tuning};
+use super::element::{decode_in_turns, Element};
 use super::error::{AbortCause, CollectiveError};
 use super::state::{self, Blocked, Data, ShardState};
 use super::wire::{Header, Kind, COLLECTIVE_AM, SEGMENT};
@@ -437,6 +438,19 @@ impl Op {
         }
     }
 
+    /// `bytes` as elements, or a mismatch with rank `from` (`what` says of what) when they
+    /// are not a whole number of them.
+    pub(crate) async fn decode<T: Element>(
+        &self,
+        bytes: &[u8],
+        from: usize,
+        what: &str,
+    ) -> Result<Vec<T>, CollectiveError> {
+        decode_in_turns(bytes)
+            .await
+            .ok_or_else(|| self.mismatch(from, what))
+    }
+
     /// An invalid argument of this rank's.
     pub(crate) fn invalid(&self, what: impl ToString) -> CollectiveError {
         CollectiveError::InvalidArgument {
@@ -667,6 +681,15 @@ impl<'a> Group<'a> {
         self.op.mismatch(self.ranks[other], what)
     }
 
+    /// This rank's result, `bytes`, as elements (a length that is not a whole number of them
+    /// is a mismatch of element sizes).
+    pub(crate) async fn decode_result<T: Element>(
+        &self,
+        bytes: &[u8],
+    ) -> Result<Vec<T>, CollectiveError> {
+        self.op.decode(bytes, self.op.rank(), "element size").await
+    }
+
     /// An invalid argument of this rank's.
     pub(crate) fn invalid(&self, what: impl ToString) -> CollectiveError {
         self.op.invalid(what)
@@ -810,60 +833,18 @@ async fn remote_shard_count(
 }
 
 /// An error of the operation a communicator was made with, named after the creation.
-fn rename(e: CollectiveError, op: &'static str) -> CollectiveError {
-    match e {
-        CollectiveError::TimedOut {
-            rank,
-            waiting_for,
-            after,
-            ..
-        } => CollectiveError::TimedOut {
-            op,
-            rank,
-            waiting_for,
-            after,
-        },
-        CollectiveError::RankFailed {
-            rank,
-            failed,
-            cause,
-            ..
-        } => CollectiveError::RankFailed {
-            op,
-            rank,
-            failed,
-            cause,
-        },
-        CollectiveError::Aborted {
-            rank, by, cause, ..
-        } => CollectiveError::Aborted {
-            op,
-            rank,
-            by,
-            cause,
-        },
-        CollectiveError::Mismatch {
-            rank, other, what, ..
-        } => CollectiveError::Mismatch {
-            op,
-            rank,
-            other,
-            what,
-        },
-        CollectiveError::InvalidArgument { what, .. } => {
-            CollectiveError::InvalidArgument { op, what }
-        }
-        CollectiveError::Revoked {
-            rank, by, cause, ..
-        } => CollectiveError::Revoked {
-            op,
-            rank,
-            by,
-            cause,
-        },
-        CollectiveError::ShuttingDown { rank, .. } => CollectiveError::ShuttingDown { op, rank },
-        other => other,
+fn rename(mut e: CollectiveError, name: &'static str) -> CollectiveError {
+    match &mut e {
+        CollectiveError::TimedOut { op, .. }
+        | CollectiveError::RankFailed { op, .. }
+        | CollectiveError::Aborted { op, .. }
+        | CollectiveError::Revoked { op, .. }
+        | CollectiveError::Mismatch { op, .. }
+        | CollectiveError::InvalidArgument { op, .. }
+        | CollectiveError::ShuttingDown { op, .. } => *op = name,
+        CollectiveError::Unreachable { .. } | CollectiveError::NotOnShard => {}
     }
+    e
 }
 
 /// FNV-1a over the words, then a 64-bit finalizer (communicator ids: the same inputs give

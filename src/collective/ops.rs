@@ -10,16 +10,16 @@ use std::time::Duration;
 
 use super::algorithm;
 use super::comm::{Communicator, Group, Op};
-use super::element::{decode_in_turns, encode_in_turns, Element, Operator};
+use super::element::{encode_in_turns, Element, Operator};
 use super::error::CollectiveError;
 
 impl Communicator {
     /// Returns once every rank has called it.
     pub async fn barrier(&mut self, timeout: Duration) -> Result<(), CollectiveError> {
-        let op = self.begin("barrier", timeout);
-        let out = op.run(algorithm::barrier(&Group::all(&op))).await;
-        self.finish(&op);
-        out
+        self.operation("barrier", timeout, async |op: &Op| {
+            algorithm::barrier(&Group::all(op)).await
+        })
+        .await
     }
 
     /// Broadcast: `data` of rank `root` is copied into `data` of every rank (the same length
@@ -30,23 +30,17 @@ impl Communicator {
         data: &mut [T],
         timeout: Duration,
     ) -> Result<(), CollectiveError> {
-        let op = self.begin("broadcast", timeout);
-        let out = op
-            .run(async {
-                check_root(&op, root)?;
-                let mut bytes = encode_in_turns(data).await;
-                algorithm::broadcast(&Group::all(&op), root, &mut bytes).await?;
-                if op.rank() != root {
-                    let got: Vec<T> = decode_in_turns(&bytes)
-                        .await
-                        .ok_or_else(|| op.mismatch(root, "element size"))?;
-                    data.copy_from_slice(&got);
-                }
-                Ok(())
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("broadcast", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            let mut bytes = encode_in_turns(data).await;
+            algorithm::broadcast(&Group::all(op), root, &mut bytes).await?;
+            if op.rank() != root {
+                let got: Vec<T> = op.decode(&bytes, root, "element size").await?;
+                data.copy_from_slice(&got);
+            }
+            Ok(())
+        })
+        .await
     }
 
     /// Reduce: the element-wise reduction of every rank's `data` with `o` (in rank order when
@@ -58,15 +52,11 @@ impl Communicator {
         o: &O,
         timeout: Duration,
     ) -> Result<Option<Vec<T>>, CollectiveError> {
-        let op = self.begin("reduce", timeout);
-        let out = op
-            .run(async {
-                check_root(&op, root)?;
-                algorithm::reduce(&Group::all(&op), root, data.to_vec(), o).await
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("reduce", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            algorithm::reduce(&Group::all(op), root, data.to_vec(), o).await
+        })
+        .await
     }
 
     /// All-reduce: the element-wise reduction of every rank's `data` with `o` (in rank order
@@ -77,12 +67,10 @@ impl Communicator {
         o: &O,
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
-        let op = self.begin("all_reduce", timeout);
-        let out = op
-            .run(algorithm::all_reduce(&Group::all(&op), data.to_vec(), o))
-            .await;
-        self.finish(&op);
-        out
+        self.operation("all_reduce", timeout, async |op: &Op| {
+            algorithm::all_reduce(&Group::all(op), data.to_vec(), o).await
+        })
+        .await
     }
 
     /// All-gather: every rank's `data` (the same length on every rank), concatenated in rank
@@ -92,18 +80,11 @@ impl Communicator {
         data: &[T],
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
-        let op = self.begin("all_gather", timeout);
-        let out = op
-            .run(async {
-                let all =
-                    algorithm::all_gather(&Group::all(&op), encode_in_turns(data).await).await?;
-                decode_in_turns(&all)
-                    .await
-                    .ok_or_else(|| op.mismatch(op.rank(), "element size"))
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("all_gather", timeout, async |op: &Op| {
+            let all = algorithm::all_gather(&Group::all(op), encode_in_turns(data).await).await?;
+            op.decode(&all, op.rank(), "element size").await
+        })
+        .await
     }
 
     /// Reduce-scatter (MPI's `Reduce_scatter_block`): `data` is `size()` blocks of equal
@@ -114,15 +95,11 @@ impl Communicator {
         o: &O,
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
-        let op = self.begin("reduce_scatter", timeout);
-        let out = op
-            .run(async {
-                check_blocks(&op, data.len())?;
-                algorithm::reduce_scatter(&Group::all(&op), data.to_vec(), o).await
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("reduce_scatter", timeout, async |op: &Op| {
+            check_blocks(op, data.len())?;
+            algorithm::reduce_scatter(&Group::all(op), data.to_vec(), o).await
+        })
+        .await
     }
 
     /// Gather: every rank's `data` (the same length on every rank), concatenated in rank
@@ -133,23 +110,15 @@ impl Communicator {
         data: &[T],
         timeout: Duration,
     ) -> Result<Option<Vec<T>>, CollectiveError> {
-        let op = self.begin("gather", timeout);
-        let out = op
-            .run(async {
-                check_root(&op, root)?;
-                let all =
-                    algorithm::gather(&Group::all(&op), root, encode_in_turns(data).await).await?;
-                match all {
-                    Some(b) => decode_in_turns(&b)
-                        .await
-                        .map(Some)
-                        .ok_or_else(|| op.mismatch(op.rank(), "element size")),
-                    None => Ok(None),
-                }
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("gather", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            let all = algorithm::gather(&Group::all(op), root, encode_in_turns(data).await).await?;
+            match all {
+                Some(b) => op.decode(&b, op.rank(), "element size").await.map(Some),
+                None => Ok(None),
+            }
+        })
+        .await
     }
 
     /// Scatter: `data` of rank `root` is `size()` blocks of equal length; rank `i` gets block
@@ -160,24 +129,23 @@ impl Communicator {
         data: &[T],
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
-        let op = self.begin("scatter", timeout);
-        let out = op
-            .run(async {
-                check_root(&op, root)?;
-                let bytes = if op.rank() == root {
-                    check_blocks(&op, data.len())?;
-                    Some(encode_in_turns(data).await)
-                } else {
-                    None
-                };
-                let mine = algorithm::scatter(&Group::all(&op), root, bytes.as_deref(), 0).await?;
-                decode_in_turns(&mine).await.ok_or_else(|| {
-                    op.mismatch(root, "a block that is not a whole number of elements")
-                })
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("scatter", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            let bytes = if op.rank() == root {
+                check_blocks(op, data.len())?;
+                Some(encode_in_turns(data).await)
+            } else {
+                None
+            };
+            let mine = algorithm::scatter(&Group::all(op), root, bytes.as_deref(), 0).await?;
+            op.decode(
+                &mine,
+                root,
+                "a block that is not a whole number of elements",
+            )
+            .await
+        })
+        .await
     }
 
     /// All-to-all: `data` is `size()` blocks of equal length (the same on every rank); block
@@ -187,19 +155,12 @@ impl Communicator {
         data: &[T],
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
-        let op = self.begin("all_to_all", timeout);
-        let out = op
-            .run(async {
-                check_blocks(&op, data.len())?;
-                let all =
-                    algorithm::all_to_all(&Group::all(&op), &encode_in_turns(data).await).await?;
-                decode_in_turns(&all)
-                    .await
-                    .ok_or_else(|| op.mismatch(op.rank(), "element size"))
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("all_to_all", timeout, async |op: &Op| {
+            check_blocks(op, data.len())?;
+            let all = algorithm::all_to_all(&Group::all(op), &encode_in_turns(data).await).await?;
+            op.decode(&all, op.rank(), "element size").await
+        })
+        .await
     }
 
     /// Inclusive scan: on rank `r`, the reduction of the `data` of ranks `0..=r`, in rank
@@ -210,15 +171,11 @@ impl Communicator {
         o: &O,
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
-        let op = self.begin("scan", timeout);
-        let out = op
-            .run(async {
-                let r = algorithm::scan(&Group::all(&op), data.to_vec(), o, false).await?;
-                r.ok_or_else(|| op.invalid("no result"))
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("scan", timeout, async |op: &Op| {
+            let r = algorithm::scan(&Group::all(op), data.to_vec(), o, false).await?;
+            r.ok_or_else(|| op.invalid("no result"))
+        })
+        .await
     }
 
     /// Exclusive scan: on rank `r > 0`, the reduction of the `data` of ranks `0..r`, in rank
@@ -229,12 +186,10 @@ impl Communicator {
         o: &O,
         timeout: Duration,
     ) -> Result<Option<Vec<T>>, CollectiveError> {
-        let op = self.begin("exclusive_scan", timeout);
-        let out = op
-            .run(algorithm::scan(&Group::all(&op), data.to_vec(), o, true))
-            .await;
-        self.finish(&op);
-        out
+        self.operation("exclusive_scan", timeout, async |op: &Op| {
+            algorithm::scan(&Group::all(op), data.to_vec(), o, true).await
+        })
+        .await
     }
 }
 
@@ -248,19 +203,15 @@ impl Communicator {
         data: &[T],
         timeout: Duration,
     ) -> Result<Option<Vec<Vec<T>>>, CollectiveError> {
-        let op = self.begin("gatherv", timeout);
-        let out = op
-            .run(async {
-                check_root(&op, root)?;
-                let mine = encode_in_turns(data).await;
-                match algorithm::gatherv(&Group::all(&op), root, mine).await? {
-                    Some(blocks) => Ok(Some(decode_blocks(&op, blocks).await?)),
-                    None => Ok(None),
-                }
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("gatherv", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            let mine = encode_in_turns(data).await;
+            match algorithm::gatherv(&Group::all(op), root, mine).await? {
+                Some(blocks) => Ok(Some(decode_blocks(op, blocks).await?)),
+                None => Ok(None),
+            }
+        })
+        .await
     }
 
     /// Scatter of blocks of any length: rank `root` passes one block per rank (`size()` of
@@ -271,28 +222,24 @@ impl Communicator {
         blocks: &[Vec<T>],
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
-        let op = self.begin("scatterv", timeout);
-        let out = op
-            .run(async {
-                check_root(&op, root)?;
-                let bytes = if op.rank() == root {
-                    check_count(&op, blocks.len())?;
-                    let mut v = Vec::with_capacity(blocks.len());
-                    for b in blocks {
-                        v.push(encode_in_turns(b).await);
-                    }
-                    Some(v)
-                } else {
-                    None
-                };
-                let mine = algorithm::scatterv(&Group::all(&op), root, bytes).await?;
-                decode_in_turns(&mine).await.ok_or_else(|| {
-                    op.mismatch(root, "a block that is not a whole number of elements")
-                })
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("scatterv", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            let bytes = if op.rank() == root {
+                check_count(op, blocks.len())?;
+                let v = encode_blocks(blocks).await;
+                Some(v)
+            } else {
+                None
+            };
+            let mine = algorithm::scatterv(&Group::all(op), root, bytes).await?;
+            op.decode(
+                &mine,
+                root,
+                "a block that is not a whole number of elements",
+            )
+            .await
+        })
+        .await
     }
 
     /// All-gather of blocks of any length: every rank's `data`, in rank order, on every rank.
@@ -301,16 +248,12 @@ impl Communicator {
         data: &[T],
         timeout: Duration,
     ) -> Result<Vec<Vec<T>>, CollectiveError> {
-        let op = self.begin("all_gatherv", timeout);
-        let out = op
-            .run(async {
-                let mine = encode_in_turns(data).await;
-                let blocks = algorithm::all_gatherv(&Group::all(&op), mine).await?;
-                decode_blocks(&op, blocks).await
-            })
-            .await;
-        self.finish(&op);
-        out
+        self.operation("all_gatherv", timeout, async |op: &Op| {
+            let mine = encode_in_turns(data).await;
+            let blocks = algorithm::all_gatherv(&Group::all(op), mine).await?;
+            decode_blocks(op, blocks).await
+        })
+        .await
     }
 
     /// All-to-all of blocks of any length: `blocks[j]` (one per rank, `size()` of them) goes
@@ -320,21 +263,39 @@ impl Communicator {
         blocks: &[Vec<T>],
         timeout: Duration,
     ) -> Result<Vec<Vec<T>>, CollectiveError> {
-        let op = self.begin("all_to_allv", timeout);
-        let out = op
-            .run(async {
-                check_count(&op, blocks.len())?;
-                let mut bytes = Vec::with_capacity(blocks.len());
-                for b in blocks {
-                    bytes.push(encode_in_turns(b).await);
-                }
-                let got = algorithm::all_to_allv(&Group::all(&op), bytes).await?;
-                decode_blocks(&op, got).await
-            })
-            .await;
+        self.operation("all_to_allv", timeout, async |op: &Op| {
+            check_count(op, blocks.len())?;
+            let bytes = encode_blocks(blocks).await;
+            let got = algorithm::all_to_allv(&Group::all(op), bytes).await?;
+            decode_blocks(op, got).await
+        })
+        .await
+    }
+}
+
+impl Communicator {
+    /// Runs `body` as this communicator's next operation, `name`, within `timeout` (see
+    /// [`Op::run`]), and remembers the algorithm it chose.
+    async fn operation<R>(
+        &mut self,
+        name: &'static str,
+        timeout: Duration,
+        body: impl AsyncFnOnce(&Op) -> Result<R, CollectiveError>,
+    ) -> Result<R, CollectiveError> {
+        let op = self.begin(name, timeout);
+        let out = op.run(body(&op)).await;
         self.finish(&op);
         out
     }
+}
+
+/// The bytes of each block.
+async fn encode_blocks<T: Element>(blocks: &[Vec<T>]) -> Vec<Vec<u8>> {
+    let mut out = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        out.push(encode_in_turns(b).await);
+    }
+    out
 }
 
 /// The elements of each rank's block (block `i` from rank `i`).
@@ -345,9 +306,8 @@ async fn decode_blocks<T: Element>(
     let mut out = Vec::with_capacity(blocks.len());
     for (i, b) in blocks.iter().enumerate() {
         out.push(
-            decode_in_turns(b)
-                .await
-                .ok_or_else(|| op.mismatch(i, "a block that is not a whole number of elements"))?,
+            op.decode(b, i, "a block that is not a whole number of elements")
+                .await?,
         );
     }
     Ok(out)

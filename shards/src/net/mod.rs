@@ -62,8 +62,9 @@
 //! sender's node id and the [`FrameHeader`]'s fields in 28 bytes, 36 or 44 with a request id
 //! and a deadline; at most [`DATA_HEADER_LEN`]), followed by the frame's *user header* (the
 //! application's AM header, up to [`MAX_USER_HEADER`] bytes; empty for other kinds); the UCX
-//! payload is the application payload itself, its length the frame's `payload_len`. So a send copies nothing on our side: UCX is handed the header
-//! (built on the stack) and the caller's bytes. A payload of at most
+//! payload is the application payload itself, its length the frame's `payload_len`. So a send
+//! copies nothing on our side: UCX is handed the header (built on the stack) and the caller's
+//! bytes. A payload of at most
 //! [`NetConfig::rndv_threshold`] bytes goes eager, a longer one with UCX rendezvous (the
 //! receiver chooses the buffer before the data moves; see below).
 //!
