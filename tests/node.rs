@@ -687,10 +687,56 @@ fn a_shard_that_panics_does_not_hold_the_others() {
     );
 }
 
-/// A free loopback port (bound then released; good enough for a test).
+/// A free loopback port, outside the ephemeral range: a restarted server binds it again, and a
+/// client's reconnects cannot take it in between.
 fn free_port() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
+    common::port_outside_ephemeral_range()
+}
+
+/// A node starts on a port whose earlier listener stopped a moment ago and left connections in
+/// TIME_WAIT (it closed them first, as a stopping node does). Those remnants carry glommio's
+/// SO_REUSEPORT and not SO_REUSEADDR; a start-up check with a plain bind was refused for a
+/// minute by them (a restarted server failed with "Address already in use").
+#[test]
+fn a_node_starts_on_a_port_left_in_time_wait_by_its_predecessor() {
+    let _g = serial();
+    let addr = free_port();
+    // The predecessor: a glommio listener (as a node's shard 0 makes) that accepts one
+    // connection and closes it first.
+    glommio::LocalExecutorBuilder::default()
+        .spawn(move || async move {
+            let listener = glommio::net::TcpListener::bind(addr).unwrap();
+            let client = std::net::TcpStream::connect(addr).unwrap();
+            let accepted = listener.accept().await.unwrap();
+            drop(accepted);
+            sleep(Duration::from_millis(50)).await;
+            drop(client);
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    let port = format!(":{:04X} ", addr.port());
+    let time_wait = std::fs::read_to_string("/proc/net/tcp")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains(&port) && l.split_whitespace().nth(3) == Some("06"));
+    assert!(time_wait, "the predecessor left no TIME_WAIT on {addr}");
+    // The successor starts, serves, and stops on its switch.
+    let b = node(40, KEY).shards(1).listen(addr);
+    let switch = b.shutdown_handle();
+    let h = std::thread::spawn(move || b.serve());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!h.is_finished(), "the node stopped: {:?}", h.join());
+    let out = within(move || {
+        node(41, KEY)
+            .shards(1)
+            .peer_addr(NodeId::new(40), addr)
+            .run(move |node: Node| async move { node.connect(addr).await.map(|_| ()) })
+            .unwrap()
+    });
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    switch.trigger();
+    within(move || h.join()).unwrap().unwrap();
 }
 
 #[test]

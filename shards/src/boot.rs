@@ -352,12 +352,7 @@ impl ShardsBuilder {
         // SO_REUSEPORT, which would let a second node share the port by mistake; a node racing
         // this one to the same port between this bind and shard 0's is not caught.)
         if let Some(addr) = recipe.listen.filter(|a| a.port() != 0) {
-            drop(
-                std::net::TcpListener::bind(addr).map_err(|e| BootError::Listen {
-                    shard: 0,
-                    reason: format!("cannot listen on {addr}: {e}"),
-                })?,
-            );
+            check_listen_port(addr)?;
         }
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut handles = Vec::with_capacity(recipe.shard_count);
@@ -711,6 +706,91 @@ impl ShardCtx {
     }
 }
 
+/// Fails when `addr` cannot be listened on: another listener holds it, or the address is not
+/// this host's or needs privileges.
+///
+/// A plain bind (std's, with `SO_REUSEADDR`) answers most of it, but it also fails on the
+/// `TIME_WAIT` remnants of connections that an earlier listener of this port closed first (a
+/// node that stopped a moment ago): they carry that listener's `SO_REUSEPORT` and not
+/// `SO_REUSEADDR`, so they refuse std's bind for a minute while glommio's `SO_REUSEPORT` bind
+/// succeeds. So a bind refused with `AddrInUse` fails the run only if a socket is *listening*
+/// on the port (`/proc/net/tcp`, `tcp6`); remnants do not.
+fn check_listen_port(addr: SocketAddr) -> Result<(), BootError> {
+    let refused = |e: &dyn std::fmt::Display| BootError::Listen {
+        shard: 0,
+        reason: format!("cannot listen on {addr}: {e}"),
+    };
+    match std::net::TcpListener::bind(addr) {
+        Ok(probe) => {
+            drop(probe);
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && !listening_on(addr) => Ok(()),
+        Err(e) => Err(refused(&e)),
+    }
+}
+
+/// Whether a TCP socket of this host (any network namespace's view of it: this one's) is
+/// listening on `addr`'s port at `addr` or at a wildcard address that covers it. Unreadable
+/// tables count as a listener (the bind's refusal stands).
+fn listening_on(addr: SocketAddr) -> bool {
+    let tables = ["/proc/net/tcp", "/proc/net/tcp6"];
+    let mut read_any = false;
+    for table in tables {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        read_any = true;
+        if text.lines().skip(1).any(|line| listens_at(line, addr)) {
+            return true;
+        }
+    }
+    !read_any
+}
+
+/// Whether one line of `/proc/net/tcp` or `tcp6` is a socket in `LISTEN` state (`0A`) on
+/// `addr`'s port whose address is `addr`'s, or a wildcard, or `addr` is a wildcard.
+fn listens_at(line: &str, addr: SocketAddr) -> bool {
+    let mut fields = line.split_whitespace();
+    let (Some(local), Some(_remote), Some(state)) = (fields.nth(1), fields.next(), fields.next())
+    else {
+        return false;
+    };
+    if state != "0A" {
+        return false;
+    }
+    let Some((ip_hex, port_hex)) = local.split_once(':') else {
+        return false;
+    };
+    if u16::from_str_radix(port_hex, 16) != Ok(addr.port()) {
+        return false;
+    }
+    // The kernel prints each 32-bit word of the address as a number in host byte order.
+    let words: Option<Vec<[u8; 4]>> = (0..ip_hex.len() / 8)
+        .map(|i| {
+            let word = ip_hex.get(8 * i..8 * i + 8)?;
+            u32::from_str_radix(word, 16).ok().map(u32::to_ne_bytes)
+        })
+        .collect();
+    let ip: std::net::IpAddr = match words.as_deref() {
+        Some([a]) => std::net::Ipv4Addr::from(*a).into(),
+        Some([a, b, c, d]) => {
+            let mut bytes = [0u8; 16];
+            for (chunk, word) in bytes.chunks_exact_mut(4).zip([a, b, c, d]) {
+                chunk.copy_from_slice(word);
+            }
+            std::net::Ipv6Addr::from(bytes).into()
+        }
+        _ => return false,
+    };
+    let mapped = |ip: std::net::IpAddr| match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, Into::into),
+        v4 => v4,
+    };
+    let (theirs, ours) = (mapped(ip), mapped(addr.ip()));
+    theirs == ours || theirs.is_unspecified() || ours.is_unspecified()
+}
+
 /// `RLIMIT_MEMLOCK` in bytes, read from `/proc/self/limits` (std has no `getrlimit` and this
 /// crate has no unsafe). `u64::MAX` when unlimited or unreadable.
 pub fn memlock_limit() -> u64 {
@@ -738,6 +818,27 @@ fn parse_memlock(limits: &str) -> Option<u64> {
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
+
+    #[test]
+    fn listeners_are_read_from_proc_net_tcp_lines() {
+        // Real lines: 127.0.0.1:15324 listening, the same port in TIME_WAIT (06), and
+        // [::]:8080 listening.
+        let v4 = "   3: 0100007F:3BDC 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 1 1 0 100 0 0 10 0";
+        let tw = "   4: 0100007F:3BDC 0100007F:9C40 06 00000000:00000000 03:00000F6B 00000000     0        0 0 3 0";
+        let v6 = "   0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 1 1 0 100 0 0 10 0";
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert!(listens_at(v4, at("127.0.0.1:15324")));
+        assert!(listens_at(v4, at("0.0.0.0:15324")));
+        assert!(!listens_at(v4, at("127.0.0.2:15324")));
+        assert!(!listens_at(v4, at("127.0.0.1:15325")));
+        assert!(!listens_at(tw, at("127.0.0.1:15324")));
+        assert!(listens_at(v6, at("127.0.0.1:8080")));
+        assert!(listens_at(v6, at("[::1]:8080")));
+        assert!(!listens_at("garbage", at("127.0.0.1:8080")));
+        // A socket listening now is seen.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        assert!(listening_on(l.local_addr().unwrap()));
+    }
 
     #[test]
     fn shared_memory_is_seen_in_transport_lists() {

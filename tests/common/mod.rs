@@ -48,6 +48,35 @@ pub(crate) fn output_within(child: Child, limit: Duration, what: &str) -> std::p
     }
 }
 
+/// A loopback address whose port lies outside the kernel's ephemeral range, free when this
+/// returns. A test that restarts a server on the same port needs one: a port inside the range
+/// can be taken in the meantime by any outgoing connection's local port, including a
+/// reconnecting client's own connection to that very port (TCP's self-connect), which holds
+/// it (a CI run failed with "Address already in use" restarting a server on port 33755).
+pub(crate) fn port_outside_ephemeral_range() -> SocketAddr {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .unwrap_or_else(|_| "32768 60999".into());
+    let mut bounds = range.split_whitespace().map(|n| n.parse::<u16>().unwrap());
+    let (lo, hi) = (bounds.next().unwrap(), bounds.next().unwrap());
+    // Below the range first (the usual case: 32768..60999 leaves 1024..32767), then above.
+    let candidates = (1024..lo).chain(hi.saturating_add(1)..=u16::MAX);
+    let candidates: Vec<u16> = candidates.collect();
+    assert!(!candidates.is_empty(), "no port outside {lo}..={hi}");
+    // Start at a spot that differs from process to process, so that test binaries running at
+    // once seldom try the same ports, and from call to call, so that two calls in a row (the
+    // first port released already) get two ports.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let start = (std::process::id() as usize * 7919 + call * 101) % candidates.len();
+    for i in 0..candidates.len().min(4096) {
+        let port = candidates[(start + i) % candidates.len()];
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return l.local_addr().unwrap();
+        }
+    }
+    panic!("no free port outside the ephemeral range {lo}..={hi}");
+}
+
 /// One test at a time in this binary (two nodes of two shards each fill the locked-memory
 /// limit).
 pub(crate) fn serial() -> MutexGuard<'static, ()> {
