@@ -30,13 +30,10 @@ fn node(id: u64, key: &[u8]) -> NodeBuilder {
     common::two_shard_node(NodeId::new(id), key)
 }
 
-/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.
+/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT` (with the stacks
+/// of the test's threads).
 fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(LIMIT).expect("still running after LIMIT")
+    common::within(LIMIT, f)
 }
 
 /// The payload of message `seq` from client shard `origin`.

@@ -361,6 +361,11 @@ impl Lab {
                 break status;
             }
             if Instant::now() > until {
+                // What it hung on, before it goes.
+                eprintln!(
+                    "child {i} still runs after {limit:?}; its threads:\n{}",
+                    common::stacks(self.children[i].id())
+                );
                 let _ = self.children[i].kill();
                 panic!("child {i} still runs after {limit:?}");
             }

@@ -40,13 +40,10 @@ fn node(id: NodeId) -> NodeBuilder {
     common::two_shard_node(id, KEY)
 }
 
-/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.
+/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT` (with the stacks
+/// of the test's threads).
 fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(LIMIT).expect("still running after LIMIT")
+    common::within(LIMIT, f)
 }
 
 /// A byte pattern that differs with `seed` and position.

@@ -6,7 +6,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{mpsc, Arc, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
@@ -50,13 +50,10 @@ fn payload(stream: u64, seq: u32) -> Vec<u8> {
         .collect()
 }
 
-/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.
+/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT` (with the stacks
+/// of the test's threads).
 fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(LIMIT).expect("still running after LIMIT")
+    common::within(LIMIT, f)
 }
 
 /// Runs node B (listening) and node A (connecting to it), two shards each: once every shard

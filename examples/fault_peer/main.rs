@@ -455,7 +455,10 @@ fn load(a: &LoadArgs) -> Result<(), String> {
                     let left = connect_by.saturating_duration_since(Instant::now());
                     match node.connect_within(connect, left).await {
                         Ok(p) => break p,
-                        Err(e) if left > Duration::from_millis(200) => {
+                        Err(e)
+                            if connect_by.saturating_duration_since(Instant::now())
+                                > Duration::from_millis(200) =>
+                        {
                             eprintln!("fault_peer: connect failed ({e}); trying again");
                             retries += 1;
                             glommio::timer::sleep(Duration::from_millis(100)).await;

@@ -8,7 +8,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 mod large;
@@ -240,13 +240,10 @@ where
     (out, stats.into_iter().sum())
 }
 
-/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT`.
+/// Runs `f` on another thread; fails the test if it takes longer than `LIMIT` (with the stacks
+/// of the test's threads).
 fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(LIMIT).expect("still running after LIMIT")
+    common::within(LIMIT, f)
 }
 
 async fn wait_for(what: &str, bound: Duration, mut cond: impl FnMut() -> bool) {
