@@ -101,8 +101,8 @@ pub struct CollectiveConfig {
     /// Timed calls or time per size (`None`: [`Collective::default_iters`], at most
     /// [`DEFAULT_MAX_TIME`]).
     pub budget: Option<Budget>,
-    /// Warm-up calls (`None`: a tenth of the count, at most 1000; at least 1 when the count
-    /// comes from a time).
+    /// Warm-up calls (`None`: a tenth of the count, at most 1000; with `--duration`, of
+    /// [`Collective::default_iters`]; at least 1 when the count comes from a time).
     pub warmup: Option<u64>,
     /// CPUs of each node's shards: shard `s` of node `i` on `cores[i][s % len]`; `None` (or
     /// an empty list): unpinned.
@@ -541,12 +541,13 @@ async fn one(
     let mut bufs = buffers(test, bytes, r, p);
     let default_count = test.default_iters(bytes);
     let calibrate = !matches!(cfg.budget, Some(Budget::Iters(_)));
+    // A tenth of the count (at most 1000); with `--duration`, of the default count, so that a
+    // 16 MiB warm-up is not 1000 calls.
     let warmup = cfg
         .warmup
-        .unwrap_or_else(|| {
-            cfg.budget
-                .unwrap_or(Budget::Iters(default_count))
-                .default_warmup()
+        .unwrap_or_else(|| match cfg.budget {
+            Some(b @ Budget::Iters(_)) => b.default_warmup(),
+            _ => Budget::Iters(default_count).default_warmup(),
         })
         .max(u64::from(calibrate));
     world.barrier(DEADLINE).await?;
