@@ -927,13 +927,21 @@ mod tests {
                 per_rank: vec![f.clone(), f],
             }
         };
-        let c = cost_model(&[m(8, 2), m(1 << 20, 200), m(1000, 3)]);
+        let (lo, hi) = (m(8, 2), m(1 << 20, 200));
+        // The histogram's 3 significant digits: the line goes through what it reports.
+        let (t0, t1) = (lo.slowest_us(0.5).0, hi.slowest_us(0.5).0);
+        assert!(
+            (t0 - 2.0).abs() < 0.01 && (t1 - 200.0).abs() < 0.2,
+            "{t0} {t1}"
+        );
+        let c = cost_model(&[lo, hi, m(1000, 3)]);
         assert_eq!(c.len(), 1);
         let c = c[0];
         assert_eq!(c.from, (8, 1 << 20));
-        let beta = 198e3 / ((1 << 20) - 8) as f64;
-        assert!((c.beta_ns_per_byte - beta).abs() < 1e-9);
-        assert!((c.alpha_us - (2.0 - beta * 8.0 / 1e3)).abs() < 1e-9);
+        let beta_us = (t1 - t0) / ((1 << 20) - 8) as f64;
+        assert!((c.beta_ns_per_byte - beta_us * 1e3).abs() < 1e-9);
+        assert!((c.alpha_us - (t0 - beta_us * 8.0)).abs() < 1e-9);
+        assert!((c.half_size() - c.alpha_us * 1e3 / c.beta_ns_per_byte).abs() < 1e-6);
         assert!(cost_model(&[m(8, 2)]).is_empty());
     }
 }
