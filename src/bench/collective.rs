@@ -16,11 +16,12 @@
 //! ## What one iteration is
 //!
 //! One call of the collective on every rank, timed on each rank from the call to its return.
-//! Before the timed calls: the warm-up calls, then rank 0 decides how many timed calls there
-//! will be (all ranks must make the same number) and broadcasts the count, then a barrier.
-//! `--iters N` is that count; `--duration S` is turned into a count from rank 0's warm-up
-//! (at least one warm-up call then); without either, the count is [`Collective::default_iters`]
-//! by size, cut so that the timed calls take about [`DEFAULT_MAX_TIME`] at most. Every
+//! Before the timed calls: the warm-up calls and a barrier. All ranks must make the same
+//! number of calls: `--iters N` is that number; with `--duration S` rank 0 looks at its clock
+//! every batch of calls (about a fiftieth of `S` at the pace of the second half of its
+//! warm-up; at least one warm-up call then) and broadcasts whether to go on, untimed; without
+//! either, the count is [`Collective::default_iters`] by size, stopped the same way once the
+//! timed calls have taken [`DEFAULT_MAX_TIME`]. Every
 //! operation has a deadline ([`DEADLINE`]): a lost rank or a stuck collective fails the run
 //! with its [`CollectiveError`], it does not hang. The last result of every size is checked
 //! against its closed-form value on every rank.
@@ -513,7 +514,7 @@ async fn rank_main(
         );
         let f = one(&mut world, cfg, test, size, &progress).await;
         progress.done();
-        out.push((f?, world.last_algorithm()));
+        out.push(f?);
     }
     // Nobody leaves while another rank may still need its messages.
     world.barrier(DEADLINE).await?;
@@ -528,14 +529,14 @@ enum Buffers {
 }
 
 /// One (collective, size) on one rank: warm-up, the agreed count of timed calls, a check of
-/// the last result.
+/// the last result. Returns the figures and the algorithm of the timed calls.
 async fn one(
     world: &mut Communicator,
     cfg: &CollectiveConfig,
     test: Collective,
     size: usize,
     progress: &Progress,
-) -> Result<Figures, BenchError> {
+) -> Result<(Figures, Option<Algorithm>), BenchError> {
     let (r, p) = (world.rank(), world.size());
     let bytes = test.bytes(size, p);
     let mut bufs = buffers(test, bytes, r, p);
@@ -551,37 +552,67 @@ async fn one(
         })
         .max(u64::from(calibrate));
     world.barrier(DEADLINE).await?;
-    let t = Instant::now();
+    // The cost of a call, for `--duration` and the default time cap: the second half of the
+    // warm-up only (the first calls of a world or a size are many times slower: an 8-byte
+    // count sized from the whole warm-up came out 20x short).
+    let half = warmup / 2;
+    let mut t = Instant::now();
     let mut last = Buffers::None;
-    for _ in 0..warmup {
+    for k in 0..warmup {
+        if k == half {
+            t = Instant::now();
+        }
         last = call(world, test, &mut bufs).await?;
     }
-    let per_call = t.elapsed() / u32::try_from(warmup.max(1)).unwrap_or(u32::MAX);
-    // Every rank makes the same number of calls: rank 0's.
-    let fit = |d: Duration| {
-        let n = d.as_nanos() / per_call.as_nanos().max(1);
-        u64::try_from(n).unwrap_or(u64::MAX).max(1)
+    let per_call = t.elapsed() / u32::try_from((warmup - half).max(1)).unwrap_or(u32::MAX);
+    // Every rank makes the same number of calls. A count alone (`--iters`) needs no more; a
+    // time limit is checked by rank 0 every `batch` calls, about a fiftieth of the limit at the
+    // warm-up's pace, and its verdict broadcast (untimed), so that the run ends on every rank
+    // at the same call whatever the pace of each.
+    let (limit_calls, limit_time) = match cfg.budget {
+        Some(Budget::Iters(n)) => (n, None),
+        Some(Budget::Duration(d)) => (u64::MAX, Some(d)),
+        None => (default_count, Some(DEFAULT_MAX_TIME)),
     };
-    let mut count = [match cfg.budget {
-        Some(Budget::Iters(n)) => n,
-        Some(Budget::Duration(d)) => fit(d),
-        None => default_count.min(fit(DEFAULT_MAX_TIME)),
+    let mut batch = [match limit_time {
+        Some(d) => {
+            let n = (d / 50).as_nanos() / per_call.as_nanos().max(1);
+            u64::try_from(n).unwrap_or(u64::MAX).clamp(1, limit_calls)
+        }
+        None => limit_calls,
     }];
-    world.broadcast(0, &mut count, DEADLINE).await?;
-    let budget = Budget::Iters(count[0]);
+    world.broadcast(0, &mut batch, DEADLINE).await?;
+    let budget = match limit_time {
+        Some(d) if limit_calls == u64::MAX => Budget::Duration(d),
+        _ => Budget::Iters(limit_calls),
+    };
     world.barrier(DEADLINE).await?;
     let mut f = Figures::new(bytes);
+    let mut algorithm;
     let t0 = Instant::now();
-    for _ in 0..count[0] {
-        let s = Instant::now();
-        last = call(world, test, &mut bufs).await?;
-        record(&mut f, s.elapsed());
-        f.msgs += 1;
-        progress.tick(budget, f.msgs, t0);
+    loop {
+        for _ in 0..batch[0].min(limit_calls - f.msgs) {
+            let s = Instant::now();
+            last = call(world, test, &mut bufs).await?;
+            record(&mut f, s.elapsed());
+            f.msgs += 1;
+            progress.tick(budget, f.msgs, t0);
+        }
+        // Before the broadcast below makes it the communicator's last operation.
+        algorithm = world.last_algorithm();
+        let Some(d) = limit_time.filter(|_| f.msgs < limit_calls) else {
+            break;
+        };
+        // Only rank 0's clock counts.
+        let mut stop = [u8::from(t0.elapsed() >= d)];
+        world.broadcast(0, &mut stop, DEADLINE).await?;
+        if stop[0] != 0 {
+            break;
+        }
     }
     f.elapsed = t0.elapsed();
     check(test, &bufs, &last, r, p).map_err(BenchError::Protocol)?;
-    Ok(f)
+    Ok((f, algorithm))
 }
 
 /// Rank `r`'s input: `bytes` of it (see [`check`] for the values).
