@@ -408,6 +408,43 @@ fn a_tiny_collective_bench_prints_its_table() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--duration` bounds a collective run in time on every rank alike (rank 0 decides when to
+/// stop), and the algorithm shown is the timed calls' (not the broadcast that stops them).
+#[test]
+fn a_collective_bench_with_a_duration_stops_in_time() {
+    let started = Instant::now();
+    let child = shardcx()
+        .args(["bench", "--test", "barrier,allgather", "--size", "8"])
+        .args(["--duration", "0.3", "--transport", "tcp", "--quiet"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = output_within(
+        child,
+        Duration::from_secs(120),
+        "collective bench --duration",
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = |name: &str| {
+        stdout
+            .lines()
+            .any(|l| l.contains("2x1") && l.contains(name))
+    };
+    assert!(row("Dissemination") && row("Bruck"), "{stdout}");
+    // Two sizes of 0.3 s, the warm-ups and two nodes' start: seconds, not the deadline.
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
 /// Help per subcommand, and completions a shell can load.
 #[test]
 fn help_and_completions() {
