@@ -335,6 +335,116 @@ fn info_names_the_driver_and_devices_of_a_fake_driver() {
     );
 }
 
+/// `bench --test allreduce` (and another collective) runs a world of two nodes in the process
+/// and prints, per size, the slowest rank's percentiles, the algorithm, bus bandwidth, and the
+/// allreduce cost-model fit from its two sizes; the JSON has one object per (collective, size).
+#[test]
+fn a_tiny_collective_bench_prints_its_table() {
+    let dir = std::env::temp_dir().join(format!("shardcx-cli-coll-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("c.json");
+    let child = shardcx()
+        .args([
+            "bench",
+            "--test",
+            "allreduce,allgather",
+            "--size",
+            "8,65536",
+        ])
+        .args([
+            "--iters",
+            "30",
+            "--warmup",
+            "3",
+            "--transport",
+            "tcp",
+            "--json",
+        ])
+        .arg(&json)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = output_within(child, Duration::from_secs(120), "collective bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("allreduce: 2 nodes in this process, f32 sum"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("busbw"), "{stdout}");
+    // Two ranks: recursive doubling at both sizes (the ring needs more than two).
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains(" tcp ") && l.contains("2x1"))
+        .collect();
+    assert_eq!(rows.len(), 4, "{stdout}");
+    assert!(
+        rows.iter().take(2).all(|r| r.contains("RecursiveDoubling")),
+        "{stdout}"
+    );
+    assert!(rows.iter().all(|r| r.contains(" 30 ")), "{stdout}");
+    assert!(
+        stdout.contains("allreduce cost model, 2 ranks (tcp)") && stdout.contains("α = "),
+        "{stdout}"
+    );
+    let j = std::fs::read_to_string(&json).unwrap();
+    assert_eq!(j.matches("\"test\": ").count(), 4, "{j}");
+    for field in [
+        "\"test\": \"allreduce\"",
+        "\"test\": \"allgather\"",
+        "\"bytes\": 65536",
+        "\"ranks\": 2",
+        "\"algorithm\": \"RecursiveDoubling\"",
+        "\"busbw_gb_s\": ",
+        "\"per_rank\": [{\"rank\": 0, \"iters\": 30",
+    ] {
+        assert!(j.contains(field), "{field} missing from {j}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--duration` bounds a collective run in time on every rank alike (rank 0 decides when to
+/// stop), and the algorithm shown is the timed calls' (not the broadcast that stops them).
+#[test]
+fn a_collective_bench_with_a_duration_stops_in_time() {
+    let started = Instant::now();
+    let child = shardcx()
+        .args(["bench", "--test", "barrier,allgather", "--size", "8"])
+        .args(["--duration", "0.3", "--transport", "tcp", "--quiet"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = output_within(
+        child,
+        Duration::from_secs(120),
+        "collective bench --duration",
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = |name: &str| {
+        stdout
+            .lines()
+            .any(|l| l.contains("2x1") && l.contains(name))
+    };
+    assert!(row("Dissemination") && row("Bruck"), "{stdout}");
+    // Two sizes of 0.3 s, the warm-ups and two nodes' start: seconds, not the deadline.
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
 /// Help per subcommand, and completions a shell can load.
 #[test]
 fn help_and_completions() {
@@ -364,6 +474,10 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         (&["bench", "--iters", "0"][..], "at least 1"),
         (&["bench", "--cores", "999"][..], "not available"),
         (&["bench", "--transport", "rdma"][..], "unknown transport"),
+        (
+            &["bench", "--test", "allreduce", "--connect", "127.0.0.1:1"][..],
+            "run both of their nodes in this process",
+        ),
         (&["bench", "--iters"][..], "a value is required"),
         (
             &["bench", "--itres", "3"][..],

@@ -177,8 +177,9 @@ enum RmaOp {
 }
 
 /// A test's progress bar (indicatif) on stderr, drawn once the test has run
-/// [`PROGRESS_AFTER`], on client shard 0 only, and only when stderr is a terminal.
-struct Progress {
+/// [`PROGRESS_AFTER`], on client shard 0 only (rank 0 for the collectives), and only when
+/// stderr is a terminal.
+pub(super) struct Progress {
     on: bool,
     label: String,
     start: Instant,
@@ -1044,7 +1045,7 @@ impl Session {
 }
 
 /// `size` bytes of a pattern that starts at `seed` (so that a content check means something).
-fn pattern(size: usize, seed: u8) -> Vec<u8> {
+pub(super) fn pattern(size: usize, seed: u8) -> Vec<u8> {
     (0..size)
         .map(|i| seed.wrapping_add((i % 251) as u8))
         .collect()
@@ -1080,7 +1081,7 @@ async fn watchdog(w: Rc<Waits>) {
 }
 
 /// Whether a test with `done` measured iterations, started at `t0`, goes on.
-fn more(budget: Budget, done: u64, t0: Instant) -> bool {
+pub(super) fn more(budget: Budget, done: u64, t0: Instant) -> bool {
     match budget {
         Budget::Iters(n) => done < n,
         Budget::Duration(d) => t0.elapsed() < d,
@@ -1095,7 +1096,7 @@ fn more_at(budget: Budget, done: u64, t0: Instant, now: Instant) -> bool {
     }
 }
 
-fn record(f: &mut Figures, took: Duration) {
+pub(super) fn record(f: &mut Figures, took: Duration) {
     let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
     f.hist.saturating_record(ns.max(1));
 }
@@ -1180,7 +1181,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Progress {
-    fn new(on: bool, label: String) -> Self {
+    pub(super) fn new(on: bool, label: String) -> Self {
         let now = Instant::now();
         Self {
             on: on && std::io::stderr().is_terminal(),
@@ -1194,7 +1195,7 @@ impl Progress {
     /// Called after each measured iteration (by the `am-lat` handler on the driver, by the
     /// test tasks otherwise): cheap until the bar is due. Only every [`PROGRESS_CHECK_EVERY`]-th
     /// call reads the clock, and the bar is updated at most every [`PROGRESS_EVERY`].
-    fn tick(&self, budget: Budget, done: u64, t0: Instant) {
+    pub(super) fn tick(&self, budget: Budget, done: u64, t0: Instant) {
         if !self.on || done % PROGRESS_CHECK_EVERY != 0 {
             return;
         }
@@ -1247,7 +1248,7 @@ impl Progress {
     }
 
     /// The test is over: its bar, if it was drawn, is cleared.
-    fn done(&self) {
+    pub(super) fn done(&self) {
         if let Some(bar) = self.bar.borrow_mut().take() {
             bar.finish_and_clear();
         }

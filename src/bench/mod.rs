@@ -41,6 +41,12 @@
 //! | `put-trusted-bw` | a trusted-mode put ([`crate::Peer::put_trusted`], native UCX RMA) of `size` bytes, `window` in flight | one put (remotely complete) |
 //! | `hop` | forward an empty job to the next client shard and await it (needs 2 shards or more) | one hop |
 //!
+//! The collectives (`barrier`, `bcast`, `allreduce`, `allgather`, `reduce-scatter`, `alltoall`)
+//! are not client/server tests: [`collective::run`] makes a world of two nodes of `--shards`
+//! shards each in the benchmark's own process and times every call on every rank (see
+//! [`collective`] for the topology, sizes, bus bandwidth and the allreduce cost model). They
+//! run only when `--test` names them.
+//!
 //! The messaging loops are as lean as `ucx_perftest`'s. `am-lat` is a ping-pong driven by the
 //! handlers: the server's echo handler answers inline on the progress driver
 //! ([`crate::AmMsg::reply`], no task), and the client's answer handler records the round trip
@@ -120,6 +126,27 @@
 //! }
 //! ```
 //!
+//! A collective's element ([`collective::json_objects`]) has its own fields:
+//!
+//! ```text
+//! {
+//!   "test": "allreduce",     // barrier, bcast, allreduce, allgather, reduce-scatter, alltoall
+//!   "size": 8,               // the size asked for (0 for barrier)
+//!   "bytes": 8,              // what moved: size in whole elements and blocks
+//!   "nodes": 2, "shards": 1, // shards per node
+//!   "ranks": 2,
+//!   "transport": "shm",
+//!   "algorithm": "RecursiveDoubling",  // rank 0's Communicator::last_algorithm
+//!   "iters": 20000,          // timed calls per rank
+//!   "p50_us": 2.6,           // the slowest rank's p50 and p99 of its calls, microseconds
+//!   "p99_us": 3.4,
+//!   "algbw_gb_s": 0.003,     // bytes / p50, 10^9 bytes per second
+//!   "busbw_gb_s": 0.003,     // algbw x the NCCL factor (allreduce 2(p-1)/p, ...)
+//!   "per_rank": [{"rank": 0, "iters": 20000, "p50_us": 2.6, "p99_us": 3.4,
+//!                 "p999_us": 9.1, "max_us": 40.2}, ...]
+//! }
+//! ```
+//!
 //! With `--vs-perftest`, an element whose test has a `ucx_perftest` counterpart (`am-lat`,
 //! `am-rate`, `am-bw`, `tag-lat`, `put-bw`; see [`perftest`]) also has, after `per_shard`:
 //!
@@ -151,6 +178,7 @@
 //! (`--quiet` turns it off); it costs the measuring loops a counter test per iteration.
 
 pub mod client;
+pub mod collective;
 pub mod perftest;
 pub mod plot;
 pub mod report;
@@ -208,6 +236,9 @@ pub enum BenchError {
     /// A remote call failed.
     #[error(transparent)]
     Rpc(#[from] crate::rpc::RpcError),
+    /// A collective of the collective benchmarks failed (on the rank that failed first).
+    #[error(transparent)]
+    Collective(#[from] crate::collective::CollectiveError),
     /// The other side answered something unexpected, or nothing in time.
     #[error("{0}")]
     Protocol(String),

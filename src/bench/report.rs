@@ -127,13 +127,19 @@ fn figure(metric: Metric, v: f64) -> String {
 
 /// The results as the JSON array documented in [`crate::bench`] (skipped ones left out).
 pub fn json(results: &[Measurement]) -> String {
-    let mut out = String::from("[\n");
-    let mut first = true;
+    json_array(&json_objects(results))
+}
+
+/// A JSON array of `objects` (one a line), as [`json`] writes it.
+pub fn json_array(objects: &[String]) -> String {
+    format!("[\n{}\n]\n", objects.join(",\n"))
+}
+
+/// The elements of [`json`]: one JSON object per measurement (skipped ones left out).
+pub fn json_objects(results: &[Measurement]) -> Vec<String> {
+    let mut objects = Vec::new();
     for m in results.iter().filter(|m| m.skipped.is_none()) {
-        if !first {
-            out.push_str(",\n");
-        }
-        first = false;
+        let mut out = String::new();
         let merged = m.merged();
         let _ = write!(
             out,
@@ -161,9 +167,9 @@ pub fn json(results: &[Measurement]) -> String {
             let _ = write!(out, ", \"perftest\": {}", perftest_json(p, shard0));
         }
         out.push('}');
+        objects.push(out);
     }
-    out.push_str("\n]\n");
-    out
+    objects
 }
 
 fn fields(f: &Figures) -> String {

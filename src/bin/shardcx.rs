@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::{CommandFactory, Parser, Subcommand};
 use shardcx::bench::client::{self, ClientConfig};
+use shardcx::bench::collective::{self, CollMeasurement, Collective, CollectiveConfig};
 use shardcx::bench::perftest::{self, Perftest};
 use shardcx::bench::server::{self, ServeConfig};
 use shardcx::bench::{
@@ -100,10 +101,13 @@ struct BenchArgs {
     #[arg(long, value_name = "ADDR")]
     connect: Option<SocketAddr>,
     /// Tests to run: am-lat, am-rate, am-bw, tag-lat, rpc-lat, rpc-rate, rpc-notify, put-bw,
-    /// get-bw, put-trusted-bw, hop (default: all; put-trusted-bw is skipped over tcp).
+    /// get-bw, put-trusted-bw, hop (default: all of these; put-trusted-bw is skipped over tcp),
+    /// and the collectives barrier, bcast, allreduce, allgather, reduce-scatter, alltoall (run
+    /// only when named: two nodes of --shards shards each in this process, one world).
     #[arg(long = "test", value_delimiter = ',', value_parser = test, value_name = "LIST")]
-    tests: Vec<Test>,
-    /// Message sizes, e.g. 8,4k,1m (default: per test).
+    tests: Vec<Named>,
+    /// Message sizes, e.g. 8,4k,1m (default: per test; for a collective, its whole buffer:
+    /// 8 B to 16 MiB).
     #[arg(long = "size", value_delimiter = ',', value_parser = size, value_name = "LIST")]
     sizes: Option<Vec<usize>>,
     /// Measured iterations per test and shard (default: per test).
@@ -119,7 +123,8 @@ struct BenchArgs {
     /// put-trusted-bw (the bandwidth tests keep at most 8 MiB in flight).
     #[arg(long, default_value_t = 64, value_parser = positive, value_name = "N")]
     window: u64,
-    /// Client shard counts, each run in turn (hop needs 2).
+    /// Client shard counts, each run in turn (hop needs 2); for the collectives, shards per
+    /// node.
     #[arg(long, value_delimiter = ',', default_value = "1", value_parser = shard_count,
           value_name = "LIST")]
     shards: Vec<usize>,
@@ -128,7 +133,8 @@ struct BenchArgs {
           value_parser = transport, value_name = "LIST")]
     transports: Vec<Transport>,
     /// CPUs of the client shards [/ of the local peer's shards], e.g. 0/1 or 0,1/2,3
-    /// (default: the peer on the last CPU, the client on the others first).
+    /// (default: the peer on the last CPU, the client on the others first); for the
+    /// collectives, of node 0's [/ node 1's] shards (default: rank r on CPU r mod CPUs).
     #[arg(long, value_parser = core_split, value_name = "C[/S]")]
     cores: Option<CoreSplit>,
     /// Write the results as JSON (schema: the `shardcx::bench` docs).
@@ -151,6 +157,14 @@ struct BenchArgs {
     /// longer than a second).
     #[arg(long, short)]
     quiet: bool,
+}
+
+/// A `--test` name: a point-to-point test (against a peer node) or a collective (a world of
+/// two nodes in this process).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Named {
+    P2p(Test),
+    Coll(Collective),
 }
 
 /// `--cores C[/S]`: client CPUs, and the local peer's if given.
@@ -560,11 +574,33 @@ fn node(a: NodeArgs) -> Result<(), Failure> {
 
 fn bench(o: BenchArgs) -> Result<(), Failure> {
     let cpus = cpu_list();
-    let tests = if o.tests.is_empty() {
+    let colls: Vec<Collective> = o
+        .tests
+        .iter()
+        .filter_map(|t| match t {
+            Named::Coll(c) => Some(*c),
+            Named::P2p(_) => None,
+        })
+        .collect();
+    let tests: Vec<Test> = if o.tests.is_empty() {
         Test::ALL.to_vec()
     } else {
-        o.tests.clone()
+        o.tests
+            .iter()
+            .filter_map(|t| match t {
+                Named::P2p(t) => Some(*t),
+                Named::Coll(_) => None,
+            })
+            .collect()
     };
+    if !colls.is_empty() && o.connect.is_some() {
+        usage_error(
+            "bench",
+            "--connect: the collective tests run both of their nodes in this process, not \
+             against a running node"
+                .into(),
+        );
+    }
     let budget = match (o.duration, o.iters) {
         (Some(d), _) => Some(Budget::Duration(d)),
         (None, Some(n)) => Some(Budget::Iters(n)),
@@ -597,7 +633,7 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
     let max_shards = o.shards.iter().copied().max().unwrap_or(1);
     let v = shardcx::ucx::version();
     // Found before anything runs: a missing perftest costs no benchmark.
-    let perftest_bin = if o.vs_perftest {
+    let perftest_bin = if o.vs_perftest && !tests.is_empty() {
         let b = perftest::find(v.library_path.as_deref()).map_err(Failure)?;
         if let Some(w) = &b.warning {
             eprintln!("shardcx bench: WARNING: {w}");
@@ -607,20 +643,22 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
     } else {
         None
     };
-    println!(
-        "shardcx bench: UCX {}.{}.{}, {} CPU(s) {:?}, client shard i on CPU {:?}[i], {}",
-        v.loaded.0,
-        v.loaded.1,
-        v.loaded.2,
-        cpus.len(),
-        cpus,
-        client_cores,
-        match o.connect {
-            Some(a) => format!("remote node {a}"),
-            None => format!("local peer shard j on CPU {server_cores:?}[j]"),
-        }
-    );
-    if o.connect.is_none() {
+    if !tests.is_empty() {
+        println!(
+            "shardcx bench: UCX {}.{}.{}, {} CPU(s) {:?}, client shard i on CPU {:?}[i], {}",
+            v.loaded.0,
+            v.loaded.1,
+            v.loaded.2,
+            cpus.len(),
+            cpus,
+            client_cores,
+            match o.connect {
+                Some(a) => format!("remote node {a}"),
+                None => format!("local peer shard j on CPU {server_cores:?}[j]"),
+            }
+        );
+    }
+    if o.connect.is_none() && !tests.is_empty() {
         let used: Vec<usize> = client_cores.iter().take(max_shards).copied().collect();
         if used.iter().chain(&server_cores).all(|&c| c == used[0]) {
             eprintln!(
@@ -632,7 +670,7 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
         }
     }
     let mut results: Vec<Measurement> = Vec::new();
-    for &transport in &o.transports {
+    for &transport in o.transports.iter().filter(|_| !tests.is_empty()) {
         let mut local = None;
         // Trusted mode on the peer only when a test needs it (and can run: not over tcp).
         let trusted = tests.contains(&Test::PutTrustedBw) && transport != Transport::Tcp;
@@ -689,17 +727,99 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
     }
     // Grouped by test in `--test` order; within a test, in run order (a stable sort).
     results.sort_by_key(|m| tests.iter().position(|t| *t == m.test));
-    print!("{}", report::table(&results));
+    if !tests.is_empty() {
+        print!("{}", report::table(&results));
+    }
     let _ = std::io::stdout().flush();
+    let colls = bench_collectives(&o, &colls, budget, &psk, &cpus)?;
     if let Some(f) = &o.json {
-        write_file(f, &report::json(&results))?;
+        let mut objects = report::json_objects(&results);
+        objects.extend(collective::json_objects(&colls));
+        write_file(f, &report::json_array(&objects))?;
         eprintln!("shardcx bench: wrote {}", f.display());
     }
     if let Some(f) = &o.plot {
-        plot::write(f, &results).map_err(|e| Failure(e.to_string()))?;
-        eprintln!("shardcx bench: wrote {}", f.display());
+        if results.is_empty() {
+            eprintln!("shardcx bench: --plot draws the point-to-point tests only; nothing to plot");
+        } else {
+            plot::write(f, &results).map_err(|e| Failure(e.to_string()))?;
+            eprintln!("shardcx bench: wrote {}", f.display());
+        }
     }
     Ok(())
+}
+
+/// The collective tests: for every transport and shard count, a world of two nodes of that
+/// many shards in this process ([`collective::run`]); prints their tables.
+fn bench_collectives(
+    o: &BenchArgs,
+    tests: &[Collective],
+    budget: Option<Budget>,
+    psk: &[u8],
+    cpus: &[usize],
+) -> Result<Vec<CollMeasurement>, Failure> {
+    let mut out = Vec::new();
+    if tests.is_empty() {
+        return Ok(out);
+    }
+    let v = shardcx::ucx::version();
+    for &transport in &o.transports {
+        for &shards in &o.shards {
+            // `--cores C/S`: node 0 on C, node 1 on S (default: the last CPU, as the peer's);
+            // without it, rank r on CPU r mod CPUs.
+            let cores = match &o.cores {
+                Some(c) => [
+                    c.client.clone(),
+                    c.server
+                        .clone()
+                        .unwrap_or_else(|| cpus.last().copied().into_iter().collect()),
+                ],
+                None => {
+                    let cpu = |r: usize| cpus.get(r % cpus.len().max(1)).copied().unwrap_or(0);
+                    [
+                        (0..shards).map(cpu).collect(),
+                        (shards..2 * shards).map(cpu).collect(),
+                    ]
+                }
+            };
+            println!(
+                "shardcx bench: UCX {}.{}.{}, collectives over {} nodes of {shards} shard(s) in \
+                 this process ({transport}), node 0 shard s on CPU {:?}[s], node 1 on {:?}[s]",
+                v.loaded.0,
+                v.loaded.1,
+                v.loaded.2,
+                collective::NODES,
+                cores[0],
+                cores[1]
+            );
+            if 2 * shards > cpus.len() {
+                eprintln!(
+                    "shardcx bench: WARNING: {} ranks on {} CPU(s): ranks busy-poll shared cores, \
+                     so the collective figures measure oversubscription",
+                    2 * shards,
+                    cpus.len()
+                );
+            }
+            let cfg = CollectiveConfig {
+                shards,
+                transport,
+                tests: tests.to_vec(),
+                sizes: o.sizes.clone(),
+                budget,
+                warmup: o.warmup,
+                cores: Some(cores),
+                psk: psk.to_vec(),
+                progress: !o.quiet,
+                io_memory: None,
+            };
+            out.extend(collective::run(&cfg)?);
+        }
+    }
+    // Grouped by collective in `--test` order, then in run order.
+    out.sort_by_key(|m| tests.iter().position(|t| *t == m.test));
+    print!("{}", collective::table(&out));
+    let _ = std::io::stdout().flush();
+    Ok(out)
 }
 
 /// Where the perftest server and client run: like the local peer's shard 0 and client shard 0.
@@ -901,11 +1021,18 @@ fn transport(s: &str) -> Result<Transport, String> {
     Transport::parse(s).ok_or_else(|| format!("unknown transport {s:?} (shm, tcp, auto)"))
 }
 
-fn test(s: &str) -> Result<Test, String> {
-    Test::parse(s).ok_or_else(|| {
-        let names: Vec<&str> = Test::ALL.iter().map(|t| t.name()).collect();
-        format!("unknown test {s:?} (one of {})", names.join(", "))
-    })
+fn test(s: &str) -> Result<Named, String> {
+    Test::parse(s)
+        .map(Named::P2p)
+        .or_else(|| Collective::parse(s).map(Named::Coll))
+        .ok_or_else(|| {
+            let names: Vec<&str> = Test::ALL
+                .iter()
+                .map(|t| t.name())
+                .chain(Collective::ALL.iter().map(|c| c.name()))
+                .collect();
+            format!("unknown test {s:?} (one of {})", names.join(", "))
+        })
 }
 
 fn size(s: &str) -> Result<usize, String> {
