@@ -472,6 +472,9 @@ impl Op {
             (Some((by, cause)), _) => Err(self.aborted(by, cause)),
             (None, Some((by, cause))) => Err(self.revoked(by, cause)),
             (None, None) => {
+                // Pinned where it is: `or` then holds a reference, not a second copy of the
+                // body's (large) state.
+                let body = std::pin::pin!(body);
                 futures_lite::future::or(body, async {
                     sleep(self.timeout).await;
                     Err(CollectiveError::TimedOut {
