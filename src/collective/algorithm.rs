@@ -34,7 +34,9 @@
 use std::ops::Range;
 
 use super::comm::{Group, PHASE_SHIFT};
-use super::element::{combine_in_turns, decode_in_turns, encode_in_turns, Element, Operator};
+use super::element::{
+    combine_in_turns, combine_le_in_turns, decode_in_turns, encode_in_turns, Element, Operator,
+};
 use super::error::CollectiveError;
 use super::state::MAX_BUFFERED_BYTES;
 
@@ -159,6 +161,21 @@ async fn recv_len(
         return Err(g.mismatch(from, format!("{} bytes where {len} were expected", d.len())));
     }
     Ok(d)
+}
+
+/// Receives `acc.len()` elements from `from` and combines them into `acc` (`from` holds the
+/// lower ranks' contribution when `from_lower`), straight from the received bytes.
+async fn recv_combine<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    from: usize,
+    st: u32,
+    o: &O,
+    acc: &mut [T],
+    from_lower: bool,
+) -> Result<(), CollectiveError> {
+    let d = recv_len(g, from, st, acc.len() * T::SIZE).await?;
+    combine_le_in_turns(o, acc, &d, from_lower).await;
+    Ok(())
 }
 
 /// Receives `len` elements from `from`.
@@ -327,9 +344,11 @@ async fn reduce_tree<T: Element, O: Operator<T> + ?Sized>(
         }
         if vr + mask < p {
             let from = real(vr + mask, tree_root, p);
-            let t: Vec<T> = recv_elems(g, from, step(phase, 0), n).await?;
-            if let Some(a) = acc.as_mut() {
-                combine_in_turns(o, a, &t, false).await;
+            match acc.as_mut() {
+                Some(a) => recv_combine(g, from, step(phase, 0), o, a, false).await?,
+                None => {
+                    recv_elems::<T>(g, from, step(phase, 0), n).await?;
+                }
             }
         }
         mask <<= 1;
@@ -508,8 +527,7 @@ async fn recursive_doubling<T: Element, O: Operator<T> + ?Sized>(
                 .await?;
             None
         } else {
-            let t: Vec<T> = recv_elems(g, r - 1, step(0, 0), n).await?;
-            combine_in_turns(o, &mut acc, &t, true).await;
+            recv_combine(g, r - 1, step(0, 0), o, &mut acc, true).await?;
             Some(r / 2)
         }
     } else {
@@ -521,8 +539,7 @@ async fn recursive_doubling<T: Element, O: Operator<T> + ?Sized>(
             let nd = nr ^ mask;
             let dst = if nd < rem { nd * 2 + 1 } else { nd + rem };
             g.send(dst, step(1, k), encode_in_turns(&acc).await).await?;
-            let t: Vec<T> = recv_elems(g, dst, step(1, k), n).await?;
-            combine_in_turns(o, &mut acc, &t, dst < r).await;
+            recv_combine(g, dst, step(1, k), o, &mut acc, dst < r).await?;
             mask <<= 1;
             k += 1;
         }
@@ -554,8 +571,7 @@ async fn ring_reduce_scatter<T: Element, O: Operator<T> + ?Sized>(
         g.send(right, step(phase, s), encode_in_turns(&acc[out]).await)
             .await?;
         let inn = block(n, p, (r + 2 * p - s - 2) % p);
-        let t: Vec<T> = recv_elems(g, left, step(phase, s), inn.len()).await?;
-        combine_in_turns(o, &mut acc[inn], &t, true).await;
+        recv_combine(g, left, step(phase, s), o, &mut acc[inn], true).await?;
     }
     Ok(())
 }

@@ -22,6 +22,27 @@ pub trait Element: Copy + Debug + Send + 'static {
     fn write_le(&self, out: &mut [u8]);
     /// Reads an element from `bytes` (exactly `SIZE` bytes).
     fn read_le(bytes: &[u8]) -> Self;
+
+    /// Appends the elements in `bytes` (a whole number of `SIZE`-byte elements; a shorter
+    /// tail is ignored) to `out`. The default reads them one by one with
+    /// [`Element::read_le`]; the built-in numbers read fixed-size chunks, which the compiler
+    /// turns into plain vector loads (a collective decodes every byte it receives this way).
+    fn extend_from_le(bytes: &[u8], out: &mut Vec<Self>) {
+        if Self::SIZE > 0 {
+            out.extend(bytes.chunks_exact(Self::SIZE).map(Self::read_le));
+        }
+    }
+
+    /// Writes `xs` into `out` (`xs.len() * SIZE` bytes; extra bytes are left alone). The
+    /// default writes them one by one with [`Element::write_le`]; the built-in numbers write
+    /// fixed-size chunks.
+    fn write_all_le(xs: &[Self], out: &mut [u8]) {
+        if Self::SIZE > 0 {
+            for (x, o) in xs.iter().zip(out.chunks_exact_mut(Self::SIZE)) {
+                x.write_le(o);
+            }
+        }
+    }
 }
 
 /// Numbers the built-in operators ([`Sum`], [`Prod`], [`Min`], [`Max`]) work on. Integer sums
@@ -164,6 +185,20 @@ macro_rules! element {
                 b.copy_from_slice(bytes);
                 <$t>::from_le_bytes(b)
             }
+            fn extend_from_le(bytes: &[u8], out: &mut Vec<Self>) {
+                const N: usize = std::mem::size_of::<$t>();
+                out.extend(bytes.chunks_exact(N).map(|c| {
+                    let mut b = [0u8; N];
+                    b.copy_from_slice(c);
+                    <$t>::from_le_bytes(b)
+                }));
+            }
+            fn write_all_le(xs: &[Self], out: &mut [u8]) {
+                const N: usize = std::mem::size_of::<$t>();
+                for (x, c) in xs.iter().zip(out.chunks_exact_mut(N)) {
+                    c.copy_from_slice(&x.to_le_bytes());
+                }
+            }
         }
     )*};
 }
@@ -211,11 +246,7 @@ impl<T: Element, const N: usize> Element for [T; N] {
 /// The bytes of `xs`, `T::SIZE` each.
 pub(crate) fn encode<T: Element>(xs: &[T]) -> Vec<u8> {
     let mut out = vec![0u8; xs.len() * T::SIZE];
-    if T::SIZE > 0 {
-        for (x, o) in xs.iter().zip(out.chunks_exact_mut(T::SIZE)) {
-            x.write_le(o);
-        }
-    }
+    T::write_all_le(xs, &mut out);
     out
 }
 
@@ -227,7 +258,9 @@ pub(crate) fn decode<T: Element>(bytes: &[u8]) -> Option<Vec<T>> {
     if bytes.len() % T::SIZE != 0 {
         return None;
     }
-    Some(bytes.chunks_exact(T::SIZE).map(T::read_le).collect())
+    let mut out = Vec::with_capacity(bytes.len() / T::SIZE);
+    T::extend_from_le(bytes, &mut out);
+    Some(out)
 }
 
 /// `acc[i] = left[i] ∘ acc[i]` (`left` from lower ranks) or `acc[i] = acc[i] ∘ right[i]`.
@@ -257,9 +290,7 @@ pub(crate) async fn encode_in_turns<T: Element>(xs: &[T]) -> Vec<u8> {
     }
     let mut out = vec![0u8; xs.len() * T::SIZE];
     for (xs, out) in xs.chunks(TURN).zip(out.chunks_mut(TURN * T::SIZE)) {
-        for (x, o) in xs.iter().zip(out.chunks_exact_mut(T::SIZE)) {
-            x.write_le(o);
-        }
+        T::write_all_le(xs, out);
         glommio::yield_if_needed().await;
     }
     out
@@ -275,10 +306,34 @@ pub(crate) async fn decode_in_turns<T: Element>(bytes: &[u8]) -> Option<Vec<T>> 
     }
     let mut out = Vec::with_capacity(bytes.len() / T::SIZE);
     for chunk in bytes.chunks(TURN * T::SIZE) {
-        out.extend(chunk.chunks_exact(T::SIZE).map(T::read_le));
+        T::extend_from_le(chunk, &mut out);
         glommio::yield_if_needed().await;
     }
     Some(out)
+}
+
+/// [`combine_into`] with `other` still in its wire bytes (`acc.len()` elements of them): read
+/// [`TURN`] elements at a time into one scratch vector that stays in cache, instead of decoding
+/// the whole message into a vector of its own first (a copy and, for a large one, fresh pages
+/// to fault in); the shard's other tasks run between turns.
+pub(crate) async fn combine_le_in_turns<T: Element, O: Operator<T> + ?Sized>(
+    op: &O,
+    acc: &mut [T],
+    other: &[u8],
+    other_is_lower: bool,
+) {
+    if T::SIZE == 0 {
+        return;
+    }
+    let mut scratch = Vec::with_capacity(acc.len().min(TURN));
+    for (acc, other) in acc.chunks_mut(TURN).zip(other.chunks(TURN * T::SIZE)) {
+        scratch.clear();
+        T::extend_from_le(other, &mut scratch);
+        combine_into(op, acc, &scratch, other_is_lower);
+        if acc.len() == TURN {
+            glommio::yield_if_needed().await;
+        }
+    }
 }
 
 /// [`combine_into`], letting the shard's other tasks run every [`TURN`] elements.
@@ -309,6 +364,64 @@ mod tests {
         assert_eq!(decode::<[i64; 4]>(&encode(&ms)).unwrap(), ms);
         assert_eq!(encode(&[0x0102_0304u32]), vec![4, 3, 2, 1]);
         assert!(decode::<u32>(&[1, 2, 3]).is_none());
+    }
+
+    #[test]
+    fn the_numbers_chunked_reads_and_writes_agree_with_one_by_one() {
+        fn check<T: Element + PartialEq>(xs: &[T]) {
+            let mut one_by_one = vec![0u8; xs.len() * T::SIZE];
+            for (x, o) in xs.iter().zip(one_by_one.chunks_exact_mut(T::SIZE)) {
+                x.write_le(o);
+            }
+            assert_eq!(encode(xs), one_by_one);
+            let back: Vec<T> = one_by_one.chunks_exact(T::SIZE).map(T::read_le).collect();
+            assert!(decode::<T>(&one_by_one).unwrap() == back);
+            assert!(back == xs);
+        }
+        check(
+            &(0..1000u32)
+                .map(|i| i.wrapping_mul(2_654_435_761))
+                .collect::<Vec<_>>(),
+        );
+        check(&(0..999).map(|i| i as f32 * -1.25).collect::<Vec<_>>());
+        check(&(0..77).map(|i| i64::MIN + i).collect::<Vec<_>>());
+        check(&[half::bf16::from_f32(3.5), half::bf16::from_f32(-0.25)]);
+        check(&[[1u16, 2, 3], [4, 5, 6]]);
+    }
+
+    #[test]
+    fn combining_from_wire_bytes_is_combining_the_decoded_elements() {
+        // Over several turns, with a partial last one, both operand orders.
+        let n = TURN * 2 + 123;
+        let acc: Vec<i64> = (0..n as i64).collect();
+        let other: Vec<i64> = (0..n as i64).map(|i| i * 3 - 7).collect();
+        let op = |a: &i64, b: &i64| a * 2 + b; // not commutative
+        struct F<G>(G);
+        impl<G: Fn(&i64, &i64) -> i64> Operator<i64> for F<G> {
+            fn combine(&self, a: &i64, b: &i64) -> i64 {
+                (self.0)(a, b)
+            }
+            fn is_commutative(&self) -> bool {
+                false
+            }
+        }
+        for lower in [true, false] {
+            let mut want = acc.clone();
+            combine_into(&F(op), &mut want, &other, lower);
+            let (acc, other) = (acc.clone(), encode(&other));
+            // On an executor: the turns yield to glommio.
+            let got = glommio::LocalExecutorBuilder::default()
+                .io_memory(64 << 10)
+                .spawn(move || async move {
+                    let mut got = acc;
+                    combine_le_in_turns(&F(op), &mut got, &other, lower).await;
+                    got
+                })
+                .unwrap()
+                .join()
+                .unwrap();
+            assert_eq!(got, want, "lower: {lower}");
+        }
     }
 
     #[test]
