@@ -11,7 +11,10 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use shardcx::shards::Placement;
+
+mod stacks;
 use shardcx::{Node, NodeBuilder, NodeId};
+pub(crate) use stacks::stacks;
 
 /// The `shardcx` command built with these tests.
 pub(crate) fn shardcx() -> Command {
@@ -75,29 +78,6 @@ pub(crate) fn port_outside_ephemeral_range() -> SocketAddr {
         }
     }
     panic!("no free port outside the ephemeral range {lo}..={hi}");
-}
-
-/// The stack of every thread of process `pid`, by gdb when it is installed (else why not), for
-/// a test that gives up on a hang: what each thread was waiting for. gdb stops the process for
-/// the time it reads the stacks (at most a minute), then lets it go on.
-pub(crate) fn stacks(pid: u32) -> String {
-    let out = Command::new("timeout")
-        .args(["60", "gdb", "-p", &pid.to_string(), "-batch", "-nx"])
-        .args(["-ex", "set pagination off", "-ex", "thread apply all bt 40"])
-        .stdin(Stdio::null())
-        .output();
-    match out {
-        Ok(o) if !o.stdout.is_empty() => String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .filter(|l| !l.starts_with("[New LWP") && !l.starts_with("[Thread debugging"))
-            .collect::<Vec<_>>()
-            .join("\n"),
-        Ok(o) => format!(
-            "(no stacks: gdb said {})",
-            String::from_utf8_lossy(&o.stderr).trim()
-        ),
-        Err(e) => format!("(no stacks: cannot run gdb: {e})"),
-    }
 }
 
 /// Runs `f` on another thread; fails the test if it takes longer than `limit`, with the

@@ -11,6 +11,9 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard, Once};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
+
+#[path = "../../../tests/common/stacks.rs"]
+mod stacks;
 use shardcx_shards::net::NetConfig;
 use shardcx_shards::proto::NodeId;
 use shardcx_shards::{MeshStats, NetStats, Placement, ShardCtx, ShardsBuilder};
@@ -102,9 +105,7 @@ impl Server {
                 }
             }
         });
-        let addr = rx
-            .recv_timeout(LIMIT)
-            .map_err(|_| "server node did not start".to_string())??;
+        let addr = recv_or_stacks(&rx, "server node start")?;
         Ok(Server { addr, done, thread })
     }
 
@@ -121,9 +122,22 @@ pub(crate) fn join_bounded<T: Send + 'static>(h: std::thread::JoinHandle<T>, wha
     std::thread::spawn(move || {
         let _ = tx.send(h.join());
     });
-    rx.recv_timeout(LIMIT)
-        .unwrap_or_else(|_| panic!("{what} did not stop"))
-        .unwrap_or_else(|_| panic!("{what} panicked"))
+    recv_or_stacks(&rx, what).unwrap_or_else(|_| panic!("{what} panicked"))
+}
+
+/// What `rx` brings within [`LIMIT`]; past it, the test fails with the stacks of this
+/// process's threads on stderr first (what the hang waited for).
+pub(crate) fn recv_or_stacks<T>(rx: &mpsc::Receiver<T>, what: &str) -> T {
+    match rx.recv_timeout(LIMIT) {
+        Ok(v) => v,
+        Err(_) => {
+            eprintln!(
+                "{what}: still running after {LIMIT:?}; the threads of this test process:\n{}",
+                stacks::stacks(std::process::id())
+            );
+            panic!("{what}: still running after {LIMIT:?}");
+        }
+    }
 }
 
 /// Runs `builder` with `f` on every shard in a thread of its own; returns the shards' results
@@ -138,9 +152,7 @@ where
     std::thread::spawn(move || {
         let _ = tx.send(builder.run(f));
     });
-    rx.recv_timeout(LIMIT)
-        .expect("node still running")
-        .expect("node failed")
+    recv_or_stacks(&rx, "node").expect("node failed")
 }
 
 /// Waits (polling, bounded by `limit`) until `cond` holds; whether it did.
