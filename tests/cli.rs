@@ -7,7 +7,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{output_within, shardcx, NodeProc};
+use common::{output_within, shardcx, Bounded, NodeProc};
 #[path = "../shards/ucx/tests/fake_cuda/mod.rs"]
 mod fake_cuda;
 use fake_cuda::FakeDriver;
@@ -17,8 +17,7 @@ fn info_reports_ucx_memlock_cores_and_cuda() {
     let out = shardcx()
         .arg("info")
         .env_remove(shardcx::cuda::CUDA_MODE_ENV)
-        .output()
-        .unwrap();
+        .output_bounded();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "info failed: {out:?}");
     for want in [
@@ -104,8 +103,7 @@ fn a_tiny_bench_writes_the_documented_json() {
         .arg(&json)
         .arg("--plot")
         .arg(&svg)
-        .output()
-        .unwrap();
+        .output_bounded();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -171,8 +169,7 @@ fn plot_writes_png_by_extension_and_refuses_others() {
         ])
         .args(["--warmup", "5", "--transport", "tcp", "--plot"])
         .arg(&png)
-        .output()
-        .unwrap();
+        .output_bounded();
     assert!(out.status.success(), "bench failed: {out:?}");
     let bytes = std::fs::read(&png).unwrap();
     assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
@@ -182,8 +179,7 @@ fn plot_writes_png_by_extension_and_refuses_others() {
     let out = shardcx()
         .args(["bench", "--plot"])
         .arg(dir.join("b.jpg"))
-        .output()
-        .unwrap();
+        .output_bounded();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains(".svg or .png"), "{err}");
@@ -210,8 +206,7 @@ fn the_binary_runs_anywhere_and_says_which_ucx_it_loaded() {
         .arg("info")
         .env_remove("LD_LIBRARY_PATH")
         .current_dir(std::env::temp_dir())
-        .output()
-        .unwrap();
+        .output_bounded();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "info failed: {out:?}");
     let found = text
@@ -222,8 +217,7 @@ fn the_binary_runs_anywhere_and_says_which_ucx_it_loaded() {
     let out = shardcx()
         .args(["info", "--json"])
         .env_remove("LD_LIBRARY_PATH")
-        .output()
-        .unwrap();
+        .output_bounded();
     assert!(out.status.success(), "info --json failed: {out:?}");
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["shardcx"], env!("CARGO_PKG_VERSION"));
@@ -249,8 +243,7 @@ fn info_follows_the_cuda_override() {
             .arg("info")
             .args(json.then_some("--json"))
             .env(shardcx::cuda::CUDA_MODE_ENV, value)
-            .output()
-            .unwrap();
+            .output_bounded();
         assert!(out.status.success(), "SHARDCX_CUDA={value}: {out:?}");
         String::from_utf8(out.stdout).unwrap()
     };
@@ -308,8 +301,7 @@ fn info_names_the_driver_and_devices_of_a_fake_driver() {
             .env("LD_LIBRARY_PATH", &path)
             .env("FAKE_CUDA_DEVICES", devices)
             .env_remove(shardcx::cuda::CUDA_MODE_ENV)
-            .output()
-            .unwrap();
+            .output_bounded();
         assert!(out.status.success(), "{out:?}");
         String::from_utf8(out.stdout).unwrap()
     };
@@ -456,7 +448,7 @@ fn help_and_completions() {
         (&["completions", "zsh"][..], "#compdef shardcx"),
         (&["--version"][..], env!("CARGO_PKG_VERSION")),
     ] {
-        let out = shardcx().args(args).output().unwrap();
+        let out = shardcx().args(args).output_bounded();
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{args:?}: {out:?}");
         assert!(
@@ -490,7 +482,7 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         (&["frobnicate"][..], "unrecognized subcommand"),
         (&[][..], "Usage: shardcx <COMMAND>"),
     ] {
-        let out = shardcx().args(args).output().unwrap();
+        let out = shardcx().args(args).output_bounded();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
@@ -498,8 +490,7 @@ fn bad_input_is_a_clear_error_not_a_panic() {
     }
     let out = shardcx()
         .args(["bench", "--psk-file", "/nonexistent/key"])
-        .output()
-        .unwrap();
+        .output_bounded();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the key file"));
 }
@@ -516,8 +507,7 @@ fn a_node_logs_sessions_and_refused_handshakes() {
             .args(["bench", "--connect", &addr, "--transport", "tcp"])
             .args(["--test", "am-lat", "--iters", "50", "--warmup", "5"])
             .args(extra)
-            .output()
-            .unwrap()
+            .output_bounded()
     };
     assert!(bench(&[]).status.success());
     let key = std::env::temp_dir().join(format!("shardcx-wrong-key-{}", std::process::id()));
@@ -566,8 +556,7 @@ fn a_node_logs_sessions_and_refused_handshakes() {
 fn vs_perftest_puts_perftest_figures_in_the_table_and_the_json() {
     let out = shardcx()
         .args(["bench", "--vs-perftest", "--connect", "127.0.0.1:1"])
-        .output()
-        .unwrap();
+        .output_bounded();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("cannot be used with"), "{err}");
@@ -646,8 +635,7 @@ fn the_readme_shows_the_current_help() {
         let out = shardcx()
             .args(args)
             .env_remove("SHARDCX_PSK_FILE")
-            .output()
-            .unwrap();
+            .output_bounded();
         assert!(out.status.success());
         let text = String::from_utf8(out.stdout).unwrap();
         let shown = format!("$ shardcx {}\n{text}", args.join(" "));
@@ -724,8 +712,7 @@ fn the_wheels_ucx_runs_the_same_binary() {
     let out = shardcx()
         .arg("info")
         .env("LD_LIBRARY_PATH", &lib)
-        .output()
-        .unwrap();
+        .output_bounded();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "info failed: {out:?}");
     let loaded = text.lines().find(|l| l.starts_with("UCX loaded:")).unwrap();

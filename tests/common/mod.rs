@@ -37,7 +37,8 @@ pub(crate) fn two_shard_node(id: NodeId, key: &[u8]) -> NodeBuilder {
 /// chatty child cannot block on a full pipe), and kills it past the limit, failing the test
 /// with `what`.
 pub(crate) fn output_within(child: Child, limit: Duration, what: &str) -> std::process::Output {
-    let pid = child.id().to_string();
+    let child_pid = child.id();
+    let pid = child_pid.to_string();
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(child.wait_with_output());
@@ -45,9 +46,39 @@ pub(crate) fn output_within(child: Child, limit: Duration, what: &str) -> std::p
     match rx.recv_timeout(limit) {
         Ok(out) => out.unwrap(),
         Err(_) => {
+            eprintln!(
+                "{what} did not finish within {limit:?}; its threads:\n{}",
+                stacks(child_pid)
+            );
             let _ = Command::new("kill").args(["-KILL", &pid]).status();
             panic!("{what} did not finish within {limit:?}");
         }
+    }
+}
+
+/// How long a test waits for one run of the `shardcx` command (see [`Bounded`]).
+pub(crate) const COMMAND_LIMIT: Duration = Duration::from_secs(120);
+
+/// `Command::output` with a bound: a run of the command that outlives [`COMMAND_LIMIT`] has
+/// its thread stacks printed, is killed, and fails the test (a `shardcx bench` that a test ran
+/// with a wrong key once took 9 minutes to fail, with nothing to say where it waited).
+pub(crate) trait Bounded {
+    /// Runs the command like `output` (stdin closed, stdout and stderr captured; any other
+    /// setting of them is replaced), within [`COMMAND_LIMIT`].
+    fn output_bounded(&mut self) -> std::process::Output;
+}
+
+impl Bounded for Command {
+    fn output_bounded(&mut self) -> std::process::Output {
+        let what = format!("{:?}", self);
+        // As `Command::output`: no stdin, output captured.
+        let child = self
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        output_within(child, COMMAND_LIMIT, &what)
     }
 }
 
