@@ -20,7 +20,7 @@ use crate::driver::{DispatchHook, Dispatched};
 use crate::pool::PoolBuf;
 use crate::proto::conn::{DropReason, Received};
 use crate::proto::handshake::{HandshakeMessage, Role};
-use crate::proto::wire::{decode_frame, NO_DEADLINE_TTL};
+use crate::proto::wire::decode_frame;
 use crate::proto::{
     AmId, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ShardId, State, Timestamp, WireError,
 };
@@ -219,10 +219,9 @@ impl Frame {
         }
     }
 
-    /// When the frame was taken: for a frame with a deadline, a clock reading of the batch
-    /// that dispatched it (the time its `ttl_ns` counts from); for one without, the reading
-    /// from the start of the driver's poll that took it (before `progress`, so up to a poll
-    /// earlier).
+    /// When the driver's poll that took the frame began (its one clock reading, taken before
+    /// `progress`, so at most one poll before the frame was seen): the time a deadline carried
+    /// in `ttl_ns` counts from.
     pub fn arrived(&self) -> Instant {
         self.arrived
     }
@@ -361,24 +360,26 @@ pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
     })
 }
 
-/// Handles at most `budget` recorded inputs, in order. Each frame reaches its handler before
-/// the next input is handled: a `Close` (or an endpoint error) that follows data frames must
-/// not fail the requests and receives those frames answer. Out of line: the hook's look at an
-/// empty inbox, every round of an idle driver, needs no frame of its own.
+/// Handles at most `budget` recorded inputs, in order, dated `at` (the driver's clock reading
+/// from the start of its poll, at most one poll old: what it dates is the connections'
+/// liveness, whose timers count in heartbeat intervals, and a frame's arrival, from which an
+/// RPC's deadline counts, so that a deadline ends if anything early, never late). Out of line:
+/// the hook's look at an empty inbox, every round of an idle driver, needs no frame of its
+/// own.
+/// Each frame reaches its handler before the next input is handled: a `Close` (or an endpoint
+/// error) that follows data frames must not fail the requests and receives those frames
+/// answer.
 #[inline(never)]
 pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, at: Instant) -> Dispatched {
     let net = ctx.net();
-    let mut clock = BatchClock {
-        recent: (net.timestamp(at), at),
-        fresh: None,
-    };
+    let now = (net.timestamp(at), at);
     let mut n = 0;
     let mut backlog = false;
     while n < budget {
         let item = net.inbox.borrow_mut().pop_front();
         let Some(item) = item else { break };
         n += 1;
-        handle(ctx, net, item, &mut clock);
+        handle(ctx, net, item, now);
     }
     if n == budget && !net.inbox.borrow().is_empty() {
         backlog = true;
@@ -390,42 +391,8 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, at: Instant) -> Dispatche
     }
 }
 
-/// The times a batch dates its inputs with.
-///
-/// - `recent`: the driver's reading from the start of its poll, before `progress` (no clock
-///   read between a message's arrival and its handler). It can be older than the message
-///   itself, by up to a poll (longer if the thread was descheduled meanwhile), so it dates
-///   only what tolerates that: a frame without a deadline (the connection's liveness, whose
-///   timers count in heartbeat intervals, and the frame's `arrived`).
-/// - `fresh`: read once per batch, when the first frame with a deadline (or a control frame,
-///   or an endpoint error) needs it. A deadline counts from its frame's arrival, and must not
-///   end on the server before it ends on the client: a stale arrival time could put it before
-///   the client even sent the frame (R9 caught it: a 1 ms call refused as expired).
-struct BatchClock {
-    recent: (Timestamp, Instant),
-    fresh: Option<(Timestamp, Instant)>,
-}
-
-impl BatchClock {
-    fn fresh(&mut self, net: &NetState) -> (Timestamp, Instant) {
-        *self.fresh.get_or_insert_with(|| {
-            let at = Instant::now();
-            (net.timestamp(at), at)
-        })
-    }
-
-    /// The time for a frame with `header`: `recent` when it carries no deadline.
-    fn for_frame(&mut self, net: &NetState, header: &FrameHeader) -> (Timestamp, Instant) {
-        if header.ttl_ns == NO_DEADLINE_TTL {
-            self.fresh.unwrap_or(self.recent)
-        } else {
-            self.fresh(net)
-        }
-    }
-}
-
 /// Handles one recorded input.
-fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, clock: &mut BatchClock) {
+fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timestamp, Instant)) {
     match item {
         Inbound::Data {
             node,
@@ -433,7 +400,6 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, clock: &mut BatchCl
             user,
             data,
         } => {
-            let (now, at) = clock.for_frame(net, &header);
             let remote = header.src_shard;
             let received = match net
                 .peers
@@ -467,7 +433,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, clock: &mut BatchCl
             node,
             addr_len,
             bytes,
-        } => handle_control(ctx, net, node, addr_len, &bytes, clock.fresh(net).0),
+        } => handle_control(ctx, net, node, addr_len, &bytes, now),
         Inbound::Malformed => net.count(|s| s.dropped_malformed += 1),
         Inbound::TooLarge => net.count(|s| s.dropped_too_large += 1),
         Inbound::TransportError {
@@ -475,7 +441,6 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, clock: &mut BatchCl
             remote,
             generation,
         } => {
-            let now = clock.fresh(net).0;
             let beside = {
                 let mut peers = net.peers.borrow_mut();
                 let p = peers.get_mut(&node);
