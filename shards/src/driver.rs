@@ -163,10 +163,8 @@ pub(crate) type PollHook = Rc<dyn RoundHook>;
 
 /// The net layer's dispatch, called right after every `progress` (see "The hot path"): handles
 /// at most `budget` of the inputs UCX's callbacks recorded, calling their handlers inline, and
-/// returns how many it handled and whether inputs are left (the budget ran out). The
-/// `Instant` is the clock reading taken when this poll of the driver began: the dispatch dates
-/// its inputs with it instead of reading the clock between `progress` and the handlers.
-pub(crate) type DispatchHook = Rc<dyn Fn(usize, Instant) -> Dispatched>;
+/// returns how many it handled and whether inputs are left (the budget ran out).
+pub(crate) type DispatchHook = Rc<dyn Fn(usize) -> Dispatched>;
 
 /// What one dispatch did (see [`DispatchHook`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -175,6 +173,9 @@ pub(crate) struct Dispatched {
     pub(crate) handled: usize,
     /// Inputs left recorded: the next round dispatches them before calling `progress` again.
     pub(crate) backlog: bool,
+    /// The clock reading the dispatch took for its batch, if it handled anything: the driver
+    /// uses it instead of reading the clock again.
+    pub(crate) at: Option<Instant>,
 }
 
 /// A shard's running progress driver: the waker thread and the flags shared with it.
@@ -342,8 +343,9 @@ impl Backstop {
 
 /// What one poll of the driver found (see [`spin`]).
 enum Found {
-    /// Events, dispatched frames or mesh messages: handlers may have woken tasks.
-    Work,
+    /// Events, dispatched frames or mesh messages: handlers may have woken tasks. With the
+    /// dispatch's clock reading when it had one.
+    Work(Option<Instant>),
     /// Nothing within the idle budget, or the executor wants the thread back.
     Nothing,
 }
@@ -353,9 +355,6 @@ enum Found {
 /// inputs and one at the mesh's doorbell: about 50 ns when idle, so 256 rounds is some
 /// 10-20 µs between clock reads.
 pub const IDLE_ROUNDS: u32 = 256;
-
-/// Empty rounds between two looks at glommio's preempt flag (`need_preempt`).
-const PREEMPT_LOOK_ROUNDS: u32 = 8;
 
 /// Recorded inputs dispatched per round at most, so that a flood on one connection cannot keep
 /// the driver from progressing UCX, taking the mesh's lanes and yielding to timers and tasks.
@@ -390,15 +389,15 @@ pub(crate) async fn run(mut task: DriverTask) {
     let mut watching = false;
     let mut backstop = Backstop::new();
     while !task.stop.load(Ordering::Acquire) {
-        // One clock reading per poll, before it: the dispatch dates what it handles with it
-        // (at most one poll old: an idle poll is IDLE_ROUNDS rounds, a busy one ends at its
-        // first round with work), so that no clock is read between a message's arrival and
-        // its handler, and the spin window below is measured with it.
-        let now = Instant::now();
-        let found = std::future::poll_fn(|_| Poll::Ready(spin(&task, now))).await;
+        let found = std::future::poll_fn(|_| Poll::Ready(spin(&task))).await;
         // The mesh's lanes (see "The mesh's hook").
         let hook = task.hook.get();
-        if matches!(found, Found::Work) {
+        // One clock reading per poll: the dispatch's when it took one.
+        let now = match found {
+            Found::Work(Some(at)) => at,
+            _ => Instant::now(),
+        };
+        if matches!(found, Found::Work(_)) {
             last_event = now;
         } else if now.duration_since(last_event) >= task.config.spin {
             // Say so before the last look at the lanes: a sender then either sees the driver
@@ -472,30 +471,27 @@ pub(crate) async fn run(mut task: DriverTask) {
 }
 
 /// Rounds of progress, dispatch and the mesh's lanes, inside one poll (see [`run`]).
-fn spin(task: &DriverTask, now: Instant) -> Found {
+fn spin(task: &DriverTask) -> Found {
     let dispatch = task.dispatch.get();
     let hook = task.hook.get();
     let executor = glommio::executor();
     // Set by a task since the last poll (see `Driver::wake`): other tasks are runnable.
     let kicked = task.kick.replace(false);
-    for round in 0..IDLE_ROUNDS {
+    for _ in 0..IDLE_ROUNDS {
         // See "Backlog" in `run`'s docs.
         let events = if task.backlog.get() {
             0
         } else {
             task.worker.progress()
         };
-        let done = dispatch.map_or(Dispatched::default(), |d| d(DISPATCH_BUDGET, now));
+        let done = dispatch.map_or(Dispatched::default(), |d| d(DISPATCH_BUDGET));
         task.backlog.set(done.backlog);
         let hooked = hook.is_some_and(|hook| hook.poll());
         task.stats.rounds.set(task.stats.rounds.get() + 1);
         if events > 0 || done.handled > 0 || hooked || kicked {
-            return Found::Work;
+            return Found::Work(done.at);
         }
-        // Every PREEMPT_LOOK_ROUNDS rounds: the look reads the preempt timer's ring, which
-        // the kernel writes (a cache miss of its own), and the timer's period (1 ms) is
-        // thousands of rounds.
-        if round % PREEMPT_LOOK_ROUNDS == PREEMPT_LOOK_ROUNDS - 1 && executor.need_preempt() {
+        if executor.need_preempt() {
             break;
         }
     }

@@ -1031,19 +1031,6 @@ async fn serve_inbox(mesh: Weak<MeshState>, ctx: Weak<ShardCtx>, bell: Arc<Doorb
     }
 }
 
-impl DriverHook {
-    /// The doorbell rang: take what came. Out of line, so that the empty look above stays a
-    /// load and a return (no frame to set up in every round of an idle driver).
-    #[cold]
-    #[inline(never)]
-    fn take(&self) -> bool {
-        match (self.mesh.upgrade(), self.ctx.upgrade()) {
-            (Some(mesh), Some(ctx)) => mesh.take(&ctx, Taker::Driver) > 0,
-            _ => false,
-        }
-    }
-}
-
 impl RoundHook for DriverHook {
     fn poll(&self) -> bool {
         // The whole cost of a round in which nothing came (a plain load on x86; `SeqCst` for
@@ -1051,7 +1038,10 @@ impl RoundHook for DriverHook {
         if !self.bell.rung.load(Ordering::SeqCst) {
             return false;
         }
-        self.take()
+        match (self.mesh.upgrade(), self.ctx.upgrade()) {
+            (Some(mesh), Some(ctx)) => mesh.take(&ctx, Taker::Driver) > 0,
+            _ => false,
+        }
     }
 
     fn sleeping(&self, asleep: bool) {

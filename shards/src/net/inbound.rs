@@ -219,9 +219,8 @@ impl Frame {
         }
     }
 
-    /// When the driver's poll that took the frame began (its one clock reading, taken before
-    /// `progress`, so at most one poll before the frame was seen): the time a deadline carried
-    /// in `ttl_ns` counts from.
+    /// When the driver took the frame's batch (the one clock reading of that batch): the time
+    /// a deadline carried in `ttl_ns` counts from.
     pub fn arrived(&self) -> Instant {
         self.arrived
     }
@@ -349,36 +348,35 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
 pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
     let weak = Rc::downgrade(ctx);
     let inbox = ctx.net().inbox.clone();
-    Rc::new(move |budget, at| {
+    Rc::new(move |budget| {
         if inbox.borrow().is_empty() {
             return Dispatched::default();
         }
         match weak.upgrade() {
-            Some(ctx) => drain(&ctx, budget, at),
+            Some(ctx) => drain(&ctx, budget),
             None => Dispatched::default(),
         }
     })
 }
 
-/// Handles at most `budget` recorded inputs, in order, dated `at` (the driver's clock reading
-/// from the start of its poll, at most one poll old: what it dates is the connections'
-/// liveness, whose timers count in heartbeat intervals, and a frame's arrival, from which an
-/// RPC's deadline counts, so that a deadline ends if anything early, never late). Out of line:
-/// the hook's look at an empty inbox, every round of an idle driver, needs no frame of its
-/// own.
+/// Handles at most `budget` recorded inputs, in order; the clock is read once for them all
+/// (what it dates is the connections' liveness, whose timers count in heartbeat intervals).
 /// Each frame reaches its handler before the next input is handled: a `Close` (or an endpoint
 /// error) that follows data frames must not fail the requests and receives those frames
 /// answer.
-#[inline(never)]
-pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, at: Instant) -> Dispatched {
+pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> Dispatched {
     let net = ctx.net();
-    let now = (net.timestamp(at), at);
+    let mut now = None;
     let mut n = 0;
     let mut backlog = false;
     while n < budget {
         let item = net.inbox.borrow_mut().pop_front();
         let Some(item) = item else { break };
         n += 1;
+        let now = *now.get_or_insert_with(|| {
+            let at = Instant::now();
+            (net.timestamp(at), at)
+        });
         handle(ctx, net, item, now);
     }
     if n == budget && !net.inbox.borrow().is_empty() {
@@ -388,6 +386,7 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, at: Instant) -> Dispatche
     Dispatched {
         handled: n,
         backlog,
+        at: now.map(|(_, at)| at),
     }
 }
 
