@@ -640,6 +640,15 @@ fn conformance_on_3_ranks() {
     conformance(&[2, 1]);
 }
 
+/// A node of one shard listed before a node of two: the world on the small node must wait
+/// for both rails its one shard holds to the big node (it once counted the rail still
+/// being joined as another shard's, sent on it and failed with "not connected").
+#[test]
+fn conformance_on_3_ranks_of_a_one_shard_node_then_a_two_shard_node() {
+    let _g = serial();
+    conformance(&[1, 2]);
+}
+
 #[test]
 fn conformance_on_4_ranks_of_two_nodes_of_two_shards() {
     let _g = serial();
@@ -920,7 +929,7 @@ fn back_to_back_collectives_of_different_kinds() {
 
 /// A rank that arrives after the others' deadline: they fail with `TimedOut` naming the rank
 /// they waited for, in bounded time; the late rank fails at once with `Aborted` (the others
-/// told it); the communicator is then revoked on both, and a new world works.
+/// told it); the communicator is then revoked on both, and its shrink (both ranks) works.
 #[test]
 fn a_deadline_that_expires_fails_with_the_typed_error() {
     let _g = serial();
@@ -962,7 +971,9 @@ fn a_deadline_that_expires_fails_with_the_typed_error() {
             ensure!(r, took < short, "the abort took {took:?}");
         }
         revoked(&mut c, 0, AbortCause::TimedOut).await?;
-        let mut c = renew(&c).await?;
+        // Nobody died: the shrunk communicator has every rank, in the same order.
+        let mut c = c.shrink(T).await.map_err(|e| e.to_string())?;
+        ensure!(r, c.size() == 2 && c.rank() == r, "shrunk to {c:?}");
         let sum = c
             .all_reduce(&[r as u64 + 1], &Sum, T)
             .await
@@ -1056,6 +1067,93 @@ fn a_lost_rank_fails_the_collective_in_bounded_time() {
     all_ok(results);
 }
 
+/// A node that leaves while the others wait for it: they fail, then `shrink` gives them a
+/// communicator of the ranks that are left (same order), on which collectives work, within
+/// seconds; the shrunk communicator of the original is a different one.
+#[test]
+fn shrink_leaves_out_the_ranks_of_a_node_that_left() {
+    let _g = serial();
+    all_ok(world(&[2, 1, 1], |mut c: Communicator| async move {
+        let r = c.rank();
+        if r == 3 {
+            // The last node takes no part and stops.
+            return Ok(());
+        }
+        let out = c.all_reduce(&[1u64], &Sum, T).await;
+        ensure!(
+            r,
+            matches!(
+                out,
+                Err(CollectiveError::RankFailed { failed: 3, .. }
+                    | CollectiveError::Aborted {
+                        cause: AbortCause::RankFailed,
+                        ..
+                    }
+                    | CollectiveError::Revoked {
+                        cause: AbortCause::RankFailed,
+                        ..
+                    })
+            ),
+            "{out:?}"
+        );
+        let t0 = Instant::now();
+        let mut s = c.shrink(T).await.map_err(|e| format!("rank {r}: {e}"))?;
+        let took = t0.elapsed();
+        ensure!(r, took < Duration::from_secs(10), "shrink took {took:?}");
+        ensure!(r, s.size() == 3 && s.rank() == r, "shrunk to {s:?}");
+        ensure!(
+            r,
+            s.members() == &c.members()[..3],
+            "members {:?}",
+            s.members()
+        );
+        ensure!(r, s.id() != c.id(), "the same id as the original");
+        let sum = s
+            .all_reduce(&[r as u64 + 1], &Sum, T)
+            .await
+            .map_err(|e| e.to_string())?;
+        ensure!(r, sum == [6], "all-reduce after the shrink: {sum:?}");
+        let all = s
+            .all_gather(&[r as u32], T)
+            .await
+            .map_err(|e| e.to_string())?;
+        ensure!(r, all == [0, 1, 2], "all-gather after the shrink: {all:?}");
+        // The original stays revoked.
+        ensure!(r, c.barrier(T).await.is_err(), "the original works again");
+        Ok(())
+    }));
+}
+
+/// The node of rank 0, which would coordinate the shrink, leaves: the others agree through
+/// the next rank (a rank that has not yet seen the loss first tries rank 0, and moves on when
+/// its loss is seen).
+#[test]
+fn shrink_survives_the_loss_of_the_lowest_rank() {
+    let _g = serial();
+    all_ok(world(&[1, 1, 2], |mut c: Communicator| async move {
+        let r = c.rank();
+        if r == 0 {
+            return Ok(());
+        }
+        let out = c.barrier(T).await;
+        ensure!(r, out.is_err(), "the barrier ended: {out:?}");
+        let mut s = c.shrink(T).await.map_err(|e| format!("rank {r}: {e}"))?;
+        ensure!(r, s.size() == 3 && s.rank() == r - 1, "shrunk to {s:?}");
+        ensure!(
+            r,
+            s.members() == &c.members()[1..],
+            "members {:?}",
+            s.members()
+        );
+        let sum = s
+            .all_reduce(&[r as u64], &Sum, T)
+            .await
+            .map_err(|e| e.to_string())?;
+        ensure!(r, sum == [6], "all-reduce after the shrink: {sum:?}");
+        Ok(())
+    }));
+}
+
 /// Node B of `a_rank_killed_mid_all_reduce`, in a child process: prints its address, makes
 /// the world with node A, then all-reduces until it is killed (or 60 s pass), printing
 /// `ROUND k` now and then.
@@ -1095,6 +1193,7 @@ fn child_rank() {
 /// fails with `RankFailed` naming a rank of the killed node, or `Aborted`/`Revoked` by a rank
 /// that did (a rank a step ahead waits in the next all-reduce for one that will never come:
 /// the revocation ends that wait), within seconds of the kill, long before its 60 s deadline.
+/// Both then shrink the communicator to the ranks of their node, and all-reduce on it.
 #[test]
 fn a_rank_killed_mid_all_reduce() {
     use std::io::{BufRead, BufReader};
@@ -1144,7 +1243,21 @@ fn a_rank_killed_mid_all_reduce() {
                         k += 1;
                     };
                     let after = killed.lock().unwrap().map(|t| t.elapsed());
-                    (c.rank(), err, after)
+                    // The survivors go on among themselves.
+                    let shrunk = match c.shrink(T).await {
+                        Ok(mut s) => {
+                            let here = s.members().iter().all(|m| m.node == A);
+                            match s.all_reduce(&[1u64], &Sum, T).await {
+                                Ok(sum) if here && s.size() == 2 => Ok(sum[0]),
+                                Ok(sum) => {
+                                    Err(format!("shrunk to {s:?} {:?}: {sum:?}", s.members()))
+                                }
+                                Err(e) => Err(e.to_string()),
+                            }
+                        }
+                        Err(e) => Err(e.to_string()),
+                    };
+                    (c.rank(), err, after, shrunk)
                 }
             })
             .expect("node A")
@@ -1170,7 +1283,8 @@ fn a_rank_killed_mid_all_reduce() {
         .recv_timeout(LIMIT)
         .expect("node A still running after LIMIT")
         .expect("node A panicked");
-    for (rank, err, after) in results {
+    for (rank, err, after, shrunk) in results {
+        assert_eq!(shrunk, Ok(2), "rank {rank}: the shrunk communicator");
         let after = after.expect("failed before the kill");
         assert!(
             matches!(

@@ -8,7 +8,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
-use shardcx_shards::proto::{NodeId, ShardId};
+use shardcx_shards::proto::{NodeId, Rails, ShardId};
 
 use super::algorithm::{Algorithm, Tuning};
 use super::element::{decode_in_turns, Element};
@@ -51,6 +51,10 @@ pub struct Communicator {
     next_seq: u64,
     tuning: Tuning,
     last_algorithm: Option<Algorithm>,
+    /// The loss epoch when it was made: nodes lost after it are gone for [`Communicator::shrink`].
+    born: u64,
+    /// Shrinks begun on it (each one's messages are its own).
+    shrinks: u64,
 }
 
 /// One operation in progress on one rank: its identity on the wire, its deadline, and what it
@@ -289,6 +293,60 @@ impl Communicator {
         self.split(color, key, timeout).await
     }
 
+    /// A new communicator of the ranks of this one that survive: the ranks whose nodes have
+    /// not lost their connection since this communicator was made, in the same order
+    /// (renumbered from 0). Collective on the survivors, and usable on a revoked communicator:
+    /// it is how ranks go on after a [`CollectiveError::RankFailed`] or an abort. Every
+    /// surviving rank must call it; the new communicator keeps this one's [`Tuning`].
+    ///
+    /// The survivors agree through the lowest rank each of them sees alive (the coordinator):
+    /// every rank sends it the ranks it sees alive, and the coordinator answers every rank
+    /// with the ranks all of them see alive. A coordinator that fails meanwhile is replaced by
+    /// the next rank, so a failure during the shrink is survived too. When the ranks'
+    /// connections were cut but their nodes still run (a partition), each side shrinks to the
+    /// ranks it still reaches; a rank that the coordinator heard from but another survivor
+    /// saw as failed gets [`CollectiveError::Excluded`]. Fails at `timeout` (with the rank it
+    /// waited for) when a rank that this one sees alive does not take part.
+    pub async fn shrink(&mut self, timeout: Duration) -> Result<Communicator, CollectiveError> {
+        const OP: &str = "shrink";
+        let attempt = self.shrinks;
+        self.shrinks += 1;
+        // The agreement's messages go on a communicator of their own (this one may be
+        // revoked), with the same ranks.
+        let agree_id = hash([0x5348_524b, self.id, attempt]);
+        let mut agree = Communicator::make(
+            self.node.clone(),
+            self.state.clone(),
+            agree_id,
+            self.members.clone(),
+            self.rank,
+            OP,
+        )?;
+        let op = agree.begin(OP, timeout);
+        let (by, survivors) = op.run(agree_on_survivors(&op, self.born)).await?;
+        drop(op);
+        drop(agree);
+        let rank =
+            survivors
+                .iter()
+                .position(|&r| r == self.rank)
+                .ok_or(CollectiveError::Excluded {
+                    op: OP,
+                    rank: self.rank,
+                    by,
+                })?;
+        let members: Rc<[Member]> = survivors.iter().map(|&r| self.members[r]).collect();
+        let id = hash(
+            [0x5348_524e, self.id, attempt]
+                .into_iter()
+                .chain(survivors.iter().map(|&r| r as u64)),
+        );
+        let mut comm =
+            Communicator::make(self.node.clone(), self.state.clone(), id, members, rank, OP)?;
+        comm.tuning = self.tuning;
+        Ok(comm)
+    }
+
     /// This rank's number.
     pub fn rank(&self) -> usize {
         self.rank
@@ -357,6 +415,7 @@ impl Communicator {
                 what: format!("communicator id {id:#x} already in use on this shard"),
             });
         }
+        let born = state.epoch();
         Ok(Communicator {
             node,
             state,
@@ -366,6 +425,8 @@ impl Communicator {
             next_seq: 0,
             tuning: Tuning::default(),
             last_algorithm: None,
+            born,
+            shrinks: 0,
         })
     }
 
@@ -749,6 +810,112 @@ impl Drop for Op {
     }
 }
 
+/// Step of a rank's view of the survivors, sent to coordinator `c` (see [`agree_on_survivors`]).
+fn view_step(c: usize) -> u32 {
+    c as u32
+}
+
+/// Step of coordinator `c`'s answer: the survivors.
+fn survivors_step(c: usize) -> u32 {
+    1 << PHASE_SHIFT | c as u32
+}
+
+/// The rank a loss names, when `e` is one: that rank is gone for the agreement.
+fn lost_rank(e: &CollectiveError) -> Option<usize> {
+    match e {
+        CollectiveError::RankFailed { failed, .. } => Some(*failed),
+        _ => None,
+    }
+}
+
+/// The agreement of [`Communicator::shrink`], on its own communicator (`op`, with the ranks of
+/// the one being shrunk): returns the coordinator that decided and the surviving ranks, in
+/// rank order. `born` is the loss epoch when the shrunk communicator was made.
+///
+/// Each round, a rank takes the lowest rank it sees alive as coordinator. Any other rank
+/// sends it its view (one byte per rank: 1 alive) and waits for the answer; the coordinator
+/// waits for the view of every rank it sees alive (a rank lost meanwhile is left out) and
+/// answers each rank it heard from with the ranks that it and every one of them see alive
+/// (as little-endian `u32`s). When the coordinator fails (lost, or a send to it fails), the
+/// rank marks it dead and goes on with the next. Every round marks a rank dead, so there are
+/// at most as many rounds as ranks; the operation's deadline bounds the waits.
+async fn agree_on_survivors(op: &Op, born: u64) -> Result<(usize, Vec<usize>), CollectiveError> {
+    let (n, me) = (op.size(), op.rank());
+    // Read after the operation began: a loss from now on ends the waits on that rank.
+    let mut alive: Vec<bool> = op
+        .members()
+        .iter()
+        .map(|m| !op.state.lost_since(m.node, born))
+        .collect();
+    alive[me] = true;
+    // A rank found dead; false when it was already (nothing new learnt: give up).
+    let gone = |alive: &mut Vec<bool>, e: CollectiveError| match lost_rank(&e) {
+        Some(r) if r != me && alive[r] => {
+            alive[r] = false;
+            Ok(())
+        }
+        _ => Err(e),
+    };
+    loop {
+        let c = alive.iter().position(|&a| a).unwrap_or(me);
+        if c != me {
+            let view: Vec<u8> = alive.iter().map(|&a| u8::from(a)).collect();
+            if let Err(e) = op.send(c, view_step(c), view).await {
+                gone(&mut alive, e)?;
+                continue;
+            }
+            match op.recv(c, survivors_step(c)).await {
+                Ok(bytes) => {
+                    let mut survivors = Vec::with_capacity(bytes.len() / 4);
+                    for w in bytes.chunks(4) {
+                        let r = <[u8; 4]>::try_from(w).map(u32::from_le_bytes);
+                        match r {
+                            Ok(r) if (r as usize) < n && survivors.last() < Some(&(r as usize)) => {
+                                survivors.push(r as usize)
+                            }
+                            _ => return Err(op.mismatch(c, "a malformed list of survivors")),
+                        }
+                    }
+                    return Ok((c, survivors));
+                }
+                Err(e) => gone(&mut alive, e)?,
+            }
+            continue;
+        }
+        // The coordinator.
+        let mut common = alive.clone();
+        let mut heard = vec![false; n];
+        heard[me] = true;
+        for r in 0..n {
+            if r == me || !alive[r] {
+                continue;
+            }
+            match op.recv(r, view_step(me)).await {
+                Ok(view) if view.len() == n => {
+                    heard[r] = true;
+                    for (c, v) in common.iter_mut().zip(&view) {
+                        *c &= *v == 1;
+                    }
+                }
+                Ok(_) => return Err(op.mismatch(r, "a view of another number of ranks")),
+                Err(e) => gone(&mut alive, e)?,
+            }
+        }
+        let survivors: Vec<usize> = (0..n).filter(|&r| heard[r] && common[r]).collect();
+        let answer: Vec<u8> = survivors
+            .iter()
+            .flat_map(|&r| (r as u32).to_le_bytes())
+            .collect();
+        // Every rank that took part hears the outcome, also one left out (it then fails with
+        // `Excluded` instead of waiting); a rank that fails now is found by the new
+        // communicator's first operation.
+        for r in (0..n).filter(|&r| r != me && heard[r]) {
+            let _ = op.send(r, survivors_step(me), answer.clone()).await;
+        }
+        return Ok((me, survivors));
+    }
+}
+
 /// How long an abort may take to reach one rank.
 const ABORT_DEADLINE: Duration = Duration::from_secs(1);
 
@@ -802,11 +969,16 @@ async fn remote_shard_count(
     let mut tried_connect = false;
     loop {
         let ctx = node.shard_ctx();
-        if let Some(remote) = ctx.session(n) {
-            // Ready once every rail this shard holds to the node is.
+        let session = ctx.session(n);
+        if let Some(remote) = &session {
+            // Ready once every rail this shard holds to the node is (`owner_of_shard` knows
+            // no owner for a rail not up yet: the rails' own rule says whose it is).
+            let local = u16::try_from(ctx.shard_count()).unwrap_or(u16::MAX);
+            let rails = Rails::new(local, remote.shard_count).ok();
             let ready = (0..remote.shard_count).all(|j| {
                 let j = ShardId::new(j);
-                ctx.owner_of_shard(n, j) != Some(ctx.id()) || ctx.rail(n, j).is_some()
+                let mine = rails.is_none_or(|r| r.owner_of_remote(j) == ctx.id());
+                !mine || ctx.rail(n, j).is_some()
             });
             if ready {
                 return Ok(remote.shard_count);
@@ -844,6 +1016,7 @@ fn rename(mut e: CollectiveError, name: &'static str) -> CollectiveError {
         | CollectiveError::Revoked { op, .. }
         | CollectiveError::Mismatch { op, .. }
         | CollectiveError::InvalidArgument { op, .. }
+        | CollectiveError::Excluded { op, .. }
         | CollectiveError::ShuttingDown { op, .. } => *op = name,
         CollectiveError::Unreachable { .. } | CollectiveError::NotOnShard => {}
     }

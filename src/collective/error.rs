@@ -109,6 +109,19 @@ pub enum CollectiveError {
         /// Why (no session within the deadline, or the connect's error).
         cause: String,
     },
+    /// [`crate::collective::Communicator::shrink`] left this rank out: another survivor saw
+    /// it as failed (its node's connection ended there, as after a partition).
+    #[error(
+        "{op} on rank {rank}: left out of the shrunk communicator (rank {by} saw it as failed)"
+    )]
+    Excluded {
+        /// The operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The rank that decided the survivors.
+        by: usize,
+    },
     /// This node is shutting down.
     #[error("{op} on rank {rank}: this node is shutting down")]
     ShuttingDown {
@@ -165,6 +178,7 @@ impl CollectiveError {
             }
             CollectiveError::Aborted { .. }
             | CollectiveError::Revoked { .. }
+            | CollectiveError::Excluded { .. }
             | CollectiveError::NotOnShard => None,
         }
     }

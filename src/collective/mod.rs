@@ -62,8 +62,25 @@
 //! reaches (also a rank that has already finished that operation and waits in the next one:
 //! the rank that failed will not come): from then on every operation on it fails at once
 //! with [`CollectiveError::Revoked`] ([`Communicator::revoked`] says by whom and why). The
-//! ranks then make a new communicator (a new [`Communicator::world`]); `shrink()`, a new
-//! communicator of the survivors only, is not there yet.
+//! ranks then make a new communicator: [`Communicator::shrink`] (the survivors only, in the
+//! same order: the ranks whose nodes have not lost their connection since the communicator
+//! was made, agreed through the lowest of them; a failure during the shrink is survived), or
+//! a new [`Communicator::world`].
+//!
+//! ```no_run
+//! # use std::time::Duration;
+//! # use shardcx::collective::{CollectiveError, Communicator, Sum};
+//! # async fn demo(mut world: Communicator) -> Result<(), CollectiveError> {
+//! let t = Duration::from_secs(5);
+//! let mut comm = match world.all_reduce(&[1u64], &Sum, t).await {
+//!     Ok(_) => world,
+//!     // A rank's node died (or an abort came): go on with the ranks that are left.
+//!     Err(_) => world.shrink(t).await?,
+//! };
+//! let alive = comm.all_reduce(&[1u64], &Sum, t).await?;
+//! assert_eq!(alive[0], comm.size() as u64);
+//! # Ok(()) }
+//! ```
 //!
 //! ## Algorithms
 //!

@@ -220,6 +220,20 @@ impl ShardState {
         }
     }
 
+    /// The loss epoch now: [`ShardState::lost_since`] with it tells the nodes lost from now on.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.inner.borrow().epoch
+    }
+
+    /// Whether `node`'s connection ended after loss epoch `epoch`.
+    pub(crate) fn lost_since(&self, node: NodeId, epoch: u64) -> bool {
+        self.inner
+            .borrow()
+            .lost
+            .get(&node)
+            .is_some_and(|(e, _)| *e > epoch)
+    }
+
     /// Whether communicator `comm` is revoked here: the rank that failed, and why.
     pub(crate) fn revoked(&self, comm: u64) -> Option<(u32, AbortCause)> {
         self.inner.borrow().revoked.get(&comm).copied()

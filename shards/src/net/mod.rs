@@ -947,7 +947,9 @@ impl ShardCtx {
     }
 
     /// The local shard that holds the rail to shard `shard` of `node` (this shard when it has
-    /// one), or `None` when `node` is not connected on this shard or has no such shard.
+    /// one), or `None` when `node` is not connected on this shard or has no such shard, and
+    /// also when the rail is this shard's by the rails' rule but is not up (proto's
+    /// [`Rails::owner_of_remote`](crate::proto::Rails::owner_of_remote) says whose it is).
     pub fn owner_of_shard(&self, node: NodeId, shard: ShardId) -> Option<ShardId> {
         match self.route(Dest::shard(node, shard)).ok()? {
             Route::Here(_) => Some(self.id()),
