@@ -1,6 +1,7 @@
 //! `RedisRegistry` against a real `redis-server`: each test starts its own on a free loopback
 //! port (no persistence; killed when the test ends) and runs the registry on a glommio
-//! executor. Where `redis-server` is not installed the tests say so and skip
+//! executor; and a collective world made from it. Where `redis-server` is not installed the
+//! tests say so and skip
 //! (`scripts/setup` installs it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
@@ -587,4 +588,158 @@ fn password_and_database_from_the_url() {
             assert!(matches!(e, RegistryError::Protocol(_)), "{url}: {e}");
         }
     });
+}
+
+/// Runs node `i` of a world made from the registry at `url`: `shards` shards, id `id`; its
+/// shard 0 registers it under `service`, every shard makes the world of `count` nodes from
+/// the registry and all-reduces `rank + 1`. Returns (rank, size, sum, the rank's node) per
+/// shard.
+fn registry_world_node(
+    url: String,
+    service: &'static str,
+    id: u64,
+    shards: usize,
+    count: usize,
+) -> std::thread::JoinHandle<Vec<(usize, usize, u64, NodeId)>> {
+    use shardcx::collective::{Communicator, Sum};
+    use shardcx::shards::Placement;
+    use shardcx::Node;
+    const T: Duration = Duration::from_secs(20);
+    std::thread::spawn(move || {
+        Node::builder()
+            .shards(shards)
+            .placement(Placement::Unpinned)
+            .transports("tcp")
+            .io_memory(256 << 10)
+            .node_id(NodeId::new(id))
+            .psk(b"registry world test key, 16+ bytes")
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |node: Node| {
+                let url = url.clone();
+                async move {
+                    let reg = RedisRegistry::connect(&url, config(Duration::from_secs(30)))
+                        .await
+                        .expect("registry");
+                    if node.shard().get() == 0 {
+                        let me = NodeRecord {
+                            service: service.into(),
+                            node: node.id(),
+                            addr: node.listen_addr().expect("listening"),
+                            shards: node.shard_count() as u16,
+                            functions: Vec::new(),
+                        };
+                        reg.register(&me).await.expect("register");
+                    }
+                    let mut c = Communicator::world_from_registry(&node, &reg, service, count, T)
+                        .await
+                        .expect("world from the registry");
+                    let sum = c
+                        .all_reduce(&[c.rank() as u64 + 1], &Sum, T)
+                        .await
+                        .expect("all_reduce");
+                    (c.rank(), c.size(), sum[0], c.members()[c.rank()].node)
+                }
+            })
+            .expect("node")
+    })
+}
+
+/// Three nodes that know nothing of each other but the registry (started in an order other
+/// than their ids, with 2, 1 and 1 shards): each registers itself, every shard makes the
+/// world from the registry, ranks numbered by node id, and an all-reduce checks every rank.
+#[test]
+fn a_world_of_the_nodes_of_a_service() {
+    let Some(server) = Server::start(None) else {
+        return;
+    };
+    let layout = [(0x33, 1), (0x31, 2), (0x32, 1)];
+    let threads: Vec<_> = layout
+        .iter()
+        .map(|&(id, shards)| registry_world_node(server.url(), "world", id, shards, 3))
+        .collect();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let all: Vec<_> = threads.into_iter().map(|t| t.join()).collect();
+        let _ = tx.send(all);
+    });
+    let mut ranks: Vec<(usize, usize, u64, NodeId)> = rx
+        .recv_timeout(LIMIT)
+        .expect("nodes still running after LIMIT")
+        .into_iter()
+        .flat_map(|r| r.expect("a node panicked (above)"))
+        .collect();
+    ranks.sort();
+    let want: Vec<(usize, usize, u64, NodeId)> = [0x31, 0x31, 0x32, 0x33]
+        .into_iter()
+        .enumerate()
+        .map(|(r, n)| (r, 4, 10, NodeId::new(n)))
+        .collect();
+    assert_eq!(ranks, want);
+}
+
+/// Refusals of `world_from_registry`: more nodes under the service than asked for, a count
+/// this node is not among, too few nodes by the deadline (a `Discovery` error in time), a
+/// world of no nodes.
+#[test]
+fn a_world_from_the_registry_refuses_what_it_cannot_make() {
+    use shardcx::collective::{CollectiveError, Communicator};
+    use shardcx::shards::Placement;
+    use shardcx::Node;
+    let Some(mut server) = Server::start(None) else {
+        return;
+    };
+    let url = server.url();
+    let out = Node::builder()
+        .shards(1)
+        .placement(Placement::Unpinned)
+        .transports("tcp")
+        .io_memory(256 << 10)
+        .node_id(NodeId::new(0x41))
+        .psk(b"registry world test key, 16+ bytes")
+        .listen("127.0.0.1:0".parse().unwrap())
+        .run(move |node: Node| {
+            let url = url.clone();
+            async move {
+                let reg = RedisRegistry::connect(&url, config(Duration::from_secs(30)))
+                    .await
+                    .expect("registry");
+                let mut me = record("solo", 0x41, &[]);
+                me.addr = node.listen_addr().unwrap();
+                reg.register(&me).await.expect("register");
+                let t = Duration::from_millis(400);
+                let t0 = Instant::now();
+                let few = Communicator::world_from_registry(&node, &reg, "solo", 2, t).await;
+                let few_took = t0.elapsed();
+                reg.register(&record("solo", 0x40, &[])).await.unwrap();
+                let many = Communicator::world_from_registry(&node, &reg, "solo", 1, t).await;
+                let other = Communicator::world_from_registry(&node, &reg, "other", 0, t).await;
+                reg.register(&record("pair", 0x50, &[])).await.unwrap();
+                let not_me = Communicator::world_from_registry(&node, &reg, "pair", 1, t).await;
+                let gone = |r: Result<Communicator, CollectiveError>| r.map(|_| ());
+                (gone(few), few_took, gone(many), gone(other), gone(not_me))
+            }
+        })
+        .expect("node");
+    let (few, few_took, many, other, not_me) = out.into_iter().next().unwrap();
+    assert!(
+        matches!(&few, Err(CollectiveError::Discovery { cause, .. }) if cause.contains("1 of 2")),
+        "{few:?}"
+    );
+    assert!(
+        few_took >= Duration::from_millis(400) && few_took < Duration::from_millis(400) + SLACK,
+        "too few nodes failed after {few_took:?}"
+    );
+    assert!(
+        matches!(&many, Err(CollectiveError::InvalidArgument { what, .. }) if what.contains("more than 1")),
+        "{many:?}"
+    );
+    assert!(
+        matches!(other, Err(CollectiveError::InvalidArgument { .. })),
+        "{other:?}"
+    );
+    assert!(
+        matches!(&not_me, Err(CollectiveError::InvalidArgument { what, .. }) if what.contains("not among")),
+        "{not_me:?}"
+    );
+    server.stop();
 }

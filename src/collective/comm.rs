@@ -91,6 +91,10 @@ pub(crate) struct Group<'a> {
 /// Step bits below a group's phase.
 const GROUP_SHIFT: u32 = 28;
 
+/// How often [`Communicator::world_from_registry`] asks the registry again while fewer nodes
+/// than it waits for are registered.
+const REGISTRY_POLL: Duration = Duration::from_millis(20);
+
 /// How often world creation looks whether the sessions to the other nodes are up.
 const SESSION_POLL: Duration = Duration::from_millis(2);
 
@@ -204,6 +208,89 @@ impl Communicator {
             });
         }
         Ok(comm)
+    }
+
+    /// The world of the nodes registered under `service` in `registry` (see
+    /// [`crate::registry`]): waits until `count` nodes are registered there, this one among
+    /// them, then makes their world ([`Communicator::world`]) with the nodes in the order of
+    /// their ids. Collective: every shard of every one of those nodes calls it (each with its
+    /// own registry client), and it fails at `timeout`.
+    ///
+    /// Each pair of nodes connects once, the node with the larger id to the address the other
+    /// registered; nothing else needs to be known. More than `count` nodes under `service`
+    /// is [`CollectiveError::InvalidArgument`] (every rank must see the same list), and so is
+    /// this node missing from `count` of them; a registry that cannot be asked within the
+    /// deadline is [`CollectiveError::Discovery`].
+    pub async fn world_from_registry<R: crate::registry::Registry>(
+        node: &Node,
+        registry: &R,
+        service: &str,
+        count: usize,
+        timeout: Duration,
+    ) -> Result<Communicator, CollectiveError> {
+        const OP: &str = "world_from_registry";
+        let start = Instant::now();
+        let me = node.id();
+        let invalid = |what: String| CollectiveError::InvalidArgument { op: OP, what };
+        if count == 0 {
+            return Err(invalid("a world of no nodes".into()));
+        }
+        // How many the last answer listed.
+        let mut seen = None;
+        let records = loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            let found =
+                futures_lite::future::or(async { Some(registry.lookup(service).await) }, async {
+                    sleep(left).await;
+                    None
+                })
+                .await;
+            let mut records = match found {
+                Some(Ok(records)) => records,
+                Some(Err(e)) => {
+                    return Err(CollectiveError::Discovery {
+                        op: OP,
+                        cause: e.to_string(),
+                    })
+                }
+                None => {
+                    let cause = match seen {
+                        Some(k) => format!(
+                            "{k} of {count} nodes registered under {service:?} within {timeout:?}"
+                        ),
+                        None => format!("the registry did not answer within {timeout:?}"),
+                    };
+                    return Err(CollectiveError::Discovery { op: OP, cause });
+                }
+            };
+            seen = Some(records.len());
+            if records.len() > count {
+                return Err(invalid(format!(
+                    "{} nodes are registered under {service:?}, more than {count}",
+                    records.len()
+                )));
+            }
+            if records.len() == count {
+                records.sort_by_key(|r| r.node.get());
+                break records;
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            sleep(REGISTRY_POLL.min(left)).await;
+        };
+        if !records.iter().any(|r| r.node == me) {
+            return Err(invalid(format!(
+                "this node ({me}) is not among the {count} registered under {service:?}"
+            )));
+        }
+        // The node with the larger id connects: one connection per pair, none crossing.
+        for r in records.iter().filter(|r| r.node.get() < me.get()) {
+            node.add_peer_addr(r.node, r.addr);
+        }
+        let nodes: Vec<NodeId> = records.iter().map(|r| r.node).collect();
+        let left = timeout.saturating_sub(start.elapsed());
+        Communicator::world(node, &nodes, left)
+            .await
+            .map_err(|e| rename(e, OP))
     }
 
     /// Splits this communicator: ranks that pass the same `color` form a new communicator, in
@@ -1018,7 +1105,9 @@ fn rename(mut e: CollectiveError, name: &'static str) -> CollectiveError {
         | CollectiveError::InvalidArgument { op, .. }
         | CollectiveError::Excluded { op, .. }
         | CollectiveError::ShuttingDown { op, .. } => *op = name,
-        CollectiveError::Unreachable { .. } | CollectiveError::NotOnShard => {}
+        CollectiveError::Unreachable { .. }
+        | CollectiveError::Discovery { .. }
+        | CollectiveError::NotOnShard => {}
     }
     e
 }

@@ -122,6 +122,15 @@ pub enum CollectiveError {
         /// The rank that decided the survivors.
         by: usize,
     },
+    /// The discovery registry could not be asked, or did not list the nodes in time
+    /// ([`crate::collective::Communicator::world_from_registry`]).
+    #[error("{op}: discovery: {cause}")]
+    Discovery {
+        /// The operation.
+        op: &'static str,
+        /// What went wrong.
+        cause: String,
+    },
     /// This node is shutting down.
     #[error("{op} on rank {rank}: this node is shutting down")]
     ShuttingDown {
@@ -176,6 +185,7 @@ impl CollectiveError {
             CollectiveError::Unreachable { .. } | CollectiveError::ShuttingDown { .. } => {
                 Some(AbortCause::RankFailed)
             }
+            CollectiveError::Discovery { .. } => None,
             CollectiveError::Aborted { .. }
             | CollectiveError::Revoked { .. }
             | CollectiveError::Excluded { .. }

@@ -8,7 +8,8 @@
 //! one of them sees it: every rank holds its own, on its own shard (`!Send`), and calls the
 //! same operations on it in the same order, each an `async` method with its own deadline.
 //! [`Communicator::world`] makes the world of a list of nodes (every shard of every node, ranks
-//! numbered node by node in list order, then by shard); [`Communicator::split`] (by color and
+//! numbered node by node in list order, then by shard), [`Communicator::world_from_registry`]
+//! the world of the nodes registered under a service name; [`Communicator::split`] (by color and
 //! key, with [`Color::UNDEFINED`] to stay out), [`Communicator::dup`],
 //! [`Communicator::node_local`] and [`Communicator::leaders`] make new ones from it. Making a
 //! communicator is itself collective and has a deadline.
