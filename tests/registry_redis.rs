@@ -1,8 +1,7 @@
 //! `RedisRegistry` against a real `redis-server`: each test starts its own on a free loopback
 //! port (no persistence; killed when the test ends) and runs the registry on a glommio
 //! executor; and a collective world made from it. Where `redis-server` is not installed the
-//! tests say so and skip
-//! (`scripts/setup` installs it).
+//! tests say so and skip (`scripts/setup` installs it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // A test may panic: a panic is a failure it reports.
 
