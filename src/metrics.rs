@@ -14,6 +14,7 @@
 //! | family | kind | what |
 //! | --- | --- | --- |
 //! | `shardcx_frames_delivered` | counter | application frames handed to handlers |
+//! | `shardcx_frames_dispatched_in_callback` | counter | of those, frames with eager data dispatched inside UCX's receive callback |
 //! | `shardcx_frames_sent` | counter | application frames sent, by `path` (`in_place`, `posted`, `queued`) |
 //! | `shardcx_frames_dropped` | counter | frames dropped, by `reason` |
 //! | `shardcx_rendezvous_received` | counter | frames received by rendezvous, by `into` (`pool`, `recycled`, `allocated`, `declined`) |
@@ -213,6 +214,13 @@ impl Collector for ShardsCollector {
             "Application frames handed to handlers.",
             Counter,
             &one(|s| s.net.delivered),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_frames_dispatched_in_callback",
+            "Application frames with eager data dispatched inside UCX's receive callback (of those delivered).",
+            Counter,
+            &one(|s| s.net.dispatched_in_callback),
         )?;
         family(
             &mut encoder,

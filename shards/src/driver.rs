@@ -1,8 +1,9 @@
 //! The progress driver: fast when busy, asleep when idle.
 //!
-//! One task per shard, in the shard's default task queue, calls [`Worker::progress`] in a loop,
-//! dispatching what UCX's callbacks recorded right after each call (handlers run inline; see
-//! "The hot path" at `run`) and yielding to the shard's other tasks once a round found work,
+//! One task per shard, in the shard's default task queue, calls [`Worker::progress`] in a loop
+//! (application frames with eager data are handled inside it, in UCX's callback), dispatching
+//! what UCX's callbacks recorded right after each call (handlers run inline; see "The hot path"
+//! at `run`) and yielding to the shard's other tasks once a round found work,
 //! while events keep coming and for a spin window ([`DriverConfig::spin`]) after the last one.
 //! When the window has passed with no event, it arms the worker and sleeps until the worker's
 //! event fd is readable.
@@ -161,10 +162,11 @@ pub(crate) trait RoundHook {
 /// The hook as the driver holds it.
 pub(crate) type PollHook = Rc<dyn RoundHook>;
 
-/// The net layer's dispatch, called right after every `progress` (see "The hot path"): handles
-/// at most `budget` of the inputs UCX's callbacks recorded, calling their handlers inline, and
-/// returns how many it handled and whether inputs are left (the budget ran out).
-pub(crate) type DispatchHook = Rc<dyn Fn(usize) -> Dispatched>;
+/// The net layer's dispatch, called right after every `progress` (see "The hot path") with a
+/// budget and the round's number ([`DriverStats::rounds`]): handles at most `budget` of the
+/// inputs UCX's callbacks recorded, calling their handlers inline, and returns how many it
+/// handled and whether inputs are left (the budget ran out).
+pub(crate) type DispatchHook = Rc<dyn Fn(usize, u64) -> Dispatched>;
 
 /// What one dispatch did (see [`DispatchHook`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -173,8 +175,8 @@ pub(crate) struct Dispatched {
     pub(crate) handled: usize,
     /// Inputs left recorded: the next round dispatches them before calling `progress` again.
     pub(crate) backlog: bool,
-    /// The clock reading the dispatch took for its batch, if it handled anything: the driver
-    /// uses it instead of reading the clock again.
+    /// The clock reading taken for the round's frames (dispatched inside UCX's callbacks or
+    /// by the hook), if any was: the driver uses it instead of reading the clock again.
     pub(crate) at: Option<Instant>,
 }
 
@@ -364,12 +366,14 @@ pub const DISPATCH_BUDGET: usize = 64;
 ///
 /// ## The hot path
 ///
-/// One poll of this task runs rounds of `progress`, then the net layer's dispatch of what the
-/// callbacks recorded ([`DispatchHook`]: handlers run inline, on this stack), then the mesh's
-/// lanes, and returns as soon as a round found anything, so that tasks the handlers woke run
+/// One poll of this task runs rounds of `progress` (inside which UCX's callback dispatches
+/// application frames with eager data: see "The hot path" in the net module), then the net
+/// layer's dispatch of what the callbacks recorded ([`DispatchHook`]: handlers run inline, on
+/// this stack), then the mesh's lanes, and returns as soon as a round found anything, so that tasks the handlers woke run
 /// next; or after [`IDLE_ROUNDS`] empty rounds, or when glommio's preempt timer says the
 /// executor should look at its timers and I/O (`need_preempt`). Idle rounds so cost no task
-/// switch and no clock read; the clock is read once per poll. The driver runs in the shard's
+/// switch and no clock read; the clock is read at most once per round that found frames, by
+/// the first frame that needs it, and that reading serves the poll. The driver runs in the shard's
 /// default task queue, with the tasks it wakes, so that handing over to them is a plain
 /// `yield_now` (the next task of the same queue), not a switch of task queues, which in glommio
 /// 0.9 reads the clock twice.
@@ -484,10 +488,11 @@ fn spin(task: &DriverTask) -> Found {
         } else {
             task.worker.progress()
         };
-        let done = dispatch.map_or(Dispatched::default(), |d| d(DISPATCH_BUDGET));
+        let round = task.stats.rounds.get();
+        let done = dispatch.map_or(Dispatched::default(), |d| d(DISPATCH_BUDGET, round));
         task.backlog.set(done.backlog);
         let hooked = hook.is_some_and(|hook| hook.poll());
-        task.stats.rounds.set(task.stats.rounds.get() + 1);
+        task.stats.rounds.set(round + 1);
         if events > 0 || done.handled > 0 || hooked || kicked {
             return Found::Work(done.at);
         }

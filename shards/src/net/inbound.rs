@@ -24,7 +24,7 @@ use crate::proto::wire::decode_frame;
 use crate::proto::{
     AmId, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ShardId, State, Timestamp, WireError,
 };
-use crate::ucx::{AlignedBuf, AmData, AmPayload, AmRndv, IoBufMut};
+use crate::ucx::{AlignedBuf, AmData, AmIncoming, AmPayload, AmRndv, IoBufMut};
 
 /// A handler of application frames (an AM id's, or a request kind's).
 pub(super) type FrameHandler = Rc<dyn Fn(&Rc<ShardCtx>, Frame)>;
@@ -55,6 +55,9 @@ enum PayloadInner {
     /// The first `.1` bytes of a pool block (of a region no remote key was packed for).
     Pool(PoolBuf, usize),
     Recycled(RecycledBuf),
+    /// Eager data UCX delivered in place (a short message), copied into the shard's reused
+    /// buffer for a frame dispatched inside UCX's callback (see [`InlineBytes`]).
+    Shared(Rc<Vec<u8>>),
 }
 
 /// An application frame from a connected node, handed to its handler by the progress driver:
@@ -86,6 +89,12 @@ pub(super) enum Inbound {
     },
     TooLarge,
     Malformed,
+    /// A frame dispatched inside UCX's callback left its rail's connection with work (frames
+    /// to send, events): done here, outside the callback ([`session::service`]).
+    Service {
+        node: NodeId,
+        remote: ShardId,
+    },
     /// A rail's sender found its endpoint failed (pushed by the sender task).
     TransportError {
         node: NodeId,
@@ -138,6 +147,7 @@ impl Payload {
             // (`Payload::from_rndv`), and the shard's pool arena never is.
             PayloadInner::Pool(b, len) => b.as_slice().map_or(&[], |b| &b[..*len]),
             PayloadInner::Recycled(r) => r.as_slice(),
+            PayloadInner::Shared(b) => b,
         }
     }
 
@@ -160,6 +170,7 @@ impl Payload {
             PayloadInner::Vec(v) => v,
             PayloadInner::Pool(b, len) => b.as_slice().map_or_else(Vec::new, |b| b[..len].to_vec()),
             PayloadInner::Recycled(r) => r.into_vec(),
+            PayloadInner::Shared(b) => Rc::try_unwrap(b).unwrap_or_else(|b| b.to_vec()),
         }
     }
 
@@ -288,7 +299,34 @@ fn parse_data_header<'a>(
     Ok((node, header, user))
 }
 
-/// Registers the shard's UCX AM handlers: they only record what arrived (see the module docs).
+impl NetState {
+    /// A payload of eager bytes UCX delivered in place, for a frame dispatched inside its
+    /// callback: copied into the shard's reused buffer (no allocation while no frame keeps the
+    /// previous one; a frame that does keeps its copy, and a new buffer is made).
+    fn inline_payload(&self, bytes: &[u8]) -> Payload {
+        if bytes.is_empty() {
+            return Payload::empty();
+        }
+        let buf = match self.inline_bytes.take() {
+            Some(mut b) => match Rc::get_mut(&mut b) {
+                Some(v) => {
+                    v.clear();
+                    v.extend_from_slice(bytes);
+                    b
+                }
+                None => Rc::new(bytes.to_vec()),
+            },
+            None => Rc::new(bytes.to_vec()),
+        };
+        let payload = Payload(PayloadInner::Shared(buf.clone()));
+        self.inline_bytes.set(Some(buf));
+        payload
+    }
+}
+
+/// Registers the shard's UCX AM handlers. Control frames are recorded for the driver's
+/// dispatch; application frames with eager data are dispatched inside the callback when
+/// nothing is recorded before them (see "The hot path" in the module docs of [`crate::net`]).
 pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
     let shard = ctx.id().index();
     let ucx = |source| crate::BootError::Ucx { shard, source };
@@ -311,73 +349,134 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
             inbox.borrow_mut().push_back(item);
         })
         .map_err(ucx)?;
-    let inbox = net.inbox.clone();
+    let weak = Rc::downgrade(ctx);
     let limits = net.limits;
     ctx.worker()
-        .set_am_handler_persistent(DATA_AM, move |h, data| {
-            // The data stays in UCX's descriptor (eager) or with the sender (rendezvous) until
-            // the dispatch has checked the frame; dropping it releases or declines it.
-            let len = match &data {
-                AmPayload::Data(d) => d.len(),
-                AmPayload::Rendezvous(r) => r.len(),
-            };
-            let item = match parse_data_header(h, len, &limits) {
+        .set_am_handler_inline(DATA_AM, move |h, incoming| {
+            let Some(ctx) = weak.upgrade() else { return };
+            let net = ctx.net();
+            let item = match parse_data_header(h, incoming.len(), &limits) {
+                Ok((_, header, _)) if header.kind.is_control() => Inbound::Malformed,
                 Ok((node, header, user)) => {
-                    if header.kind.is_control() {
-                        Inbound::Malformed
-                    } else {
-                        Inbound::Data {
+                    // In order: only while nothing is recorded before it, and not inside
+                    // another frame's dispatch.
+                    let inline = !net.dispatching.get() && net.inbox.borrow().is_empty();
+                    match incoming {
+                        AmIncoming::Bytes(b) if inline => {
+                            let payload = net.inline_payload(b);
+                            return dispatch_inline(&ctx, net, node, header, user, payload);
+                        }
+                        AmIncoming::Data(d) if inline => {
+                            return dispatch_inline(
+                                &ctx,
+                                net,
+                                node,
+                                header,
+                                user,
+                                Payload::desc(d),
+                            );
+                        }
+                        // Rendezvous data, or a frame behind recorded ones: recorded (eager
+                        // bytes copied out of UCX's buffer, descriptors kept).
+                        incoming => Inbound::Data {
                             node,
                             header,
                             user: UserHeader::copy(user),
-                            data,
-                        }
+                            data: incoming.keep(),
+                        },
                     }
                 }
                 Err(WireError::MessageTooLarge { .. }) => Inbound::TooLarge,
                 Err(_) => Inbound::Malformed,
             };
-            inbox.borrow_mut().push_back(item);
+            net.inbox.borrow_mut().push_back(item);
         })
         .map_err(ucx)?;
     Ok(())
 }
 
+/// An application frame with eager data, dispatched inside UCX's callback (see "The hot path"
+/// in the module docs of [`crate::net`]): the rail's connection checks it, and its handler
+/// runs here. What the connection has to do besides (frames to send, events) is recorded for
+/// the driver's dispatch, outside the callback.
+fn dispatch_inline(
+    ctx: &Rc<ShardCtx>,
+    net: &NetState,
+    node: NodeId,
+    header: FrameHeader,
+    user: &[u8],
+    payload: Payload,
+) {
+    net.dispatching.set(true);
+    let (now, at) = net.batch_now(ctx.progress_rounds());
+    let remote = header.src_shard;
+    let received = match net
+        .peers
+        .borrow_mut()
+        .get_mut(&node)
+        .and_then(|p| p.get_mut(remote))
+    {
+        Some(r) => r.conn.handle_frame(now, &header, &[]),
+        None => Received::Dropped(DropReason::NotReady),
+    };
+    if !matches!(received, Received::Deliver) {
+        net.inbox
+            .borrow_mut()
+            .push_back(Inbound::Service { node, remote });
+    }
+    if count_received(net, &header, received) {
+        net.count(|s| s.dispatched_in_callback += 1);
+        dispatch(
+            ctx,
+            Frame {
+                node,
+                header,
+                user: UserHeader::copy(user),
+                payload,
+                arrived: at,
+            },
+        );
+    }
+    net.dispatching.set(false);
+}
+
 /// The driver's dispatch hook of shard `ctx` (see [`crate::driver::DispatchHook`]): one look
-/// at the recorded inputs when nothing came, else [`drain`].
+/// at the recorded inputs when nothing came, else [`drain`]; with the round's clock reading,
+/// if a frame took one.
 pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
     let weak = Rc::downgrade(ctx);
-    let inbox = ctx.net().inbox.clone();
-    Rc::new(move |budget| {
-        if inbox.borrow().is_empty() {
-            return Dispatched::default();
+    let net = ctx.net().clone();
+    Rc::new(move |budget, round| {
+        if net.inbox.borrow().is_empty() {
+            return Dispatched {
+                at: net.batch_taken(round),
+                ..Dispatched::default()
+            };
         }
         match weak.upgrade() {
-            Some(ctx) => drain(&ctx, budget),
+            Some(ctx) => drain(&ctx, budget, round),
             None => Dispatched::default(),
         }
     })
 }
 
 /// Handles at most `budget` recorded inputs, in order; the clock is read once for them all
-/// (what it dates is the connections' liveness, whose timers count in heartbeat intervals).
-/// Each frame reaches its handler before the next input is handled: a `Close` (or an endpoint
-/// error) that follows data frames must not fail the requests and receives those frames
-/// answer.
-pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> Dispatched {
+/// and for the frames dispatched inline in the same round (what it dates is the connections'
+/// liveness, whose timers count in heartbeat intervals, and the start of a request's
+/// deadline). Each frame reaches its handler before the next input is handled: a `Close` (or
+/// an endpoint error) that follows data frames must not fail the requests and receives those
+/// frames answer. Out of line: the hook's look at an empty inbox stays small, and the cost of
+/// a drain shows apart in a profile (`scripts/count-instructions`).
+#[inline(never)]
+pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched {
     let net = ctx.net();
-    let mut now = None;
     let mut n = 0;
     let mut backlog = false;
     while n < budget {
         let item = net.inbox.borrow_mut().pop_front();
         let Some(item) = item else { break };
         n += 1;
-        let now = *now.get_or_insert_with(|| {
-            let at = Instant::now();
-            (net.timestamp(at), at)
-        });
-        handle(ctx, net, item, now);
+        handle(ctx, net, item, net.batch_now(round));
     }
     if n == budget && !net.inbox.borrow().is_empty() {
         backlog = true;
@@ -386,7 +485,7 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize) -> Dispatched {
     Dispatched {
         handled: n,
         backlog,
-        at: now.map(|(_, at)| at),
+        at: net.batch_taken(round),
     }
 }
 
@@ -433,6 +532,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timesta
             addr_len,
             bytes,
         } => handle_control(ctx, net, node, addr_len, &bytes, now),
+        Inbound::Service { node, remote } => session::service(net, node, remote),
         Inbound::Malformed => net.count(|s| s.dropped_malformed += 1),
         Inbound::TooLarge => net.count(|s| s.dropped_too_large += 1),
         Inbound::TransportError {

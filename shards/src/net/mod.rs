@@ -70,19 +70,28 @@
 //!
 //! ## The hot path
 //!
-//! UCX's callbacks only record: the [`DATA_AM`] handler is registered with UCX's persistent
-//! data flag, so each eager payload is a UCX descriptor kept with no copy by us (UCX copies a
-//! short message out of a shared-memory FIFO slot into a descriptor of its memory pool, and
-//! hands larger ones over as they are); the callback decodes the frame header, copies the
-//! user header, and queues the input. Right after `ucp_worker_progress` returns, the shard's
-//! progress driver calls this module's dispatch ([`crate::driver`], "The hot path"), which,
-//! for each recorded input in order and at most [`crate::driver::DISPATCH_BUDGET`] per round:
-//! finds the connection, feeds [`Connection::handle_frame`] (the clock is read once per
-//! batch), and calls the handler inline with a [`Frame`] that owns the descriptor: a handler
-//! that reads the payload in place and answers inline ([`ShardCtx::send_frame_now`],
-//! [`ShardCtx::reply_now`]) costs no task switch, no allocation and no copy on our side. A
-//! handler that keeps the frame (moves it into a task) keeps the descriptor; dropping the
-//! frame releases it to UCX.
+//! An application frame with eager data is handled inside UCX's receive callback, as
+//! `ucx_perftest` handles its messages: the [`DATA_AM`] handler is an inline one
+//! ([`Worker::set_am_handler_inline`](crate::ucx::Worker::set_am_handler_inline)), so a short
+//! message is read where the transport put it (a shared-memory FIFO element, a TCP receive
+//! buffer: no UCX descriptor is allocated for it) and larger eager data comes in UCX's
+//! descriptor. The callback decodes the data header, finds the connection, feeds
+//! [`Connection::handle_frame`] (the clock is read once per driver round, by the first frame
+//! that needs it) and calls the handler there, on the driver's stack, with a [`Frame`]: a
+//! handler that reads the payload in place and answers inline ([`ShardCtx::send_frame_now`],
+//! [`ShardCtx::reply_now`]; a send from inside a callback is allowed by `ucp.h`, which forbids
+//! only `progress`) costs no task switch and no allocation. A short payload is copied into a
+//! buffer of the shard's, reused while no frame keeps it (a handler that keeps the frame, in a
+//! task say, keeps its copy, and the next message gets a new buffer); a descriptor stays with
+//! its frame until the frame is dropped. [`NetStats::dispatched_in_callback`] counts them.
+//!
+//! The rest is recorded by the callbacks and dispatched by the shard's progress driver right
+//! after `ucp_worker_progress` returns ([`crate::driver`], "The hot path"), in order and at most
+//! [`crate::driver::DISPATCH_BUDGET`] per round: control frames (handshakes, heartbeats,
+//! close), rendezvous data, a frame that arrives while inputs are recorded before it (order is
+//! kept) or while another frame's handler runs (a send UCX delivered at once to this same
+//! worker), and the connection's follow-up work when a frame changed its state (frames to
+//! send, events), which is never done inside UCX's callback.
 //!
 //! A send on a shard's rail ([`ShardCtx::send_frame_now`], and every send that reaches the
 //! shard holding the rail) is handed to UCX by the caller when nothing queued must go first:
@@ -348,6 +357,10 @@ pub struct NetStats {
     pub join_retries: u64,
     /// Application frames delivered to handlers.
     pub delivered: u64,
+    /// Application frames with eager data dispatched inside UCX's receive callback (the
+    /// others were recorded and dispatched by the driver right after `progress`: rendezvous
+    /// data, and frames that arrived behind recorded inputs).
+    pub dispatched_in_callback: u64,
     /// Frames dropped because their sender had no ready (authenticated) connection.
     pub dropped_unauthenticated: u64,
     /// Frames dropped as malformed (bad AM header, frame, or address).
@@ -612,6 +625,15 @@ pub(crate) struct NetState {
     max_am_header: usize,
     /// Idle vectors for rendezvous data ([`buffers`]).
     recv_cache: Rc<RefCell<buffers::RecvCache>>,
+    /// The clock reading of the driver's current round, taken by the first frame of the round
+    /// that needs one: the round's number and the reading ([`NetState::batch_now`]).
+    batch: Cell<Option<(u64, Timestamp, Instant)>>,
+    /// Set while a frame is dispatched inside UCX's callback: a frame UCX delivers meanwhile
+    /// (a handler's send to its own worker) is recorded instead ([`inbound`]).
+    dispatching: Cell<bool>,
+    /// The buffer short eager payloads are copied into for an inline dispatch, reused while
+    /// no frame keeps it ([`inbound`]).
+    inline_bytes: Cell<Option<Rc<Vec<u8>>>>,
 }
 
 impl NetConfig {
@@ -827,6 +849,9 @@ impl NetState {
             timer_at: Cell::new(Timestamp::MAX),
             timer_waker: RefCell::new(None),
             rearm_asked: Cell::new(false),
+            batch: Cell::new(None),
+            dispatching: Cell::new(false),
+            inline_bytes: Cell::new(None),
             closed: Cell::new(false),
             max_am_header: worker.max_am_header(),
             recv_cache,
@@ -838,6 +863,27 @@ impl NetState {
     }
 
     /// `at` on this shard's net clock.
+    /// The clock reading of driver round `round`: read by the first caller in the round, the
+    /// same for the rest of it (one clock reading per batch of frames).
+    fn batch_now(&self, round: u64) -> (Timestamp, Instant) {
+        match self.batch.get() {
+            Some((r, now, at)) if r == round => (now, at),
+            _ => {
+                let at = Instant::now();
+                let now = self.timestamp(at);
+                self.batch.set(Some((round, now, at)));
+                (now, at)
+            }
+        }
+    }
+
+    /// The reading [`NetState::batch_now`] took in round `round`, if it took one.
+    fn batch_taken(&self, round: u64) -> Option<Instant> {
+        self.batch
+            .get()
+            .and_then(|(r, _, at)| (r == round).then_some(at))
+    }
+
     fn timestamp(&self, at: Instant) -> Timestamp {
         let since = at.saturating_duration_since(self.epoch);
         Timestamp::from_nanos(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))

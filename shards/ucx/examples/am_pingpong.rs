@@ -8,11 +8,16 @@
 //! Each thread owns its own UCX context and worker (as shardcx's shards do); the workers
 //! connect by worker address. The client sends a message, the server echoes it back, and the
 //! client records the round trip. Both sides run the hot path of a shard, with nothing else in
-//! between, as `ucx_perftest` runs UCX's: the handler only records a message during
-//! `progress` (persistent data: a UCX descriptor, no copy by this crate), the loop handles it
-//! right after `progress` returns, and answers at once with [`Endpoint::am_send_now`] (no
-//! request, no callback, no allocation). Messages too long for UCX's short path go the owned
+//! between, as `ucx_perftest` runs UCX's: an inline handler ([`Worker::set_am_handler_inline`])
+//! reads a short message where the transport put it, during `progress` (no UCX descriptor, no
+//! copy), and the server answers from inside it with [`Endpoint::am_send_now`] (no request, no
+//! callback, no allocation). Messages UCX delivers in a descriptor or by rendezvous are kept
+//! and handled after `progress` returns; messages too long for UCX's short path go the owned
 //! way ([`Endpoint::am_send`]); rendezvous data lands in a buffer the receiving side chose.
+//!
+//! `--recorded` runs the other way of the UCX layer instead: handlers with persistent data
+//! ([`Worker::set_am_handler_persistent`]) only record each message (UCX copies a short one
+//! into a descriptor of its pool), and the loop handles it after `progress` returns.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -22,30 +27,68 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use shardcx_ucx::{
-    block_on_with, AmPayload, AmProto, Config, Context, Endpoint, EpOptions, Error, ErrorMode,
-    Features, Worker, WorkerAddress,
+    block_on_with, AmIncoming, AmPayload, AmProto, Config, Context, Endpoint, EpOptions, Error,
+    ErrorMode, Features, Worker, WorkerAddress,
 };
 
 const PING: u16 = 1;
 const STOP: u16 = 2;
 
-/// Messages recorded by the handlers during `progress`, handled after it returns.
-type Inbox = Rc<RefCell<VecDeque<(u16, AmPayload)>>>;
+/// What the handlers left for the loop: messages kept to handle after `progress` returns, and
+/// the number of short messages handled inline (each by `on_bytes`).
+#[derive(Default)]
+struct Inbox {
+    kept: RefCell<VecDeque<(u16, AmPayload)>>,
+    inline: std::cell::Cell<u64>,
+}
 
-fn install(worker: &Worker, inbox: &Inbox, id: u16) {
+/// Installs the handler of `id`: inline (short messages go to `on_bytes` during `progress`,
+/// which returns false to have one kept instead), or recording every message (`recorded`).
+fn install(
+    worker: &Worker,
+    inbox: &Rc<Inbox>,
+    id: u16,
+    recorded: bool,
+    on_bytes: impl Fn(&[u8]) -> bool + 'static,
+) {
     let q = inbox.clone();
+    if recorded {
+        worker
+            .set_am_handler_persistent(id, move |_hdr, payload| {
+                q.kept.borrow_mut().push_back((id, payload))
+            })
+            .expect("install handler");
+        return;
+    }
     worker
-        .set_am_handler_persistent(id, move |_hdr, payload| {
-            q.borrow_mut().push_back((id, payload))
+        .set_am_handler_inline(id, move |_hdr, incoming| {
+            if let AmIncoming::Bytes(b) = incoming {
+                if on_bytes(b) {
+                    q.inline.set(q.inline.get() + 1);
+                    return;
+                }
+            }
+            q.kept.borrow_mut().push_back((id, incoming.keep()));
         })
         .expect("install handler");
 }
 
-/// Progress until a message is recorded, and return it.
-fn next(worker: &Worker, inbox: &Inbox) -> (u16, AmPayload) {
+/// What [`next`] found.
+enum Next {
+    /// Short messages were handled inline.
+    Inline,
+    /// A kept message.
+    Kept(u16, AmPayload),
+}
+
+/// Progress until a message is kept or handled inline.
+fn next(worker: &Worker, inbox: &Inbox) -> Next {
     loop {
-        if let Some(m) = inbox.borrow_mut().pop_front() {
-            return m;
+        if let Some((id, p)) = inbox.kept.borrow_mut().pop_front() {
+            return Next::Kept(id, p);
+        }
+        if inbox.inline.replace(0) > 0 {
+            return Next::Inline;
         }
         worker.progress();
     }
@@ -134,6 +177,7 @@ fn opts(tls: &str) -> EpOptions {
 
 fn server(
     tls: String,
+    recorded: bool,
     to_client: mpsc::Sender<WorkerAddress>,
     from_client: mpsc::Receiver<WorkerAddress>,
 ) {
@@ -143,13 +187,19 @@ fn server(
         .send(worker.address().expect("address"))
         .expect("send address");
     let peer = from_client.recv().expect("client address");
-    let ep = Endpoint::connect_to_worker(&worker, &peer, opts(&tls)).expect("connect");
-    let inbox = Inbox::default();
-    install(&worker, &inbox, PING);
-    install(&worker, &inbox, STOP);
+    let ep = Rc::new(Endpoint::connect_to_worker(&worker, &peer, opts(&tls)).expect("connect"));
+    let inbox = Rc::new(Inbox::default());
+    // The echo of a short message is sent from inside the handler when UCX takes it at once.
+    let echo = ep.clone();
+    install(&worker, &inbox, PING, recorded, move |b| {
+        echo.am_send_now(PING, b"", b).is_ok()
+    });
+    install(&worker, &inbox, STOP, recorded, |_| false);
     let mut buf = Vec::new();
     loop {
-        let (id, payload) = next(&worker, &inbox);
+        let Next::Kept(id, payload) = next(&worker, &inbox) else {
+            continue;
+        };
         if id == STOP {
             break;
         }
@@ -165,11 +215,11 @@ struct Row {
     elapsed: Duration,
 }
 
-fn client(tls: &str, sizes: &[usize], iters: usize) -> Vec<Row> {
+fn client(tls: &str, sizes: &[usize], iters: usize, recorded: bool) -> Vec<Row> {
     let (to_server, from_client) = mpsc::channel();
     let (to_client, from_server) = mpsc::channel();
     let tls_s = tls.to_string();
-    let handle = std::thread::spawn(move || server(tls_s, to_client, from_client));
+    let handle = std::thread::spawn(move || server(tls_s, recorded, to_client, from_client));
     pin(0);
     let (_ctx, worker) = setup(tls);
     let peer = from_server.recv().expect("server address");
@@ -177,8 +227,16 @@ fn client(tls: &str, sizes: &[usize], iters: usize) -> Vec<Row> {
         .send(worker.address().expect("address"))
         .expect("send address");
     let ep = Endpoint::connect_to_worker(&worker, &peer, opts(tls)).expect("connect");
-    let inbox = Inbox::default();
-    install(&worker, &inbox, PING);
+    let inbox = Rc::new(Inbox::default());
+    // The echo's length, and whether its content is right, read inline (the content only
+    // while `check` is set: once per size, as below).
+    let echoed: Rc<RefCell<(usize, bool)>> = Rc::default();
+    let check = Rc::new(std::cell::Cell::new(true));
+    let (seen, checking) = (echoed.clone(), check.clone());
+    install(&worker, &inbox, PING, recorded, move |b| {
+        *seen.borrow_mut() = (b.len(), !checking.get() || b.iter().all(|&x| x == 0xA5));
+        true
+    });
     let mut rows = Vec::new();
     let mut back = Vec::new();
     for &size in sizes {
@@ -192,21 +250,31 @@ fn client(tls: &str, sizes: &[usize], iters: usize) -> Vec<Row> {
         let out = vec![0xA5u8; size];
         let mut started = Instant::now();
         let mut checked = false;
+        // One clock reading per round trip, as `ucx_perftest` takes: a round trip is the time
+        // from the end of the previous one (the loop's own few instructions included).
+        let mut t0 = Instant::now();
         for i in 0..warmup + n {
             if i == warmup {
-                started = Instant::now();
+                started = t0;
             }
-            let t0 = Instant::now();
+            check.set(!checked);
             send(&worker, &ep, PING, &out);
-            let (_, payload) = next(&worker, &inbox);
-            let ok = with_bytes(&worker, payload, &mut back, |b| {
-                // Checked once per size (and the length every time): the check is not timed
-                // work of UCX.
-                b.len() == size && (checked || b.iter().all(|&x| x == 0xA5))
-            });
+            let ok = match next(&worker, &inbox) {
+                Next::Kept(_, payload) => with_bytes(&worker, payload, &mut back, |b| {
+                    // Checked once per size (and the length every time): the check is not
+                    // timed work of UCX.
+                    b.len() == size && (checked || b.iter().all(|&x| x == 0xA5))
+                }),
+                Next::Inline => {
+                    let (len, content) = *echoed.borrow();
+                    len == size && content
+                }
+            };
+            let t1 = Instant::now();
             if i >= warmup {
-                hist.record(t0.elapsed().as_nanos() as u64).expect("record");
+                hist.record((t1 - t0).as_nanos() as u64).expect("record");
             }
+            t0 = t1;
             assert!(ok, "echo of {size} bytes came back wrong");
             checked = true;
         }
@@ -247,6 +315,10 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 20_000,
           value_parser = clap::value_parser!(u64).range(1..))]
     iters: u64,
+    /// Record every message with persistent data and handle it after `progress` returns,
+    /// instead of reading short ones inline.
+    #[arg(long)]
+    recorded: bool,
 }
 
 fn main() {
@@ -263,7 +335,7 @@ fn main() {
         "tls", "size", "iters", "p50 us", "p99 us", "p99.9 us", "max us", "round/s", "MB/s"
     );
     for tls in &tls_list {
-        for r in client(tls, &sizes, iters) {
+        for r in client(tls, &sizes, iters, a.recorded) {
             let us = |q: f64| r.hist.value_at_quantile(q) as f64 / 1000.0;
             let rate = r.iters as f64 / r.elapsed.as_secs_f64();
             // Bytes moved per second, both directions counted.

@@ -34,13 +34,22 @@ pub enum AmProto {
     Rendezvous,
 }
 
+/// A handler that takes what it keeps ([`Worker::set_am_handler`]).
 type Handler = Box<dyn FnMut(&[u8], AmPayload)>;
+/// A handler that reads eager data in place ([`Worker::set_am_handler_inline`]); `Fn`, so that
+/// a send from inside it that UCX delivers at once (to the same worker) may call it again.
+type InlineHandler = Box<dyn for<'a> Fn(&'a [u8], AmIncoming<'a>)>;
+
+enum SlotHandler {
+    Kept(RefCell<Handler>),
+    Inline(InlineHandler),
+}
 
 /// A registered handler; boxed, so its address is UCX's `arg`.
 pub(crate) struct AmSlot {
     id: AmIdRaw,
     flags: u32,
-    handler: RefCell<Handler>,
+    handler: SlotHandler,
     worker: *const WorkerInner,
 }
 
@@ -59,6 +68,56 @@ pub enum AmPayload {
     /// Rendezvous data, still at the sender: pull it with [`Worker::am_recv_data`] into a
     /// buffer of your choice, or drop it to decline (the sender's operation then completes).
     Rendezvous(AmRndv),
+}
+
+/// What an inline handler ([`Worker::set_am_handler_inline`]) receives.
+pub enum AmIncoming<'a> {
+    /// Eager data the transport delivered in place (a short message in a shared-memory FIFO
+    /// element, a TCP receive buffer): valid during the handler call only, read with no copy
+    /// and no UCX descriptor. [`AmIncoming::keep`] copies it.
+    Bytes(&'a [u8]),
+    /// Eager data in a UCX descriptor (larger eager messages), which may be kept as it is.
+    Data(AmData),
+    /// Rendezvous data, still at the sender (see [`AmPayload::Rendezvous`]).
+    Rendezvous(AmRndv),
+}
+
+impl AmIncoming<'_> {
+    /// Length of the data in bytes (for rendezvous data, at the sender).
+    pub fn len(&self) -> usize {
+        match self {
+            AmIncoming::Bytes(b) => b.len(),
+            AmIncoming::Data(d) => d.len(),
+            AmIncoming::Rendezvous(r) => r.len(),
+        }
+    }
+
+    /// Whether there is no data.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The payload, owned: bytes delivered in place are copied, descriptors and rendezvous
+    /// data are moved.
+    pub fn keep(self) -> AmPayload {
+        match self {
+            AmIncoming::Bytes(b) => AmPayload::Data(AmData {
+                inner: DataInner::Owned(b.to_vec()),
+            }),
+            AmIncoming::Data(d) => AmPayload::Data(d),
+            AmIncoming::Rendezvous(r) => AmPayload::Rendezvous(r),
+        }
+    }
+}
+
+impl std::fmt::Debug for AmIncoming<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AmIncoming::Bytes(b) => write!(f, "AmIncoming::Bytes({} bytes)", b.len()),
+            AmIncoming::Data(d) => d.fmt(f),
+            AmIncoming::Rendezvous(r) => r.fmt(f),
+        }
+    }
 }
 
 /// Eager active-message data, kept past the handler (a UCX descriptor or an owned copy).
@@ -133,66 +192,115 @@ unsafe extern "C" fn am_recv(
             // callback; the slice does not outlive it.
             unsafe { std::slice::from_raw_parts(header.cast::<u8>(), header_length as usize) }
         };
-        let worker = rc_of(worker_ref);
-        let (payload, kept) = if attr & ffi::UCP_AM_RECV_ATTR_FLAG_RNDV != 0 {
-            (
-                AmPayload::Rendezvous(AmRndv {
-                    worker,
-                    desc: data,
-                    len: length as usize,
-                }),
-                true,
-            )
-        } else if attr & ffi::UCP_AM_RECV_ATTR_FLAG_DATA != 0 {
-            (
-                AmPayload::Data(AmData {
-                    inner: DataInner::Desc {
-                        worker,
-                        ptr: data,
+        let rndv = attr & ffi::UCP_AM_RECV_ATTR_FLAG_RNDV != 0;
+        let desc = attr & ffi::UCP_AM_RECV_ATTR_FLAG_DATA != 0;
+        let kept = rndv || desc;
+        let ran = match &slot.handler {
+            SlotHandler::Inline(h) => {
+                let incoming = if rndv {
+                    AmIncoming::Rendezvous(AmRndv {
+                        worker: rc_of(worker_ref),
+                        desc: data,
                         len: length as usize,
-                    },
-                }),
-                true,
-            )
-        } else {
-            let bytes = if data.is_null() || length == 0 {
-                Vec::new()
-            } else {
-                // SAFETY: ucp_def.h: without UCP_AM_RECV_ATTR_FLAG_DATA, `data` points to
-                // `length` bytes valid during the callback; we copy them.
-                unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length as usize) }.to_vec()
-            };
-            (
-                AmPayload::Data(AmData {
-                    inner: DataInner::Owned(bytes),
-                }),
-                false,
-            )
+                    })
+                } else if desc {
+                    AmIncoming::Data(AmData {
+                        inner: DataInner::Desc {
+                            worker: rc_of(worker_ref),
+                            ptr: data,
+                            len: length as usize,
+                        },
+                    })
+                } else if data.is_null() || length == 0 {
+                    AmIncoming::Bytes(&[])
+                } else {
+                    // SAFETY: ucp_def.h (`ucp_am_recv_callback_t`): without
+                    // UCP_AM_RECV_ATTR_FLAG_DATA, `data` points to `length` bytes valid during
+                    // the callback; the slice is handed to the handler for this call only (its
+                    // lifetime is the call's, see `InlineHandler`).
+                    AmIncoming::Bytes(unsafe {
+                        std::slice::from_raw_parts(data.cast::<u8>(), length as usize)
+                    })
+                };
+                with_cb_desc(worker_ref, kept.then_some(data), || {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(header, incoming)))
+                })
+            }
+            SlotHandler::Kept(h) => {
+                let payload = if rndv {
+                    AmPayload::Rendezvous(AmRndv {
+                        worker: rc_of(worker_ref),
+                        desc: data,
+                        len: length as usize,
+                    })
+                } else if desc {
+                    AmPayload::Data(AmData {
+                        inner: DataInner::Desc {
+                            worker: rc_of(worker_ref),
+                            ptr: data,
+                            len: length as usize,
+                        },
+                    })
+                } else {
+                    let bytes = if data.is_null() || length == 0 {
+                        Vec::new()
+                    } else {
+                        // SAFETY: ucp_def.h: without UCP_AM_RECV_ATTR_FLAG_DATA, `data` points
+                        // to `length` bytes valid during the callback; we copy them.
+                        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length as usize) }
+                            .to_vec()
+                    };
+                    AmPayload::Data(AmData {
+                        inner: DataInner::Owned(bytes),
+                    })
+                };
+                with_cb_desc(worker_ref, kept.then_some(data), || {
+                    // A send from inside the handler that UCX delivers at once to this worker
+                    // would call it again: that message is dropped and counted, not a second
+                    // mutable borrow.
+                    match h.try_borrow_mut() {
+                        Ok(mut h) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            (h)(header, payload)
+                        })),
+                        Err(_) => Err(Box::new("re-entered") as Box<dyn std::any::Any + Send>),
+                    }
+                })
+            }
         };
-        if kept {
-            worker_ref.am_cb_desc.set(data);
-            worker_ref.am_cb_released.set(false);
-        }
-        let ran = {
-            let mut h = slot.handler.borrow_mut();
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (h)(header, payload)))
-        };
-        if ran.is_err() {
+        if ran.0.is_err() {
             crate::request::count_panic();
         }
-        if !kept {
-            return status::UCS_OK;
-        }
-        worker_ref.am_cb_desc.set(ptr::null_mut());
-        if worker_ref.am_cb_released.get() {
-            // The handler dropped the descriptor: UCX may release it (for rendezvous data,
-            // this declines it and completes the sender).
+        if !kept || ran.1 {
+            // Nothing kept, or the handler dropped the descriptor: UCX may release it (for
+            // rendezvous data, this declines it and completes the sender).
             status::UCS_OK
         } else {
             // The handler kept it: it is released by `AmData`/`AmRndv` later.
             status::UCS_INPROGRESS
         }
     })
+}
+
+/// Runs `f` with `desc` as the worker's descriptor of the running handler (see
+/// [`release_desc`]), and returns `f`'s result with whether the handler released `desc`. The
+/// previous one is restored afterwards: a handler may run inside another's call (a send that
+/// UCX delivers at once to this worker).
+fn with_cb_desc<R>(
+    worker: &WorkerInner,
+    desc: Option<*mut c_void>,
+    f: impl FnOnce() -> R,
+) -> (R, bool) {
+    let Some(desc) = desc else {
+        return (f(), false);
+    };
+    let outer = (worker.am_cb_desc.get(), worker.am_cb_released.get());
+    worker.am_cb_desc.set(desc);
+    worker.am_cb_released.set(false);
+    let r = f();
+    let released = worker.am_cb_released.get();
+    worker.am_cb_desc.set(outer.0);
+    worker.am_cb_released.set(outer.1);
+    (r, released)
 }
 
 /// An `Rc` to the worker, from a reference to it obtained inside its own progress call.
@@ -317,7 +425,11 @@ impl Worker {
     where
         F: FnMut(&[u8], AmPayload) + 'static,
     {
-        self.install_am_handler(id, ffi::UCP_AM_FLAG_WHOLE_MSG, Box::new(handler))
+        self.install_am_handler(
+            id,
+            ffi::UCP_AM_FLAG_WHOLE_MSG,
+            SlotHandler::Kept(RefCell::new(Box::new(handler))),
+        )
     }
 
     /// [`Worker::set_am_handler`] with UCX's `UCP_AM_FLAG_PERSISTENT_DATA`: eager data always
@@ -338,15 +450,34 @@ impl Worker {
         self.install_am_handler(
             id,
             ffi::UCP_AM_FLAG_WHOLE_MSG | ffi::UCP_AM_FLAG_PERSISTENT_DATA,
-            Box::new(handler),
+            SlotHandler::Kept(RefCell::new(Box::new(handler))),
         )
     }
 
-    fn install_am_handler(&self, id: AmIdRaw, flags: u32, handler: Handler) -> Result<()> {
+    /// Install an *inline* handler for active-message `id`, replacing any previous one: the
+    /// handler runs inside [`Worker::progress`] and reads eager data where the transport put
+    /// it ([`AmIncoming::Bytes`], valid during the call; no UCX descriptor is allocated and
+    /// nothing is copied), as `ucx_perftest` does. Larger eager messages that UCX delivers in a
+    /// descriptor come as [`AmIncoming::Data`], rendezvous data as [`AmIncoming::Rendezvous`];
+    /// both may be kept. The handler may send (ucp.h allows every communication routine but
+    /// progress in a callback), must not block, and may be called again from inside itself
+    /// when it sends to its own worker; a panic in it is caught and counted.
+    pub fn set_am_handler_inline<F>(&self, id: AmIdRaw, handler: F) -> Result<()>
+    where
+        F: for<'a> Fn(&'a [u8], AmIncoming<'a>) + 'static,
+    {
+        self.install_am_handler(
+            id,
+            ffi::UCP_AM_FLAG_WHOLE_MSG,
+            SlotHandler::Inline(Box::new(handler)),
+        )
+    }
+
+    fn install_am_handler(&self, id: AmIdRaw, flags: u32, handler: SlotHandler) -> Result<()> {
         let slot = Box::new(AmSlot {
             id,
             flags,
-            handler: RefCell::new(handler),
+            handler,
             worker: Rc::as_ptr(&self.inner),
         });
         let arg = (&*slot as *const AmSlot) as *mut c_void;
@@ -493,14 +624,62 @@ impl Endpoint {
     /// with [`Endpoint::am_send`] instead, from a buffer that lives until completion.
     ///
     /// Nothing is allocated and no completion callback runs: this is the path of an inline
-    /// answer from a message handler. Refused with [`Error::InvalidArgument`] inside a UCX
-    /// callback (nothing in this crate calls it there).
+    /// answer from a message handler. Inside a UCX callback (an inline handler,
+    /// [`Worker::set_am_handler_inline`]) the bytes are first copied into a scratch buffer of
+    /// the worker's (a few bytes: only a short message can succeed), so that should a UCX
+    /// release ever answer a forced immediate send with a request, UCX keeps reading memory
+    /// that lives until it is done (the worker holds the buffer and frees the request after a
+    /// later `progress`), not the caller's.
     pub fn am_send_now(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
         self.inner.usable()?;
         let worker = &self.inner.worker;
         if worker.in_progress.get() {
-            return Err(Error::InvalidArgument("am_send_now inside a UCX callback"));
+            return self.am_send_now_in_callback(id, header, payload);
         }
+        match status::status_ptr(self.send_imm(id, header, payload)) {
+            status::StatusPtr::Done => Ok(()),
+            status::StatusPtr::Failed(e) => Err(e),
+            status::StatusPtr::Request(req) => {
+                // Not produced by any UCX release for a forced immediate completion; should a
+                // later one do it, the borrowed bytes must not be left with it: progress here
+                // (not inside a callback: checked above) until UCX is done, then free it.
+                finish_in_place(worker, req);
+                Ok(())
+            }
+        }
+    }
+
+    /// [`Endpoint::am_send_now`] inside a UCX callback, from the worker's scratch buffer.
+    fn am_send_now_in_callback(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
+        // Longer messages never take UCX's short path: refused before anything is copied.
+        if header.len() + payload.len() > MAX_IN_CALLBACK {
+            return Err(Error::NoResource);
+        }
+        let worker = &self.inner.worker;
+        let mut scratch = worker.cb_scratch.take();
+        scratch.clear();
+        scratch.extend_from_slice(header);
+        scratch.extend_from_slice(payload);
+        let (h, p) = scratch.split_at(header.len());
+        match status::status_ptr(self.send_imm(id, h, p)) {
+            status::StatusPtr::Done => {
+                worker.cb_scratch.set(scratch);
+                Ok(())
+            }
+            status::StatusPtr::Failed(e) => {
+                worker.cb_scratch.set(scratch);
+                Err(e)
+            }
+            status::StatusPtr::Request(req) => {
+                // UCX reads `scratch` until the request completes: the worker keeps both.
+                worker.deferred.borrow_mut().push((req, scratch));
+                Ok(())
+            }
+        }
+    }
+
+    /// `ucp_am_send_nbx` with forced immediate completion (see [`Endpoint::am_send_now`]).
+    fn send_imm(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> sys::ucs_status_ptr_t {
         // Every field is written, with declared enum variants only; the mask names only the
         // force-immediate flag, which keeps UCX on its short-message path (no request, no
         // callback, no datatype other than contiguous bytes).
@@ -524,10 +703,11 @@ impl Endpoint {
         };
         // SAFETY: ucp.h (`ucp_am_send_nbx`, `UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`: "force immediate
         // complete operation, fail if the operation cannot be completed immediately"): live
-        // endpoint (held by `self`); `header` and `payload` are readable for the call, and with
+        // endpoint (held by `self`); `header` and `payload` are readable for the call. With
         // forced immediate completion UCX either has copied them when it returns (NULL) or has
-        // not started (an error status), so it keeps no reference to them.
-        let ret = unsafe {
+        // not started (an error status); should it ever return a request, the callers keep
+        // the bytes readable until it completes (`am_send_now`, `am_send_now_in_callback`).
+        unsafe {
             sys::ucp_am_send_nbx(
                 self.inner.handle.get(),
                 id as std::ffi::c_uint,
@@ -537,17 +717,6 @@ impl Endpoint {
                 payload.len() as sys::size_t,
                 &param,
             )
-        };
-        match status::status_ptr(ret) {
-            status::StatusPtr::Done => Ok(()),
-            status::StatusPtr::Failed(e) => Err(e),
-            status::StatusPtr::Request(req) => {
-                // Not produced by any UCX release for a forced immediate completion; should a
-                // later one do it, the borrowed bytes must not be left with it: progress here
-                // (not inside a callback: checked above) until UCX is done, then free it.
-                finish_in_place(worker, req);
-                Ok(())
-            }
         }
     }
 
@@ -569,6 +738,10 @@ impl Endpoint {
         }
     }
 }
+
+/// Largest message (header and payload) [`Endpoint::am_send_now`] tries inside a UCX callback:
+/// above every transport's short-message limit.
+const MAX_IN_CALLBACK: usize = 8 << 10;
 
 /// Progresses `worker` until `req` (a request UCX returned for an operation on borrowed bytes)
 /// completes, then frees it.

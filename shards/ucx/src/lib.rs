@@ -82,7 +82,9 @@ mod version;
 mod worker;
 
 pub use affinity::{release_async_thread, set_async_thread_cpus, thread_cpus, threads_named};
-pub use am::{AmData, AmIdRaw, AmPayload, AmPayloadBufs, AmProto, AmRecvData, AmRndv, AmSend};
+pub use am::{
+    AmData, AmIdRaw, AmIncoming, AmPayload, AmPayloadBufs, AmProto, AmRecvData, AmRndv, AmSend,
+};
 pub use buf::{AlignedBuf, IoBuf, IoBufMut, MemoryType, SendBuf};
 pub use context::{Config, Context, Features, MemoryTypes};
 pub use driver::{block_on, block_on_with, DEFAULT_SPIN};

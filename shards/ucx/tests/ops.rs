@@ -9,7 +9,9 @@ use std::rc::Rc;
 use std::task::Poll;
 
 use common::{pair, pattern, transports, Pair};
-use shardcx_ucx::{AlignedBuf, AmPayload, AmProto, Error, MemHandle, RemoteKey, Worker};
+use shardcx_ucx::{
+    AlignedBuf, AmIncoming, AmPayload, AmProto, Error, MemHandle, RemoteKey, Worker,
+};
 
 type Inbox = Rc<RefCell<VecDeque<(Vec<u8>, AmPayload)>>>;
 
@@ -500,4 +502,178 @@ fn send_now_is_all_or_nothing() {
         }
         assert!(p.b.max_am_header() >= 64, "{tls}: room for a frame header");
     }
+}
+
+/// An inline handler reads short messages where the transport put them (`Bytes`, no UCX
+/// descriptor), gets larger eager ones as kept descriptors and large ones by rendezvous, and
+/// may answer from inside the callback with `am_send_now`: every echo comes back with the
+/// bytes of its message, which the receiving side had already overwritten by then (a canary:
+/// nothing read them after the callback).
+#[test]
+fn inline_handler_reads_in_place_and_answers_from_the_callback() {
+    for tls in transports() {
+        let p = pair(tls);
+        // b echoes what it reads inline from inside its handler; anything else is kept.
+        let kept: Inbox = Rc::default();
+        let inline_seen = Rc::new(std::cell::Cell::new(0usize));
+        let echo = std::rc::Rc::new(
+            shardcx_ucx::Endpoint::connect_to_worker(
+                &p.b,
+                &p.a.address().expect("address"),
+                common::ep_options(tls),
+            )
+            .expect("endpoint b->a"),
+        );
+        let (k2, seen, answer) = (kept.clone(), inline_seen.clone(), echo.clone());
+        p.b.set_am_handler_inline(21, move |hdr, incoming| match incoming {
+            AmIncoming::Bytes(b) => {
+                seen.set(seen.get() + 1);
+                // The answer's bytes are copied before UCX sees them (inside a callback).
+                match answer.am_send_now(22, hdr, b) {
+                    Ok(()) | Err(Error::NoResource) => {}
+                    Err(e) => panic!("send from the callback: {e}"),
+                }
+            }
+            other => k2.borrow_mut().push_back((hdr.to_vec(), other.keep())),
+        })
+        .expect("inline handler");
+        let echoes = inbox(&p.a, 22);
+        // Wire-up first, by owned sends both ways (tcp has no short path before it).
+        let (res, _) = p.run(p.ab.am_send(21, &[0], vec![0u8; 8], AmProto::Eager));
+        res.expect("wire-up");
+        let (res, _) = p.run(echo.am_send(22, &[0], vec![0u8; 8], AmProto::Eager));
+        res.expect("wire-up of the echo");
+        p.spin(10_000);
+        echoes.borrow_mut().clear();
+        kept.borrow_mut().clear();
+        let before = inline_seen.get();
+        let mut sent = 0usize;
+        for i in 1..=50u8 {
+            let mut bytes = [i; 24];
+            if p.ab.am_send_now(21, &[i], &bytes).is_ok() {
+                sent += 1;
+            }
+            bytes.fill(0xEE);
+            std::hint::black_box(&bytes);
+        }
+        assert!(sent > 0, "{tls}: short messages go in place");
+        for _ in 0..1_000_000 {
+            if echoes.borrow().len() == sent {
+                break;
+            }
+            p.a.progress();
+            p.b.progress();
+        }
+        assert_eq!(inline_seen.get() - before, sent, "{tls}: each read inline");
+        let got: Vec<_> = echoes.borrow_mut().drain(..).collect();
+        assert_eq!(
+            got.len(),
+            sent,
+            "{tls}: every echo answered from the callback"
+        );
+        for (hdr, payload) in got {
+            let AmPayload::Data(d) = payload else {
+                panic!("{tls}: eager echo")
+            };
+            assert_eq!(d.as_slice(), &[hdr[0]; 24], "{tls}: the echoed bytes");
+        }
+        // A large message comes by rendezvous, kept and pulled after the callback.
+        let big = pattern(1 << 20, 9);
+        let (res, _) = p.run(async {
+            let send = p.ab.am_send(21, b"big", big.clone(), AmProto::Auto);
+            let received = async {
+                let r = loop {
+                    if let Some((_, AmPayload::Rendezvous(r))) = kept.borrow_mut().pop_front() {
+                        break r;
+                    }
+                    futures_yield().await;
+                };
+                let (got, buf) = p.b.am_recv_data(r, vec![0u8; 1 << 20]).await;
+                assert_eq!(got.expect("pull"), 1 << 20);
+                buf
+            };
+            let (sent, buf) = join(send, received).await;
+            assert_eq!(buf, big, "{tls}: rendezvous data");
+            sent
+        });
+        res.expect("large send");
+    }
+}
+
+/// A handler that sends to its own worker may be called again from inside itself (UCX delivers
+/// some sends at once): an inline handler is `Fn` and takes it; nothing panics.
+#[test]
+fn inline_handler_sending_to_its_own_worker() {
+    for tls in transports() {
+        let p = pair(tls);
+        let own = std::rc::Rc::new(
+            shardcx_ucx::Endpoint::connect_to_worker(
+                &p.b,
+                &p.b.address().expect("address"),
+                common::ep_options(tls),
+            )
+            .expect("endpoint to itself"),
+        );
+        let depth = Rc::new(std::cell::Cell::new(0u32));
+        let (total, deepest) = (
+            Rc::new(std::cell::Cell::new(0u32)),
+            Rc::new(std::cell::Cell::new(0u32)),
+        );
+        let (ep, d, t, m) = (own.clone(), depth.clone(), total.clone(), deepest.clone());
+        p.b.set_am_handler_inline(23, move |_, incoming| {
+            let AmIncoming::Bytes(b) = incoming else {
+                return;
+            };
+            t.set(t.get() + 1);
+            d.set(d.get() + 1);
+            m.set(m.get().max(d.get()));
+            // Count down: each message but the last sends the next to this same worker.
+            if let Some(&n) = b.first() {
+                if n > 0 {
+                    let _ = ep.am_send_now(23, b"", &[n - 1]);
+                }
+            }
+            d.set(d.get() - 1);
+        })
+        .expect("inline handler");
+        let (res, _) = p.run(own.am_send(23, b"", vec![0u8], AmProto::Eager));
+        res.expect("wire-up to itself");
+        p.spin(10_000);
+        let start = total.get();
+        let mut ok = false;
+        for _ in 0..100 {
+            if own.am_send_now(23, b"", &[5]).is_ok() {
+                ok = true;
+                break;
+            }
+            p.spin(100);
+        }
+        assert!(ok, "{tls}: a short send to itself");
+        for _ in 0..1_000_000 {
+            if total.get() - start == 6 {
+                break;
+            }
+            p.b.progress();
+        }
+        assert_eq!(
+            total.get() - start,
+            6,
+            "{tls}: the whole count-down arrived"
+        );
+        assert_eq!(depth.get(), 0, "{tls}: every call returned");
+    }
+}
+
+async fn futures_yield() {
+    let mut once = false;
+    poll_fn(|cx| {
+        if once {
+            Poll::Ready(())
+        } else {
+            once = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await
 }
