@@ -1009,6 +1009,12 @@ impl ShardCtx {
         let node = dest.node;
         let peers = self.net().peers.borrow();
         let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
+        self.route_in(p, dest)
+    }
+
+    /// [`ShardCtx::route`] with `dest.node`'s rails already looked up.
+    pub(in crate::net) fn route_in(&self, p: &PeerRails, dest: Dest) -> Result<Route, NetError> {
+        let node = dest.node;
         let rails = session::rails_with(self, p.remote_count).ok_or(NetError::BadShardCount {
             node,
             count: p.remote_count,

@@ -13,6 +13,7 @@ use futures_lite::future;
 use glommio::timer::sleep;
 
 use super::inbound::Inbound;
+use super::session::RailConn;
 use super::{
     Dest, NetError, NetState, Queue, Route, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, FRAME_AM,
     MAX_USER_HEADER,
@@ -196,6 +197,44 @@ pub(super) fn send(
         .get(&node)
         .and_then(|p| p.get(remote))
         .ok_or(NetError::NotConnected { node })?;
+    send_on(ctx, node, p, spec, user, body)
+}
+
+/// [`send`] to `dest` routed from this shard: the rail this shard holds to the remote shard
+/// `dest` names (or its default one), found with one lookup; [`NetError::OtherShard`] when
+/// another local shard holds that rail.
+pub(super) fn send_routed(
+    ctx: &ShardCtx,
+    dest: Dest,
+    spec: FrameSpec,
+    user: &[u8],
+    body: Body<'_>,
+) -> Result<(), NetError> {
+    let net = ctx.net();
+    check_sizes(net, user.len(), body.len())?;
+    check_kind(spec.kind)?;
+    let node = dest.node;
+    let peers = net.peers.borrow();
+    let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
+    match ctx.route_in(p, dest)? {
+        Route::Here(remote) => {
+            let rail = p.get(remote).ok_or(NetError::NotConnected { node })?;
+            send_on(ctx, node, rail, spec, user, body)
+        }
+        Route::There(owner) => Err(NetError::OtherShard { node, owner }),
+    }
+}
+
+/// Sends on rail `p` to `node` (see [`send`]).
+fn send_on(
+    ctx: &ShardCtx,
+    node: NodeId,
+    p: &RailConn,
+    spec: FrameSpec,
+    user: &[u8],
+    body: Body<'_>,
+) -> Result<(), NetError> {
+    let net = ctx.net();
     let len = body.len();
     let rndv = len > net.settings.cfg.rndv_threshold;
     let header = FrameHeader {
@@ -465,21 +504,7 @@ impl ShardCtx {
             req_id,
             ttl_ns: NO_DEADLINE_TTL,
         };
-        check_kind(kind)?;
-        check_sizes(self.net(), user_header.len(), payload.len())?;
-        match self.route(dest)? {
-            Route::Here(remote) => send(
-                self,
-                (dest.node, remote),
-                spec,
-                user_header,
-                Body::Borrowed(payload),
-            ),
-            Route::There(owner) => Err(NetError::OtherShard {
-                node: dest.node,
-                owner,
-            }),
-        }
+        send_routed(self, dest, spec, user_header, Body::Borrowed(payload))
     }
 
     /// [`ShardCtx::send_frame_now`] of an active message `id`.
@@ -516,17 +541,7 @@ impl ShardCtx {
     ) -> Result<(), NetError> {
         let dest = dest.into();
         let buf = buf.into();
-        check_sizes(self.net(), user_header.len(), buf.len())?;
-        let spec = FrameSpec::am(id);
-        match self.route(dest)? {
-            Route::Here(remote) => {
-                send(self, (dest.node, remote), spec, user_header, Body::Buf(buf))
-            }
-            Route::There(owner) => Err(NetError::OtherShard {
-                node: dest.node,
-                owner,
-            }),
-        }
+        send_routed(self, dest, FrameSpec::am(id), user_header, Body::Buf(buf))
     }
 
     /// Sends application frame `id` with `payload` to `dest` from any shard (forwarded to the
