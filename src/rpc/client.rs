@@ -263,13 +263,16 @@ impl Rpc {
                 return Err(RpcError::TooLarge { len, max });
             }
         }
-        let exchange = self.send_until_answered(peer, t, payload, flags, args, timeout);
+        // Pinned where it is made: moving the exchange's state into the await (or into the
+        // deadline race) copied some kilobytes per call.
+        let mut exchange =
+            std::pin::pin!(self.send_until_answered(peer, t, payload, flags, args, timeout));
         // On the owner shard the request's own deadline bounds everything; a forward may wait
         // for a lane permit first, so bound it as a whole.
         let (header, bytes) = if self.node.owner_of(peer) == self.node.shard() {
-            exchange.await?
+            exchange.as_mut().await?
         } else {
-            within("rpc call", timeout, async { Ok(exchange.await) })
+            within("rpc call", timeout, async { Ok(exchange.as_mut().await) })
                 .await
                 .map_err(|e| RpcError::from_net(e, timeout))??
         };
