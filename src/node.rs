@@ -210,6 +210,8 @@ pub struct AmMsg {
     from: Peer,
     id: AmId,
     frame: Frame,
+    /// The receiving shard: [`AmMsg::reply`] sends from it with no look-up of the current node.
+    ctx: Rc<ShardCtx>,
 }
 
 /// An active message copied out of UCX's buffer ([`AmMsg::into_owned`]): `Send`.
@@ -742,7 +744,16 @@ fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(A
                 node: frame.node(),
                 shard: Some(frame.header().src_shard),
             };
-            handler(&node, AmMsg { from, id, frame });
+            let ctx = node.ctx.clone();
+            handler(
+                &node,
+                AmMsg {
+                    from,
+                    id,
+                    frame,
+                    ctx,
+                },
+            );
         });
     }
 }
@@ -848,7 +859,7 @@ impl Peer {
     /// to the shard this peer names).
     pub fn am_send_now(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
         let node = Node::current().ok_or(Error::NotOnShard)?;
-        send_now(&node, self.dest(), id, header, payload)
+        send_now(&node.ctx, self.dest(), id, header, payload)
     }
 
     /// Sends active message `id` at once from the calling shard, like [`Peer::am_send_now`],
@@ -882,7 +893,7 @@ impl Peer {
         timeout: Duration,
     ) -> Result<(), Error> {
         // This shard's rail, UCX taking the frame at once: no timer, no task.
-        match send_now(node, self.dest(), id, header, payload) {
+        match send_now(&node.ctx, self.dest(), id, header, payload) {
             Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {}
             done => return done,
         }
@@ -898,11 +909,17 @@ impl Peer {
 }
 
 /// [`Peer::am_send_now`] on `node`'s shard.
-fn send_now(node: &Node, dest: Dest, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
+fn send_now(
+    ctx: &ShardCtx,
+    dest: Dest,
+    id: AmId,
+    header: &[u8],
+    payload: &[u8],
+) -> Result<(), Error> {
     if header.len() > MAX_AM_HEADER {
         return Err(Error::HeaderTooLarge { len: header.len() });
     }
-    match node.ctx.send_am_now(dest, id, header, payload) {
+    match ctx.send_am_now(dest, id, header, payload) {
         Err(NetError::HeaderTooLarge { len, .. }) => Err(Error::HeaderTooLarge { len }),
         other => Ok(other?),
     }
@@ -1032,7 +1049,7 @@ impl AmMsg {
     /// message came in on ([`Peer::am_send_now`] to [`AmMsg::from`]): from the handler, it costs
     /// no task and, when UCX takes it in place, no copy.
     pub fn reply(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
-        self.from.am_send_now(id, header, payload)
+        send_now(&self.ctx, self.from.dest(), id, header, payload)
     }
 
     /// A copy that may cross threads (header and payload copied out of UCX's buffer, which is
