@@ -1,6 +1,9 @@
-//! Inbound: what UCX delivers, recorded by its callbacks and dispatched by the progress driver
-//! right after `progress` returns (see the module docs of [`crate::net`], "The hot path").
+//! Inbound: what UCX delivers. Application frames with eager data are dispatched inside UCX's
+//! receive callback; the rest is recorded by the callbacks and dispatched by the progress
+//! driver right after `progress` returns (see the module docs of [`crate::net`], "The hot
+//! path").
 
+use std::cell::Cell;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
@@ -358,9 +361,14 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
             let item = match parse_data_header(h, incoming.len(), &limits) {
                 Ok((_, header, _)) if header.kind.is_control() => Inbound::Malformed,
                 Ok((node, header, user)) => {
-                    // In order: only while nothing is recorded before it, and not inside
-                    // another frame's dispatch.
-                    let inline = !net.dispatching.get() && net.inbox.borrow().is_empty();
+                    // In order: only while nothing is recorded before it; not inside another
+                    // frame's dispatch; and only inside the driver's `progress`, where no
+                    // caller up the stack holds the shard's state (a transport that delivered
+                    // a message from inside a send would call this with the sender's borrows
+                    // held).
+                    let inline = ctx.worker().in_progress()
+                        && !net.dispatching.get()
+                        && net.inbox.borrow().is_empty();
                     match incoming {
                         AmIncoming::Bytes(b) if inline => {
                             let payload = net.inline_payload(b);
@@ -407,7 +415,15 @@ fn dispatch_inline(
     user: &[u8],
     payload: Payload,
 ) {
+    // Cleared however this ends (a panic is caught further up, in UCX's callback wrapper).
+    struct Dispatching<'a>(&'a Cell<bool>);
+    impl Drop for Dispatching<'_> {
+        fn drop(&mut self) {
+            self.0.set(false);
+        }
+    }
     net.dispatching.set(true);
+    let _dispatching = Dispatching(&net.dispatching);
     let (now, at) = net.batch_now(ctx.progress_rounds());
     let remote = header.src_shard;
     let received = match net
@@ -437,7 +453,6 @@ fn dispatch_inline(
             },
         );
     }
-    net.dispatching.set(false);
 }
 
 /// The driver's dispatch hook of shard `ctx` (see [`crate::driver::DispatchHook`]): one look

@@ -160,6 +160,14 @@ impl Worker {
         self.inner.progress()
     }
 
+    /// Whether [`Worker::progress`] is running on this worker now: true inside the callbacks
+    /// it runs. A callback that UCX runs from inside another call (a send that a transport
+    /// delivers at once, to this same worker) sees `false` unless that call was itself made
+    /// inside `progress`.
+    pub fn in_progress(&self) -> bool {
+        self.inner.in_progress.get()
+    }
+
     /// Arm the worker's event fd for sleeping (needs `Features::wakeup`).
     pub fn arm(&self) -> Result<Armed> {
         // SAFETY: ucp.h (`ucp_worker_arm`): live worker created with UCP_FEATURE_WAKEUP (else
