@@ -3,7 +3,6 @@
 //! driver right after `progress` returns (see the module docs of [`crate::net`], "The hot
 //! path").
 
-use std::cell::Cell;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
@@ -415,15 +414,9 @@ fn dispatch_inline(
     user: &[u8],
     payload: Payload,
 ) {
-    // Cleared however this ends (a panic is caught further up, in UCX's callback wrapper).
-    struct Dispatching<'a>(&'a Cell<bool>);
-    impl Drop for Dispatching<'_> {
-        fn drop(&mut self) {
-            self.0.set(false);
-        }
-    }
+    // Cleared at the end, and by the driver's dispatch hook after every `progress` should this
+    // end early (a panic outside the handler, caught further up in UCX's callback wrapper).
     net.dispatching.set(true);
-    let _dispatching = Dispatching(&net.dispatching);
     let (now, at) = net.batch_now(ctx.progress_rounds());
     let remote = header.src_shard;
     let received = match net
@@ -453,6 +446,7 @@ fn dispatch_inline(
             },
         );
     }
+    net.dispatching.set(false);
 }
 
 /// The driver's dispatch hook of shard `ctx` (see [`crate::driver::DispatchHook`]): one look
@@ -462,6 +456,8 @@ pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
     let weak = Rc::downgrade(ctx);
     let net = ctx.net().clone();
     Rc::new(move |budget, round| {
+        // No frame is being dispatched once `progress` has returned.
+        net.dispatching.set(false);
         if net.inbox.borrow().is_empty() {
             return Dispatched {
                 at: net.batch_taken(round),

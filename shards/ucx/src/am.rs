@@ -281,10 +281,11 @@ unsafe extern "C" fn am_recv(
     })
 }
 
-/// Runs `f` with `desc` as the worker's descriptor of the running handler (see
-/// [`release_desc`]), and returns `f`'s result with whether the handler released `desc`. The
-/// previous one is restored afterwards: a handler may run inside another's call (a send that
-/// UCX delivers at once to this worker).
+/// Runs `f` with `desc` among the worker's descriptors of running handlers (see
+/// [`release_desc`]), and returns `f`'s result with whether `desc` was released during it.
+/// Handlers may run inside one another's calls (a send that UCX delivers at once to this
+/// worker), and one may drop another's descriptor: each running one is known until its own
+/// call returns, so none is handed back to UCX while UCX still expects an answer for it.
 fn with_cb_desc<R>(
     worker: &WorkerInner,
     desc: Option<*mut c_void>,
@@ -293,13 +294,13 @@ fn with_cb_desc<R>(
     let Some(desc) = desc else {
         return (f(), false);
     };
-    let outer = (worker.am_cb_desc.get(), worker.am_cb_released.get());
-    worker.am_cb_desc.set(desc);
-    worker.am_cb_released.set(false);
+    worker.am_cb_descs.borrow_mut().push((desc, false));
     let r = f();
-    let released = worker.am_cb_released.get();
-    worker.am_cb_desc.set(outer.0);
-    worker.am_cb_released.set(outer.1);
+    let mut running = worker.am_cb_descs.borrow_mut();
+    let released = match running.iter().rposition(|&(d, _)| d == desc) {
+        Some(i) => running.remove(i).1,
+        None => false,
+    };
     (r, released)
 }
 
@@ -319,12 +320,19 @@ fn rc_of(worker: &WorkerInner) -> Rc<WorkerInner> {
 }
 
 fn release_desc(worker: &WorkerInner, desc: *mut c_void) {
-    if worker.am_cb_desc.get() == desc {
-        // Still inside the handler that received it: tell the handler wrapper instead of UCX.
-        worker.am_cb_released.set(true);
-    } else {
+    let running = worker
+        .am_cb_descs
+        .borrow_mut()
+        .iter_mut()
+        .rev()
+        .find(|(d, _)| *d == desc)
+        .map(|(_, released)| *released = true)
+        .is_some();
+    if !running {
         // SAFETY: ucp.h (`ucp_am_data_release`): releases a descriptor kept by returning
-        // UCS_INPROGRESS from the handler (data or rendezvous), exactly once.
+        // UCS_INPROGRESS from the handler (data or rendezvous), exactly once: a descriptor
+        // whose handler is still running is not released here but reported to its callback
+        // wrapper, which then returns UCS_OK for it instead.
         unsafe { sys::ucp_am_data_release(worker.handle, desc) };
     }
 }

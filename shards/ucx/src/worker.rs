@@ -32,9 +32,10 @@ pub(crate) struct WorkerInner {
     /// the vector grows.
     #[allow(clippy::vec_box)] // the box is the point: a stable address per slot
     pub(crate) am_slots: RefCell<Vec<Box<AmSlot>>>,
-    /// The AM descriptor whose handler is running now, and whether the handler released it.
-    pub(crate) am_cb_desc: Cell<*mut c_void>,
-    pub(crate) am_cb_released: Cell<bool>,
+    /// The AM descriptors whose handlers are running now (innermost last: a handler may run
+    /// inside another's call), each with whether it was released during its call.
+    #[allow(clippy::type_complexity)]
+    pub(crate) am_cb_descs: RefCell<Vec<(*mut c_void, bool)>>,
     /// Set while a UCX callback runs, so that a re-entrant `progress` is refused.
     pub(crate) in_progress: Cell<bool>,
     /// The bytes of a send from inside a callback (`Endpoint::am_send_now`), reused.
@@ -135,8 +136,7 @@ impl Worker {
                 orphans: Rc::new(Orphans::default()),
                 spare_ops: RefCell::new(Vec::new()),
                 am_slots: RefCell::new(Vec::new()),
-                am_cb_desc: Cell::new(ptr::null_mut()),
-                am_cb_released: Cell::new(false),
+                am_cb_descs: RefCell::new(Vec::new()),
                 in_progress: Cell::new(false),
                 cb_scratch: Cell::new(Vec::new()),
                 deferred: RefCell::new(Vec::new()),
