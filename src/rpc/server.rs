@@ -17,6 +17,7 @@ use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::Archived;
 use shardcx_shards::net::{Frame, RndvBuf};
+use shardcx_shards::proto::request::DedupHasher;
 use shardcx_shards::proto::rpc::{decode_request, encode_error, CallFlags, RpcErrorCode};
 use shardcx_shards::proto::wire::NO_DEADLINE_TTL;
 use shardcx_shards::proto::{
@@ -174,7 +175,9 @@ pub(crate) type SharedChooser = Arc<dyn Fn(&Node, Peer, usize) -> Option<RndvBuf
 pub(crate) struct ShardRpc {
     pub(crate) config: RpcConfig,
     pub(crate) service: Arc<Mutex<Option<String>>>,
-    functions: RefCell<HashMap<u32, Served>>,
+    /// By function id (from the network: keyed like the dedup window's tables, not SipHash,
+    /// which cost some 80 instructions per call).
+    functions: RefCell<HashMap<u32, Served, DedupHasher>>,
     signatures: Rc<Vec<Signature>>,
     dedup: RefCell<DedupWindow<Option<CachedReply>>>,
     /// Calls of async handlers running, for cancel frames.
@@ -240,6 +243,8 @@ pub struct RpcContext {
     deadline: Option<Instant>,
     cancel: Option<Rc<CancelState>>,
     location: ArgsLocation,
+    /// The caller wants no reply: a plain handler's reply is not encoded.
+    one_way: bool,
 }
 
 impl Default for RpcConfig {
@@ -355,7 +360,7 @@ impl RpcSetup {
     /// This shard's RPC state: every registered function's handler (from its factory) and the
     /// built-ins.
     pub(crate) fn build(&self) -> ShardRpc {
-        let mut functions = HashMap::new();
+        let mut functions = HashMap::with_hasher(DedupHasher::random());
         let mut signatures = Vec::new();
         for r in &self.functions {
             functions.insert(
@@ -525,6 +530,10 @@ where
         let reply = with_archived::<F::Args, _>(args, |a| h(ctx, a))
             .map_err(|e| Failure::new(RpcErrorCode::BadRequest, e.to_string()))?
             .map_err(|m| Failure::new(RpcErrorCode::Failed, m))?;
+        if ctx.one_way {
+            // Nobody reads it: not encoded (nor allocated).
+            return Ok(Vec::new());
+        }
         encode_reply(&reply)
     }))
 }
@@ -873,6 +882,7 @@ fn on_request_frame<P: AsRef<[u8]>>(
         deadline,
         cancel: None,
         location,
+        one_way,
     };
     let args = &bytes[REQUEST_PREFIX_LEN..];
     match handler {
