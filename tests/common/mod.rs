@@ -51,6 +51,15 @@ pub(crate) fn output_within(child: Child, limit: Duration, what: &str) -> std::p
                 stacks(child_pid)
             );
             let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            // What it printed before it was killed: where it got to (started, connected, ran
+            // the test, or hung on the way out).
+            if let Ok(Ok(out)) = rx.recv_timeout(Duration::from_secs(5)) {
+                eprintln!(
+                    "{what}: its stdout:\n{}\nits stderr:\n{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
             panic!("{what} did not finish within {limit:?}");
         }
     }

@@ -419,15 +419,7 @@ fn dispatch_inline(
     net.dispatching.set(true);
     let (now, at) = net.batch_now(ctx.progress_rounds());
     let remote = header.src_shard;
-    let received = match net
-        .peers
-        .borrow_mut()
-        .get_mut(&node)
-        .and_then(|p| p.get_mut(remote))
-    {
-        Some(r) => r.conn.handle_frame(now, &header, &[]),
-        None => Received::Dropped(DropReason::NotReady),
-    };
+    let received = feed_rail(net, node, &header, now);
     if !matches!(received, Received::Deliver) {
         net.inbox
             .borrow_mut()
@@ -500,6 +492,20 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
     }
 }
 
+/// An application frame's header to the connection of its rail (from `node`'s shard
+/// `header.src_shard`): what to do with the frame; dropped as unauthenticated without one.
+fn feed_rail(net: &NetState, node: NodeId, header: &FrameHeader, now: Timestamp) -> Received {
+    match net
+        .peers
+        .borrow_mut()
+        .get_mut(&node)
+        .and_then(|p| p.get_mut(header.src_shard))
+    {
+        Some(r) => r.conn.handle_frame(now, header, &[]),
+        None => Received::Dropped(DropReason::NotReady),
+    }
+}
+
 /// Handles one recorded input.
 fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timestamp, Instant)) {
     match item {
@@ -510,15 +516,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timesta
             data,
         } => {
             let remote = header.src_shard;
-            let received = match net
-                .peers
-                .borrow_mut()
-                .get_mut(&node)
-                .and_then(|p| p.get_mut(remote))
-            {
-                Some(r) => r.conn.handle_frame(now, &header, &[]),
-                None => Received::Dropped(DropReason::NotReady),
-            };
+            let received = feed_rail(net, node, &header, now);
             if !matches!(received, Received::Deliver) {
                 session::service(net, node, remote);
             }

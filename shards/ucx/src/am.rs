@@ -197,63 +197,18 @@ unsafe extern "C" fn am_recv(
         let kept = rndv || desc;
         let ran = match &slot.handler {
             SlotHandler::Inline(h) => {
-                let incoming = if rndv {
-                    AmIncoming::Rendezvous(AmRndv {
-                        worker: rc_of(worker_ref),
-                        desc: data,
-                        len: length as usize,
-                    })
-                } else if desc {
-                    AmIncoming::Data(AmData {
-                        inner: DataInner::Desc {
-                            worker: rc_of(worker_ref),
-                            ptr: data,
-                            len: length as usize,
-                        },
-                    })
-                } else if data.is_null() || length == 0 {
-                    AmIncoming::Bytes(&[])
-                } else {
-                    // SAFETY: ucp_def.h (`ucp_am_recv_callback_t`): without
-                    // UCP_AM_RECV_ATTR_FLAG_DATA, `data` points to `length` bytes valid during
-                    // the callback; the slice is handed to the handler for this call only (its
-                    // lifetime is the call's, see `InlineHandler`).
-                    AmIncoming::Bytes(unsafe {
-                        std::slice::from_raw_parts(data.cast::<u8>(), length as usize)
-                    })
-                };
+                // SAFETY: inside UCX's AM callback with its `data` and `length`; the handler
+                // gets it for this call only (`InlineHandler`'s lifetime is the call's).
+                let incoming = unsafe { incoming(worker_ref, rndv, desc, data, length) };
                 with_cb_desc(worker_ref, kept.then_some(data), || {
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(header, incoming)))
                 })
             }
             SlotHandler::Kept(h) => {
-                let payload = if rndv {
-                    AmPayload::Rendezvous(AmRndv {
-                        worker: rc_of(worker_ref),
-                        desc: data,
-                        len: length as usize,
-                    })
-                } else if desc {
-                    AmPayload::Data(AmData {
-                        inner: DataInner::Desc {
-                            worker: rc_of(worker_ref),
-                            ptr: data,
-                            len: length as usize,
-                        },
-                    })
-                } else {
-                    let bytes = if data.is_null() || length == 0 {
-                        Vec::new()
-                    } else {
-                        // SAFETY: ucp_def.h: without UCP_AM_RECV_ATTR_FLAG_DATA, `data` points
-                        // to `length` bytes valid during the callback; we copy them.
-                        unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length as usize) }
-                            .to_vec()
-                    };
-                    AmPayload::Data(AmData {
-                        inner: DataInner::Owned(bytes),
-                    })
-                };
+                // What the inline handler would get, kept: bytes in place are copied.
+                // SAFETY: inside UCX's AM callback with its `data` and `length`; bytes in place
+                // are copied at once by `keep`.
+                let payload = unsafe { incoming(worker_ref, rndv, desc, data, length) }.keep();
                 with_cb_desc(worker_ref, kept.then_some(data), || {
                     // A send from inside the handler that UCX delivers at once to this worker
                     // would call it again: that message is dropped and counted, not a second
@@ -279,6 +234,44 @@ unsafe extern "C" fn am_recv(
             status::UCS_INPROGRESS
         }
     })
+}
+
+/// What UCX handed a handler, as [`AmIncoming`]: rendezvous data or a descriptor (each holding
+/// the worker), or bytes in place.
+///
+/// # Safety
+///
+/// Called from inside UCX's AM callback with its `data` and `length`, on `worker`, and the
+/// result is used during that call only (bytes in place are valid for it alone).
+unsafe fn incoming<'a>(
+    worker: &WorkerInner,
+    rndv: bool,
+    desc: bool,
+    data: *mut c_void,
+    length: sys::size_t,
+) -> AmIncoming<'a> {
+    if rndv {
+        AmIncoming::Rendezvous(AmRndv {
+            worker: rc_of(worker),
+            desc: data,
+            len: length as usize,
+        })
+    } else if desc {
+        AmIncoming::Data(AmData {
+            inner: DataInner::Desc {
+                worker: rc_of(worker),
+                ptr: data,
+                len: length as usize,
+            },
+        })
+    } else if data.is_null() || length == 0 {
+        AmIncoming::Bytes(&[])
+    } else {
+        // SAFETY: ucp_def.h (`ucp_am_recv_callback_t`): without UCP_AM_RECV_ATTR_FLAG_DATA,
+        // `data` points to `length` bytes valid during the callback; the caller uses the slice
+        // during it only (see this function's contract).
+        AmIncoming::Bytes(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), length as usize) })
+    }
 }
 
 /// Runs `f` with `desc` among the worker's descriptors of running handlers (see
