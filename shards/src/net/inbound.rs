@@ -365,8 +365,10 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
                     // caller up the stack holds the shard's state (a transport that delivered
                     // a message from inside a send would call this with the sender's borrows
                     // held).
+                    // And at most a budget of them per `progress` call (see `inline_left`).
                     let inline = ctx.worker().in_progress()
                         && !net.dispatching.get()
+                        && net.inline_left.get() > 0
                         && net.inbox.borrow().is_empty();
                     match incoming {
                         AmIncoming::Bytes(b) if inline => {
@@ -417,6 +419,7 @@ fn dispatch_inline(
     // Cleared at the end, and by the driver's dispatch hook after every `progress` should this
     // end early (a panic outside the handler, caught further up in UCX's callback wrapper).
     net.dispatching.set(true);
+    net.inline_left.set(net.inline_left.get().saturating_sub(1));
     let (now, at) = net.batch_now(ctx.progress_rounds());
     let remote = header.src_shard;
     let received = feed_rail(net, node, &header, now);
@@ -448,8 +451,10 @@ pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
     let weak = Rc::downgrade(ctx);
     let net = ctx.net().clone();
     Rc::new(move |budget, round| {
-        // No frame is being dispatched once `progress` has returned.
+        // No frame is being dispatched once `progress` has returned; the next `progress`
+        // may dispatch a budget of them in UCX's callback again.
         net.dispatching.set(false);
+        net.inline_left.set(budget);
         if net.inbox.borrow().is_empty() {
             return Dispatched {
                 at: net.batch_taken(round),

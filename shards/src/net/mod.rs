@@ -83,7 +83,11 @@
 //! only `progress`) costs no task switch and no allocation. A short payload is copied into a
 //! buffer of the shard's, reused while no frame keeps it (a handler that keeps the frame, in a
 //! task say, keeps its copy, and the next message gets a new buffer); a descriptor stays with
-//! its frame until the frame is dropped. [`NetStats::dispatched_in_callback`] counts them.
+//! its frame until the frame is dropped. [`NetStats::dispatched_in_callback`] counts them. At
+//! most [`crate::driver::DISPATCH_BUDGET`] frames are dispatched in the callback per
+//! `progress` call: one call can deliver thousands (a TCP read of a flood), and the rest are
+//! recorded, so that the driver dispatches them a budget per round with the shard's timers,
+//! heartbeats, mesh and tasks served in between, as for any recorded input.
 //!
 //! The rest is recorded by the callbacks and dispatched by the shard's progress driver right
 //! after `ucp_worker_progress` returns ([`crate::driver`], "The hot path"), in order and at most
@@ -631,6 +635,12 @@ pub(crate) struct NetState {
     /// Set while a frame is dispatched inside UCX's callback: a frame UCX delivers meanwhile
     /// (a handler's send to its own worker) is recorded instead ([`inbound`]).
     dispatching: Cell<bool>,
+    /// Frames that may still be dispatched inside UCX's callback during the current
+    /// `progress` call: set to [`crate::driver::DISPATCH_BUDGET`] by the dispatch hook after
+    /// every round; past it, frames are recorded and dispatched by the driver a budget per
+    /// round (one `progress` call can deliver thousands over tcp: handled in one go, they
+    /// would keep the shard's timers, heartbeats and other tasks waiting).
+    inline_left: Cell<usize>,
     /// The buffer short eager payloads are copied into for an inline dispatch, reused while
     /// no frame keeps it ([`inbound`]).
     inline_bytes: Cell<Option<Rc<Vec<u8>>>>,
@@ -851,6 +861,7 @@ impl NetState {
             rearm_asked: Cell::new(false),
             batch: Cell::new(None),
             dispatching: Cell::new(false),
+            inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
             inline_bytes: Cell::new(None),
             closed: Cell::new(false),
             max_am_header: worker.max_am_header(),
