@@ -421,14 +421,7 @@ fn dispatch_inline(
     net.dispatching.set(true);
     net.inline_left.set(net.inline_left.get().saturating_sub(1));
     let (now, at) = net.batch_now(ctx.progress_rounds());
-    let remote = header.src_shard;
-    let received = feed_rail(net, node, &header, now);
-    if !matches!(received, Received::Deliver) {
-        net.inbox
-            .borrow_mut()
-            .push_back(Inbound::Service { node, remote });
-    }
-    if count_received(net, &header, received) {
+    if accepted(net, node, &header, now, true) {
         net.count(|s| s.dispatched_in_callback += 1);
         dispatch(
             ctx,
@@ -497,18 +490,37 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
     }
 }
 
-/// An application frame's header to the connection of its rail (from `node`'s shard
-/// `header.src_shard`): what to do with the frame; dropped as unauthenticated without one.
-fn feed_rail(net: &NetState, node: NodeId, header: &FrameHeader, now: Timestamp) -> Received {
-    match net
+/// Feeds an application frame's header to the connection of its rail (from `node`'s shard
+/// `header.src_shard`; dropped as unauthenticated without one) and whether its handler gets
+/// it. The connection's follow-up work, if the frame left it some, is done now, or recorded
+/// for the driver when the frame is being dispatched inside UCX's callback (`in_callback`).
+fn accepted(
+    net: &NetState,
+    node: NodeId,
+    header: &FrameHeader,
+    now: Timestamp,
+    in_callback: bool,
+) -> bool {
+    let remote = header.src_shard;
+    let received = match net
         .peers
         .borrow_mut()
         .get_mut(&node)
-        .and_then(|p| p.get_mut(header.src_shard))
+        .and_then(|p| p.get_mut(remote))
     {
         Some(r) => r.conn.handle_frame(now, header, &[]),
         None => Received::Dropped(DropReason::NotReady),
+    };
+    if !matches!(received, Received::Deliver) {
+        if in_callback {
+            net.inbox
+                .borrow_mut()
+                .push_back(Inbound::Service { node, remote });
+        } else {
+            session::service(net, node, remote);
+        }
     }
+    count_received(net, header, received)
 }
 
 /// Handles one recorded input.
@@ -520,12 +532,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timesta
             user,
             data,
         } => {
-            let remote = header.src_shard;
-            let received = feed_rail(net, node, &header, now);
-            if !matches!(received, Received::Deliver) {
-                session::service(net, node, remote);
-            }
-            if count_received(net, &header, received) {
+            if accepted(net, node, &header, now, false) {
                 match data {
                     AmPayload::Data(d) => dispatch(
                         ctx,

@@ -13,7 +13,7 @@ use futures_lite::future;
 use glommio::timer::sleep;
 
 use super::inbound::Inbound;
-use super::session::RailConn;
+use super::session::{PeerRails, RailConn};
 use super::{
     Dest, NetError, NetState, Queue, Route, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, FRAME_AM,
     MAX_USER_HEADER,
@@ -189,15 +189,9 @@ pub(super) fn send(
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
-    let net = ctx.net();
-    check_sizes(net, user.len(), body.len())?;
-    check_kind(spec.kind)?;
-    let peers = net.peers.borrow();
-    let p = peers
-        .get(&node)
-        .and_then(|p| p.get(remote))
-        .ok_or(NetError::NotConnected { node })?;
-    send_on(ctx, node, p, spec, user, body)
+    send_with(ctx, node, spec, user, body, |p: &PeerRails| {
+        p.get(remote).ok_or(NetError::NotConnected { node })
+    })
 }
 
 /// [`send`] to `dest` routed from this shard: the rail this shard holds to the remote shard
@@ -210,19 +204,30 @@ pub(super) fn send_routed(
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
+    let node = dest.node;
+    send_with(ctx, node, spec, user, body, |p: &PeerRails| {
+        match ctx.route_in(p, dest)? {
+            Route::Here(remote) => p.get(remote).ok_or(NetError::NotConnected { node }),
+            Route::There(owner) => Err(NetError::OtherShard { node, owner }),
+        }
+    })
+}
+
+/// Checks the frame, looks `node`'s rails up once and sends on the one `rail` picks.
+fn send_with(
+    ctx: &ShardCtx,
+    node: NodeId,
+    spec: FrameSpec,
+    user: &[u8],
+    body: Body<'_>,
+    rail: impl FnOnce(&PeerRails) -> Result<&RailConn, NetError>,
+) -> Result<(), NetError> {
     let net = ctx.net();
     check_sizes(net, user.len(), body.len())?;
     check_kind(spec.kind)?;
-    let node = dest.node;
     let peers = net.peers.borrow();
     let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
-    match ctx.route_in(p, dest)? {
-        Route::Here(remote) => {
-            let rail = p.get(remote).ok_or(NetError::NotConnected { node })?;
-            send_on(ctx, node, rail, spec, user, body)
-        }
-        Route::There(owner) => Err(NetError::OtherShard { node, owner }),
-    }
+    send_on(ctx, node, rail(p)?, spec, user, body)
 }
 
 /// Sends on rail `p` to `node` (see [`send`]).

@@ -412,13 +412,7 @@ fn persistent_handler_keeps_eager_data_past_the_callback() {
         }
         // Progress until every message is recorded; none is read before that, so each must
         // have outlived its callback.
-        for _ in 0..1_000_000 {
-            if q.borrow().len() == sizes.len() {
-                break;
-            }
-            p.a.progress();
-            p.b.progress();
-        }
+        p.spin_until(|| q.borrow().len() == sizes.len());
         let got: Vec<_> = q.borrow_mut().drain(..).collect();
         assert_eq!(got.len(), sizes.len(), "{tls}: every message recorded");
         for (k, ((hdr, payload), &size)) in got.into_iter().zip(&sizes).enumerate() {
@@ -455,13 +449,7 @@ fn send_now_is_all_or_nothing() {
         // until then UCX has no short path).
         let (res, _) = p.run(p.ab.am_send(11, &[0xFF], vec![0u8; 16], AmProto::Eager));
         res.expect("wire-up send");
-        for _ in 0..1_000_000 {
-            if !q.borrow().is_empty() {
-                break;
-            }
-            p.a.progress();
-            p.b.progress();
-        }
+        p.spin_until(|| !q.borrow().is_empty());
         assert_eq!(
             q.borrow_mut().drain(..).count(),
             1,
@@ -485,13 +473,7 @@ fn send_now_is_all_or_nothing() {
             std::hint::black_box(&bytes);
         }
         assert!(sent > 0, "{tls}: small messages go in place");
-        for _ in 0..1_000_000 {
-            if q.borrow().len() == sent {
-                break;
-            }
-            p.a.progress();
-            p.b.progress();
-        }
+        p.spin_until(|| q.borrow().len() == sent);
         let got: Vec<_> = q.borrow_mut().drain(..).collect();
         assert_eq!(got.len(), sent, "{tls}: nothing refused arrived");
         for (hdr, payload) in got {
@@ -557,13 +539,7 @@ fn inline_handler_reads_in_place_and_answers_from_the_callback() {
             std::hint::black_box(&bytes);
         }
         assert!(sent > 0, "{tls}: short messages go in place");
-        for _ in 0..1_000_000 {
-            if echoes.borrow().len() == sent {
-                break;
-            }
-            p.a.progress();
-            p.b.progress();
-        }
+        p.spin_until(|| echoes.borrow().len() == sent);
         assert_eq!(inline_seen.get() - before, sent, "{tls}: each read inline");
         let got: Vec<_> = echoes.borrow_mut().drain(..).collect();
         assert_eq!(
@@ -615,18 +591,14 @@ fn inline_handler_sending_to_its_own_worker() {
             .expect("endpoint to itself"),
         );
         let depth = Rc::new(std::cell::Cell::new(0u32));
-        let (total, deepest) = (
-            Rc::new(std::cell::Cell::new(0u32)),
-            Rc::new(std::cell::Cell::new(0u32)),
-        );
-        let (ep, d, t, m) = (own.clone(), depth.clone(), total.clone(), deepest.clone());
+        let total = Rc::new(std::cell::Cell::new(0u32));
+        let (ep, d, t) = (own.clone(), depth.clone(), total.clone());
         p.b.set_am_handler_inline(23, move |_, incoming| {
             let AmIncoming::Bytes(b) = incoming else {
                 return;
             };
             t.set(t.get() + 1);
             d.set(d.get() + 1);
-            m.set(m.get().max(d.get()));
             // Count down: each message but the last sends the next to this same worker.
             if let Some(&n) = b.first() {
                 if n > 0 {
@@ -649,12 +621,7 @@ fn inline_handler_sending_to_its_own_worker() {
             p.spin(100);
         }
         assert!(ok, "{tls}: a short send to itself");
-        for _ in 0..1_000_000 {
-            if total.get() - start == 6 {
-                break;
-            }
-            p.b.progress();
-        }
+        p.spin_until(|| total.get() - start == 6);
         assert_eq!(
             total.get() - start,
             6,

@@ -72,6 +72,17 @@ impl Pair {
         bounded(&[&self.a, &self.b], fut)
     }
 
+    /// Progress both workers until `done` holds (or a million rounds have passed).
+    pub(crate) fn spin_until(&self, mut done: impl FnMut() -> bool) {
+        for _ in 0..1_000_000 {
+            if done() {
+                return;
+            }
+            self.a.progress();
+            self.b.progress();
+        }
+    }
+
     /// Progress both workers for a while (lets background completions happen).
     pub(crate) fn spin(&self, rounds: usize) {
         for _ in 0..rounds {
