@@ -16,7 +16,7 @@ use glommio::timer::sleep;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::Archived;
-use shardcx_shards::net::{Frame, RndvBuf};
+use shardcx_shards::net::{instant_of, timestamp_of, Frame, RndvBuf};
 use shardcx_shards::proto::request::DedupHasher;
 use shardcx_shards::proto::rpc::{decode_request, encode_error, CallFlags, RpcErrorCode};
 use shardcx_shards::proto::wire::NO_DEADLINE_TTL;
@@ -180,13 +180,16 @@ pub(crate) struct ShardRpc {
     functions: RefCell<HashMap<u32, Served, DedupHasher>>,
     signatures: Rc<Vec<Signature>>,
     dedup: RefCell<DedupWindow<Option<CachedReply>>>,
+    /// The vector the next plain handler's reply is encoded into: the last reply's, once it
+    /// was sent and, if small, copied into the dedup window (see [`CachedReply`]), so a call
+    /// with a small reply allocates no archive of its own.
+    spare_reply: Cell<Vec<u8>>,
     /// Calls of async handlers running, for cancel frames.
     running: RefCell<HashMap<DedupKey, Rc<CancelState>>>,
     /// Choosers of the buffer that rendezvous arguments land in, by function id
     /// ([`Node::rpc_args_buffer`]).
     choosers: RefCell<HashMap<u32, Rc<ArgsChooser>>>,
     stats: Cell<RpcStats>,
-    epoch: Instant,
     /// Round trips of the calls this shard makes, per function.
     pub(crate) latency: super::latency::Latencies,
 }
@@ -222,7 +225,79 @@ struct Served {
 /// A finished request's answer, kept for copies of the request.
 struct CachedReply {
     kind: FrameKind,
-    payload: Vec<u8>,
+    payload: ReplyBytes,
+}
+
+/// Replies up to this many bytes are kept in the dedup window's entry itself.
+const INLINE_REPLY: usize = 48;
+
+/// A kept reply's bytes: in the entry when small (the reply's vector then goes back to the
+/// shard for the next reply, see [`ShardRpc::spare_reply`]), else the reply's vector.
+enum ReplyBytes {
+    Inline([u8; INLINE_REPLY], u8),
+    Heap(Vec<u8>),
+}
+
+impl ReplyBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            ReplyBytes::Inline(a, n) => &a[..usize::from(*n)],
+            ReplyBytes::Heap(v) => v,
+        }
+    }
+}
+
+/// Spare reply vectors larger than this are dropped rather than kept for the next reply.
+const MAX_SPARE_REPLY: usize = 4096;
+
+impl ShardRpc {
+    /// A cleared vector for a reply's archive (the spare one, or a new one with room for a
+    /// small archive: grown from empty, a 24-byte archive cost three reallocations).
+    fn reply_vec(&self) -> Vec<u8> {
+        reply_vec(&self.spare_reply)
+    }
+
+    /// Keeps `v` for the next reply, unless it is large.
+    fn recycle(&self, v: Vec<u8>) {
+        recycle(&self.spare_reply, v)
+    }
+
+    /// What the dedup window keeps of a reply sent (`bytes`): small ones copied, their vector
+    /// recycled.
+    fn keep_reply(&self, bytes: Vec<u8>) -> ReplyBytes {
+        keep_reply(&self.spare_reply, bytes)
+    }
+}
+
+/// See [`ShardRpc::reply_vec`].
+fn reply_vec(spare: &Cell<Vec<u8>>) -> Vec<u8> {
+    let mut v = spare.take();
+    if v.capacity() == 0 {
+        v.reserve(64);
+    }
+    v.clear();
+    v
+}
+
+/// See [`ShardRpc::recycle`].
+fn recycle(spare: &Cell<Vec<u8>>, v: Vec<u8>) {
+    if v.capacity() <= MAX_SPARE_REPLY {
+        spare.set(v);
+    }
+}
+
+/// See [`ShardRpc::keep_reply`].
+fn keep_reply(spare: &Cell<Vec<u8>>, bytes: Vec<u8>) -> ReplyBytes {
+    if bytes.len() <= INLINE_REPLY {
+        let mut a = [0u8; INLINE_REPLY];
+        a[..bytes.len()].copy_from_slice(&bytes);
+        // At most INLINE_REPLY (48): fits a u8.
+        let n = bytes.len() as u8;
+        recycle(spare, bytes);
+        ReplyBytes::Inline(a, n)
+    } else {
+        ReplyBytes::Heap(bytes)
+    }
 }
 
 /// A running call's cancellation: set by a cancel frame, seen by the handler.
@@ -310,7 +385,7 @@ impl Registration {
                     let reply = fut
                         .await
                         .map_err(|m| Failure::new(RpcErrorCode::Failed, m))?;
-                    encode_reply(&reply)
+                    encode_reply(&reply, Vec::with_capacity(64))
                 }) as Pin<Box<dyn Future<Output = Outcome>>>)
             }))
         });
@@ -382,6 +457,7 @@ impl RpcSetup {
             functions: RefCell::new(functions),
             signatures: Rc::new(signatures),
             dedup: RefCell::new(DedupWindow::new(c.dedup_entries, c.dedup_max_age)),
+            spare_reply: Cell::new(Vec::new()),
             running: RefCell::new(HashMap::new()),
             choosers: RefCell::new(
                 self.choosers
@@ -395,7 +471,6 @@ impl RpcSetup {
                     .collect(),
             ),
             stats: Cell::new(RpcStats::default()),
-            epoch: Instant::now(),
             latency: super::latency::Latencies::default(),
         }
     }
@@ -416,12 +491,6 @@ impl ShardRpc {
         let mut s = self.stats.get();
         f(&mut s);
         self.stats.set(s);
-    }
-
-    /// `at` on the dedup window's clock.
-    fn timestamp(&self, at: Instant) -> Timestamp {
-        let since = at.saturating_duration_since(self.epoch);
-        Timestamp::from_nanos(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
     }
 
     /// Counts a failure by its code.
@@ -534,7 +603,7 @@ where
             // Nobody reads it: not encoded (nor allocated).
             return Ok(Vec::new());
         }
-        encode_reply(&reply)
+        encode_reply(&reply, ctx.node.local().rpc.reply_vec())
     }))
 }
 
@@ -562,10 +631,9 @@ pub(crate) fn aligned_copy(bytes: &[u8]) -> AlignedVec<ARCHIVE_ALIGN> {
     v
 }
 
-/// The archive of a reply, in a vector with room for a small one from the start (grown from
-/// empty, a 24-byte archive cost three reallocations).
-fn encode_reply<T: RpcType>(reply: &T) -> Outcome {
-    rkyv::api::high::to_bytes_in::<_, rancor::Error>(reply, Vec::with_capacity(64))
+/// The archive of a reply, written into `into` (empty, with room for a small archive).
+fn encode_reply<T: RpcType>(reply: &T, into: Vec<u8>) -> Outcome {
+    rkyv::api::high::to_bytes_in::<_, rancor::Error>(reply, into)
         .map_err(|e| Failure::new(RpcErrorCode::Failed, format!("reply not serialized: {e}")))
 }
 
@@ -600,7 +668,7 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>, shared: &Rc<ShardLocal>) {
     // arguments are read where UCX put them (16-byte aligned, as the envelope's prefix is 16
     // bytes): no copy.
     let _ = ctx.set_frame_handler_inline(FrameKind::RpcRequest, move |ctx, frame| {
-        let (from, header, arrived) = (frame.node(), *frame.header(), frame.arrived());
+        let (from, header, arrived) = (frame.node(), *frame.header(), frame.arrived_at());
         on_request_frame(
             ctx,
             &on_request,
@@ -752,7 +820,7 @@ fn on_rndv_request(
             on_request_frame(
                 ctx,
                 shared,
-                (from, header, Instant::now()),
+                (from, header, timestamp_of(Instant::now())),
                 payload,
                 location,
             );
@@ -768,7 +836,13 @@ fn on_rndv_request(
                 let f = Failure::new(RpcErrorCode::Failed, "argument buffer not readable");
                 return refuse(ctx, rpc, from, header, f);
             }
-            on_request_frame(ctx, shared, (from, header, Instant::now()), copy, location);
+            on_request_frame(
+                ctx,
+                shared,
+                (from, header, timestamp_of(Instant::now())),
+                copy,
+                location,
+            );
         }
     }
 }
@@ -793,7 +867,7 @@ impl AsRef<[u8]> for Received {
 fn on_request_frame<P: AsRef<[u8]>>(
     ctx: &Rc<ShardCtx>,
     shared: &Rc<ShardLocal>,
-    (from, header, arrived): (NodeId, &FrameHeader, Instant),
+    (from, header, arrived): (NodeId, &FrameHeader, Timestamp),
     payload: P,
     location: ArgsLocation,
 ) {
@@ -846,17 +920,15 @@ fn on_request_frame<P: AsRef<[u8]>>(
         req_id: header.req_id,
     };
     if !one_way {
-        let replay = match rpc
-            .dedup
-            .borrow_mut()
-            .check_and_insert(rpc.timestamp(arrived), key)
-        {
+        let replay = match rpc.dedup.borrow_mut().check_and_insert(arrived, key) {
             DedupVerdict::Fresh => None,
             DedupVerdict::InProgress => {
                 rpc.count(|s| s.duplicates_dropped += 1);
                 return;
             }
-            DedupVerdict::Done(Some(cached)) => Some((cached.kind, cached.payload.clone())),
+            DedupVerdict::Done(Some(cached)) => {
+                Some((cached.kind, cached.payload.as_slice().to_vec()))
+            }
             DedupVerdict::Done(None) => Some((
                 FrameKind::RpcError,
                 Failure::new(RpcErrorCode::TooOld, "reply no longer kept").encode(),
@@ -872,7 +944,7 @@ fn on_request_frame<P: AsRef<[u8]>>(
         }
     }
     let deadline = (header.ttl_ns != NO_DEADLINE_TTL && !one_way)
-        .then(|| arrived + Duration::from_nanos(header.ttl_ns));
+        .then(|| instant_of(arrived) + Duration::from_nanos(header.ttl_ns));
     let node = Node::from_parts(ctx.clone(), shared.clone());
     let mut call = RpcContext {
         node,
@@ -1025,10 +1097,15 @@ fn finish(
         return;
     }
     answer(ctx, from, header, kind, &bytes);
-    let keep = (bytes.len() <= rpc.config.dedup_reply_bytes).then_some(CachedReply {
-        kind,
-        payload: bytes,
-    });
+    let keep = if bytes.len() <= rpc.config.dedup_reply_bytes {
+        Some(CachedReply {
+            kind,
+            payload: rpc.keep_reply(bytes),
+        })
+    } else {
+        rpc.recycle(bytes);
+        None
+    };
     rpc.dedup.borrow_mut().complete(key, keep);
 }
 
@@ -1058,5 +1135,40 @@ impl Node {
             .choosers
             .borrow_mut()
             .insert(F::ID.get(), Rc::new(choose));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_replies_read_back_and_small_ones_give_their_vector_back() {
+        let spare = Cell::new(Vec::new());
+        for len in [0, 1, INLINE_REPLY - 1, INLINE_REPLY, INLINE_REPLY + 1, 4000] {
+            let mut v = reply_vec(&spare);
+            assert!(v.is_empty() && v.capacity() >= 64, "len {len}");
+            v.extend((0..len).map(|i| (i * 7 + len) as u8));
+            let expected = v.clone();
+            let ptr = v.as_ptr();
+            let kept = keep_reply(&spare, v);
+            assert_eq!(kept.as_slice(), &expected[..], "len {len}");
+            match kept {
+                ReplyBytes::Inline(..) => {
+                    assert!(len <= INLINE_REPLY);
+                    // The same vector comes back for the next reply, cleared.
+                    let next = reply_vec(&spare);
+                    assert_eq!((next.as_ptr(), next.len()), (ptr, 0), "len {len}");
+                    recycle(&spare, next);
+                }
+                ReplyBytes::Heap(v) => {
+                    assert!(len > INLINE_REPLY);
+                    assert_eq!(v.as_ptr(), ptr, "a large reply is kept without a copy");
+                }
+            }
+        }
+        // A large spare vector is not kept.
+        recycle(&spare, Vec::with_capacity(MAX_SPARE_REPLY + 1));
+        assert_eq!(spare.take().capacity(), 0);
     }
 }

@@ -718,6 +718,7 @@ impl Connection {
     /// A header for an application frame of `kind` on the current session: version, shards and
     /// incarnation filled in; set `id`, `req_id`, the deadline and `payload_len` yourself. Valid
     /// in `Ready` and `Draining` (responses still flow while draining).
+    #[inline]
     pub fn frame_header(&self, kind: FrameKind) -> Result<FrameHeader, ConnError> {
         match (self.state, &self.peer) {
             (State::Ready | State::Draining, Some(peer)) => Ok(FrameHeader {
@@ -751,6 +752,7 @@ impl Connection {
 
     /// Processes one frame received from the peer. `payload` is the frame's payload (empty for
     /// rendezvous frames whose data comes separately).
+    #[inline]
     pub fn handle_frame(
         &mut self,
         now: Timestamp,

@@ -497,6 +497,7 @@ impl FrameHeader {
 
 impl FrameHeader {
     /// Length of this header as a data header (see "Data header" in the module docs).
+    #[inline]
     pub fn data_header_len(&self) -> usize {
         let mut n = DATA_HEADER_MIN;
         if self.req_id != ReqId::NONE {
@@ -511,6 +512,7 @@ impl FrameHeader {
     /// Writes this header as a data header from `node` at the start of `buf`; returns its
     /// length ([`FrameHeader::data_header_len`]). `payload_len` is not written: the receiver
     /// takes the length UCX delivers.
+    #[inline]
     pub fn encode_data(&self, node: NodeId, buf: &mut [u8]) -> Result<usize, WireError> {
         let len = self.data_header_len();
         let Some(out) = buf.get_mut(..len) else {
@@ -548,6 +550,7 @@ impl FrameHeader {
     /// `payload_len` bytes: the sender, the header (its `payload_len` set), and the data
     /// header's length (the user header follows it). Validates length, version, kind, reserved
     /// flag and field bits and the size limit; allocates nothing.
+    #[inline]
     pub fn decode_data(
         buf: &[u8],
         payload_len: u64,

@@ -71,7 +71,9 @@ pub struct Frame {
     header: FrameHeader,
     user: UserHeader,
     payload: Payload,
-    arrived: Instant,
+    /// When the driver took the frame's batch, on the net layer's clock
+    /// ([`super::timestamp_of`]).
+    arrived: Timestamp,
 }
 
 /// An input recorded for the driver's dispatch, in arrival order.
@@ -228,13 +230,19 @@ impl Frame {
             header,
             user: UserHeader::copy(user),
             payload,
-            arrived: Instant::now(),
+            arrived: super::timestamp_of(Instant::now()),
         }
     }
 
     /// When the driver took the frame's batch (the one clock reading of that batch): the time
     /// a deadline carried in `ttl_ns` counts from.
     pub fn arrived(&self) -> Instant {
+        super::instant_of(self.arrived)
+    }
+
+    /// [`Frame::arrived`] on the net layer's clock ([`super::timestamp_of`]): nanoseconds,
+    /// the same on every shard of the process, with no conversion.
+    pub fn arrived_at(&self) -> Timestamp {
         self.arrived
     }
 
@@ -420,7 +428,7 @@ fn dispatch_inline(
     // end early (a panic outside the handler, caught further up in UCX's callback wrapper).
     net.dispatching.set(true);
     net.inline_left.set(net.inline_left.get().saturating_sub(1));
-    let (now, at) = net.batch_now(ctx.progress_rounds());
+    let (now, _) = net.batch_now(ctx.progress_rounds());
     if accepted(net, node, &header, now, true) {
         net.count(|s| s.dispatched_in_callback += 1);
         dispatch(
@@ -430,7 +438,7 @@ fn dispatch_inline(
                 header,
                 user: UserHeader::copy(user),
                 payload,
-                arrived: at,
+                arrived: now,
             },
         );
     }
@@ -477,7 +485,7 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
         let item = net.inbox.borrow_mut().pop_front();
         let Some(item) = item else { break };
         n += 1;
-        handle(ctx, net, item, net.batch_now(round));
+        handle(ctx, net, item, net.batch_now(round).0);
     }
     if n == budget && !net.inbox.borrow().is_empty() {
         backlog = true;
@@ -524,7 +532,7 @@ fn accepted(
 }
 
 /// Handles one recorded input.
-fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timestamp, Instant)) {
+fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
     match item {
         Inbound::Data {
             node,
@@ -541,7 +549,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, (now, at): (Timesta
                             header,
                             user,
                             payload: Payload::desc(d),
-                            arrived: at,
+                            arrived: now,
                         },
                     ),
                     AmPayload::Rendezvous(r) => deliver_rndv(ctx, node, header, user, r),
@@ -785,6 +793,7 @@ fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
 
 /// Calls `handler` with `frame`, on the driver's stack: a panic loses this frame only, and
 /// is counted ([`super::NetStats::handler_panics`]).
+#[inline(always)]
 fn call(ctx: &Rc<ShardCtx>, handler: &FrameHandler, frame: Frame) {
     let net = ctx.net();
     net.count(|s| {
@@ -797,6 +806,7 @@ fn call(ctx: &Rc<ShardCtx>, handler: &FrameHandler, frame: Frame) {
 }
 
 /// Hands an application frame (its whole payload here) to its handler or pending request.
+#[inline(always)]
 pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
     let net = ctx.net();
     let header = frame.header;
@@ -890,7 +900,7 @@ fn deliver_rndv(
                     header,
                     user,
                     payload: Payload::from_rndv(buf, len),
-                    arrived: Instant::now(),
+                    arrived: super::timestamp_of(Instant::now()),
                 },
             ),
             Err(_) => c.net().count(|s| s.declined += 1),

@@ -589,10 +589,29 @@ pub(crate) struct Slot<T> {
 /// `None` when the caller establishing it gave up before the end (its future dropped).
 type EstablishWaiter = Rc<Slot<Option<Result<(), NetError>>>>;
 
+/// The epoch of the net layer's [`Timestamp`]s: the first time one was taken in this process.
+/// One for every shard, so that a frame's arrival ([`Frame::arrived_at`]) means the same on
+/// any of them.
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// `at` as a [`Timestamp`] of the net layer's clock (nanoseconds since its epoch, saturating:
+/// an instant before the epoch is zero), the clock of [`Frame::arrived_at`].
+pub fn timestamp_of(at: Instant) -> Timestamp {
+    let since = at.saturating_duration_since(epoch());
+    Timestamp::from_nanos(crate::proto::time::duration_to_nanos(since))
+}
+
+/// The instant of a net-layer [`Timestamp`] (see [`timestamp_of`]).
+pub fn instant_of(t: Timestamp) -> Instant {
+    epoch() + Duration::from_nanos(t.as_nanos())
+}
+
 /// One shard's network state (in its [`ShardCtx`]).
 pub(crate) struct NetState {
     settings: NodeSettings,
-    epoch: Instant,
     my_address: Vec<u8>,
     /// What UCX's callbacks (and the sender tasks) recorded, in arrival order, for the
     /// driver's dispatch ([`inbound`]).
@@ -839,7 +858,6 @@ impl NetState {
         let hasher = DedupHasher::random();
         Ok(Self {
             settings,
-            epoch: Instant::now(),
             my_address: worker.address()?.as_bytes().to_vec(),
             inbox: Rc::new(RefCell::new(VecDeque::new())),
             limits,
@@ -896,8 +914,7 @@ impl NetState {
     }
 
     fn timestamp(&self, at: Instant) -> Timestamp {
-        let since = at.saturating_duration_since(self.epoch);
-        Timestamp::from_nanos(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
+        timestamp_of(at)
     }
 
     fn count(&self, f: impl FnOnce(&mut NetStats)) {
@@ -1026,6 +1043,13 @@ impl ShardCtx {
     /// [`ShardCtx::route`] with `dest.node`'s rails already looked up.
     pub(in crate::net) fn route_in(&self, p: &PeerRails, dest: Dest) -> Result<Route, NetError> {
         let node = dest.node;
+        // A named shard this shard holds the rail to (an answer to the shard a frame came
+        // from): no need of the rails' rule.
+        if let Some(j) = dest.shard.filter(|j| j.get() < p.remote_count) {
+            if p.get(j).is_some() {
+                return Ok(Route::Here(j));
+            }
+        }
         let rails = session::rails_with(self, p.remote_count).ok_or(NetError::BadShardCount {
             node,
             count: p.remote_count,

@@ -631,6 +631,7 @@ impl Endpoint {
     /// release ever answer a forced immediate send with a request, UCX keeps reading memory
     /// that lives until it is done (the worker holds the buffer and frees the request after a
     /// later `progress`), not the caller's.
+    #[inline]
     pub fn am_send_now(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
         self.inner.usable()?;
         let worker = &self.inner.worker;
@@ -680,6 +681,7 @@ impl Endpoint {
     }
 
     /// `ucp_am_send_nbx` with forced immediate completion (see [`Endpoint::am_send_now`]).
+    #[inline]
     fn send_imm(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> sys::ucs_status_ptr_t {
         // Every field is written, with declared enum variants only; the mask names only the
         // force-immediate flag, which keeps UCX on its short-message path (no request, no
