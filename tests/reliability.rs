@@ -1496,6 +1496,168 @@ fn r10_shutdown_under_load_with_a_partitioned_peer_drains_in_time() {
     lab.check_oracles(&mut row, &[]);
 }
 
+/// R12: remote memory under attack across processes. The server holds, on each of its two
+/// shards, regions read-write, read-only, write-only, granted to another node, revoked once,
+/// deregistered, and a scratch region (`serve --rma`); an attacker in `h1`, a node not in
+/// trusted mode, tries out-of-bounds accesses (refused by its own check, and by the holder for
+/// a descriptor that lies about the length), `offset + len` overflowing u64 (raw requests past
+/// its own check), the wrong permission, a region granted to someone else, the old descriptor
+/// after a revoke and after a deregistration, forged generations, ids, shards and nodes,
+/// random descriptors, random raw payloads, a get over the message limit, and trusted (native)
+/// RMA. Each is refused with its typed error well before its 2 s deadline; the valid accesses
+/// work; the server has no `UCP_FEATURE_RMA`; every region's CRC-32 is unchanged at the end
+/// (scratch's is exactly what the valid put made it); a control load sees no failure; the
+/// server's gauges and fds come back to rest.
+#[test]
+fn r12_remote_memory_attacks_are_refused_and_leave_memory_unchanged() {
+    /// Which outcomes a class of attacks may end with.
+    type Allowed<'a> = dyn Fn(&str) -> bool + 'a;
+    const SHARDS: usize = 2;
+    let _g = serial();
+    let mut row = Row::new(
+        "R12",
+        "remote memory: bounds, overflow, permission, revoke, forged descriptors, trusted off",
+    );
+    require_lab!(row);
+    let mut rng = Rng::new("R12");
+    let mut lab = Lab::new();
+    let dir = lab.dir.display().to_string();
+    let server = lab.start_server_with(&["--rma", &dir, "--shards", &SHARDS.to_string()]);
+    let lab_dir = lab.dir.clone();
+    let files = |prefix: &str| -> Vec<serde_json::Value> {
+        (0..SHARDS)
+            .filter_map(|s| {
+                std::fs::read_to_string(lab_dir.join(format!("{prefix}-{s}.json"))).ok()
+            })
+            .map(|t| serde_json::from_str(&t).unwrap())
+            .collect()
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || files("regions").len() == SHARDS),
+        "the server's shards did not write their regions"
+    );
+    let start = files("regions");
+    for f in &start {
+        assert_eq!(f["trusted_rma"], false, "trusted mode on by default: {f}");
+        assert_eq!(
+            f["rma_feature"], false,
+            "UCP_FEATURE_RMA on by default: {f}"
+        );
+    }
+    lab.take_baseline(&mut row);
+    let control = lab.start_load(2, 8, 3000);
+    let args = strings(&[
+        "rma-attack",
+        "--connect",
+        &Lab::server_addr(),
+        "--regions",
+        &dir,
+        "--server-shards",
+        &SHARDS.to_string(),
+        "--seed",
+        &rng.next().to_string(),
+        "--rounds",
+        "50",
+    ]);
+    let t0 = Instant::now();
+    let a = lab.spawn(1, "rma-attack", &args);
+    let out = lab.json(a, Duration::from_secs(60));
+    let took = t0.elapsed();
+    eprintln!("R12 attack: {out}");
+    let classes = out["classes"].as_object().unwrap();
+    // What each class may end with: its typed refusal, never Ok, never a timeout.
+    let refused = |o: &str| o.starts_with("Refused.") || o.starts_with("Invalid.");
+    let expect: [(&str, &Allowed<'_>); 15] = [
+        ("oob", &|o| o == "Invalid.OutOfBounds"),
+        ("oob-forged-length", &|o| o == "Refused.OutOfBounds"),
+        ("overflow-raw", &|o| o == "Refused.OutOfBounds"),
+        ("too-large", &|o| o == "TooLarge"),
+        ("wrong-permission", &|o| {
+            o == "Invalid.NotPermitted" || o == "Refused.NotPermitted"
+        }),
+        ("not-grantee", &|o| o == "Refused.NotGrantee"),
+        ("after-revoke", &|o| o == "Refused.StaleGeneration"),
+        // The deregistered region's slot is taken by the next one: a stale generation.
+        ("after-deregister", &|o| {
+            o == "Refused.StaleGeneration" || o == "Refused.UnknownRegion"
+        }),
+        ("forged-generation", &|o| o == "Refused.StaleGeneration"),
+        ("forged-id", &|o| o == "Refused.UnknownRegion"),
+        ("forged-node", &|o| o == "WrongNode"),
+        ("random-descriptor", &|o| o == "Descriptor" || refused(o)),
+        ("malformed-raw", &|o| o.starts_with("Refused.")),
+        ("trusted-off", &|o| o == "TrustedOff"),
+        ("valid", &|o| o == "Ok"),
+    ];
+    let mut refusals = 0;
+    for (class, allowed) in expect {
+        let got = classes
+            .get(class)
+            .and_then(|v| v.as_object())
+            .unwrap_or_else(|| panic!("class {class} missing: {out}"));
+        for (outcome, n) in got {
+            assert!(allowed(outcome), "{class}: {n} ended {outcome}: {out}");
+            if class != "valid" {
+                refusals += n.as_u64().unwrap();
+            }
+        }
+    }
+    assert_eq!(classes.len(), expect.len(), "a class not checked: {out}");
+    let max_ms = out["max_ms"].as_u64().unwrap();
+    row.fig(format!(
+        "{} refused of {} accesses in {} classes (longest {max_ms} ms, attack {} ms in all)",
+        refusals,
+        out["ops"],
+        expect.len() - 1,
+        took.as_millis()
+    ));
+    // Nothing hung: every refusal came long before its 2 s deadline.
+    assert!(max_ms < 1000, "an access took {max_ms} ms: {out}");
+    assert_eq!(
+        out["valid_reads"],
+        3 * SHARDS as u64,
+        "valid accesses failed: {out}"
+    );
+    assert_eq!(out["trusted_enabled"], false, "{out}");
+    assert_eq!(out["rma_feature"], false, "{out}");
+    assert_eq!(out["trusted_ops"], 0, "a trusted operation ran: {out}");
+    let c = lab.summary(control, Duration::from_secs(60));
+    assert!(c.failed().is_empty(), "the control pair failed: {}", c.0);
+    c.assert_none_late("h2");
+    lab.check_oracles(&mut row, &[]);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+    // The target memory afterwards: written at the server's exit.
+    lab.signal(server, "-TERM");
+    assert!(
+        wait_for(Duration::from_secs(10), || files("final").len() == SHARDS),
+        "the server did not write its regions' final checksums"
+    );
+    let end = files("final");
+    let scratch = out["scratch_crc"].as_array().unwrap();
+    let (mut same, mut refused_there) = (0, 0);
+    for (s, (a, b)) in start.iter().zip(&end).enumerate() {
+        for (name, crc) in a["crc"].as_object().unwrap() {
+            let now = &b["crc"][name];
+            if name == "scratch" {
+                assert_eq!(
+                    now, &scratch[s],
+                    "shard {s}: scratch is not what the valid put made it"
+                );
+            } else {
+                assert_eq!(now, crc, "shard {s}: region {name} changed");
+                same += 1;
+            }
+        }
+        refused_there +=
+            b["stats"]["refused"].as_u64().unwrap() + b["stats"]["malformed"].as_u64().unwrap();
+        assert_eq!(b["stats"]["expired"], 0, "shard {s}: {b}");
+    }
+    row.fig(format!(
+        "{same} regions' CRC-32 unchanged, scratch as written; the server refused {refused_there} \
+         (the rest by the attacker's own checks); trusted mode off on both"
+    ));
+}
+
 /// R13: a 60 s soak at 1 % loss with the server killed (-9) and restarted every 15 s, eager and
 /// rendezvous load. The clients' fds and memory stay flat after warm-up, nothing is late,
 /// lost or duplicated, and the last server is back to baseline once the clients leave.
