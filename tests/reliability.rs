@@ -1819,6 +1819,171 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
     );
 }
 
+/// R8b: 512 endpoints held to one node at once. The server has 16 shards; 4 client processes
+/// (two in `h1`, two in `h2`) run 8 one-shard nodes each, and between a one-shard node and a
+/// 16-shard one there are 16 rails (one UCX endpoint each way per rail), so the server holds
+/// 32 × 16 = 512 rails. Every node spreads its calls over the server's 16 shards for 15 s.
+/// All 512 are ready at once within 10 s and stay so for at least 3 s; no call fails; every
+/// server shard served calls; once the clients are gone the rails and fds are back. Three
+/// waves: the server's memory after the third is within 4 MiB of after the second (the first
+/// ones set the allocator's high-water mark; no leak per endpoint), and within 64 MiB of its
+/// rest.
+#[test]
+fn r8b_512_endpoints_held_at_once_and_given_back() {
+    const SERVER_SHARDS: usize = 16;
+    let _g = serial();
+    let mut row = Row::new(
+        "R8b",
+        "512 endpoints held at once (32 client nodes x 16 server shards)",
+    );
+    require_lab!(row);
+    let mut lab = Lab::new();
+    lab.start_server_with(&["--shards", &SERVER_SHARDS.to_string()]);
+    lab.take_baseline(&mut row);
+    let b = lab.baseline.unwrap();
+    let mut after = Vec::new();
+    for wave in 1..=3 {
+        r8b_wave(&mut lab, &mut row, wave);
+        after.push(lab.server_rss_kib());
+    }
+    row.fig(format!(
+        "server memory {} MiB at rest, after each wave {:?} MiB",
+        b.rss_kib >> 10,
+        after.iter().map(|k| k >> 10).collect::<Vec<_>>()
+    ));
+    // The first two waves raise the allocator's high-water mark; the third adds no more than
+    // what the dedup windows (30 s of answered calls) hold.
+    assert!(
+        after[2] <= after[1] + (4 << 10),
+        "server memory grew from wave to wave: {after:?} KiB"
+    );
+    assert!(
+        after[2] <= b.rss_kib + (64 << 10),
+        "server memory {} -> {} MiB",
+        b.rss_kib >> 10,
+        after[2] >> 10
+    );
+}
+
+/// One wave of R8b: the loads, the rails sampled, the checks, the server back to baseline.
+fn r8b_wave(lab: &mut Lab, row: &mut Row, wave: usize) {
+    const SERVER_SHARDS: usize = 16;
+    const PROCS: usize = 4;
+    const NODES: usize = 8;
+    const ENDPOINTS: usize = SERVER_SHARDS * PROCS * NODES;
+    const LOAD_SECS: u64 = 15;
+    let t0 = Instant::now();
+    let procs: Vec<(String, usize)> = (0..PROCS)
+        .map(|p| {
+            let name = format!("w{wave}-h{}-{p}", 1 + p % 2);
+            let extra = [
+                "--nodes",
+                &NODES.to_string(),
+                "--target-shards",
+                &SERVER_SHARDS.to_string(),
+                "--window",
+                "1",
+                "--pause-ms",
+                "100",
+                "--deadline-ms",
+                "5000",
+            ];
+            let i = lab.start_load_with(1 + p % 2, &name, LOAD_SECS, &extra);
+            (name, i)
+        })
+        .collect();
+    // The server's ready rails, sampled until the loads end.
+    let ready = |lab: &Lab| {
+        lab.gauges()
+            .get("shardcx_rails{state=ready}")
+            .copied()
+            .unwrap_or(0.0) as usize
+    };
+    let (mut peak, mut all_at, mut held_from, mut held_for) = (0, None, None, Duration::ZERO);
+    let mut fds_peak = 0;
+    while t0.elapsed() < Duration::from_secs(LOAD_SECS + 2) {
+        let n = ready(lab);
+        peak = peak.max(n);
+        fds_peak = fds_peak.max(lab.server_fds());
+        if n >= ENDPOINTS {
+            all_at.get_or_insert(t0.elapsed());
+            let from = *held_from.get_or_insert(t0.elapsed());
+            held_for = held_for.max(t0.elapsed() - from);
+        } else {
+            held_from = None;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let b = lab.baseline.unwrap();
+    row.fig(format!(
+        "wave {wave}: {peak} rails ready at the peak, all {ENDPOINTS} after {} ms, held together {} ms; \
+         server fds {} -> {fds_peak} at the peak",
+        all_at.map_or(-1, |d| d.as_millis() as i64),
+        held_for.as_millis(),
+        b.fds
+    ));
+    // Calls served per server shard, from its counters (every rail carried calls).
+    let text = output(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("h0"),
+        fault_peer().to_str().unwrap(),
+        "scrape",
+        "--at",
+        METRICS,
+    ])
+    .unwrap();
+    let mut per_shard: BTreeMap<String, f64> = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("shardcx_messages_in_total{") {
+            if rest.contains("kind=\"rpc\"") {
+                let shard = rest.split('"').nth(1).unwrap_or("?").to_owned();
+                let v: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+                *per_shard.entry(shard).or_default() += v;
+            }
+        }
+    }
+    let (mut total_ok, mut retries) = (0, 0);
+    for (name, i) in &procs {
+        let s = lab.summary(*i, Duration::from_secs(60));
+        assert!(s.failed().is_empty(), "{name}: failed calls: {}", s.0);
+        s.assert_none_late(name);
+        total_ok += s.n("ok");
+        retries += s.n("connect_retries");
+        // Every node of the process answered.
+        let nodes: HashSet<String> = lab.acked(name).into_iter().map(|a| a.0).collect();
+        assert_eq!(
+            nodes.len(),
+            NODES,
+            "{name}: not every node was answered: {}",
+            s.0
+        );
+    }
+    let least = per_shard.values().copied().fold(f64::MAX, f64::min);
+    row.fig(format!(
+        "wave {wave}: {total_ok} calls answered, none failed ({retries} connects tried again); \
+         each of the {} server shards served at least {least} calls",
+        per_shard.len()
+    ));
+    assert!(
+        peak >= ENDPOINTS,
+        "the server never held {ENDPOINTS} rails at once (peak {peak})"
+    );
+    assert!(
+        all_at.is_some_and(|d| d <= Duration::from_secs(10)),
+        "all {ENDPOINTS} rails ready only after {all_at:?}"
+    );
+    assert!(
+        held_for >= Duration::from_secs(3),
+        "{ENDPOINTS} rails held together only {held_for:?}"
+    );
+    assert_eq!(per_shard.len(), SERVER_SHARDS, "{per_shard:?}");
+    assert!(least >= (PROCS * NODES) as f64, "{per_shard:?}");
+    lab.check_oracles(row, &[]);
+    lab.check_baseline(row, Duration::from_secs(10));
+}
+
 /// R11: cross-shard forwarding cycles in one process (3 shards, every shard forwarding to every
 /// other, each job forwarding once more to the next shard) through lanes of capacity 1 and
 /// 1,024: no deadlock (completions grow every second, watched from outside), nesting depth 2
