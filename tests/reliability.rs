@@ -1439,25 +1439,48 @@ fn r7_a_connection_flood_and_stopped_clients_keep_no_one_out_and_leak_nothing() 
     ));
 }
 
-/// R10: the server stopped (SIGTERM, a drain deadline of 2 s) while 2 × 500 calls are in
-/// flight and `h1` is partitioned from it. The server exits within the drain deadline + 1 s;
-/// `h2`'s calls after the stop fail at once (refused or connection lost, never a timeout); every
-/// call of both ends by its deadline; nothing acknowledged is lost.
+/// R10: the server stopped (SIGTERM, a drain deadline of 2 s) while 2 × 500 calls and 100
+/// remote-memory puts and gets (to regions on both server shards) are in flight and `h1` is
+/// partitioned from it. The server exits within the drain deadline + 1 s; `h2`'s calls and
+/// remote-memory operations after the stop fail at once (refused or connection lost, never a
+/// timeout), and its gets read what the server holds; every call of both ends by its
+/// deadline; nothing acknowledged is lost.
 #[test]
 fn r10_shutdown_under_load_with_a_partitioned_peer_drains_in_time() {
     let _g = serial();
     let mut row = Row::new(
         "R10",
-        "SIGTERM with 1,000 calls in flight and a partitioned peer",
+        "SIGTERM with 1,000 calls and 100 RMA in flight and a partitioned peer",
     );
     require_lab!(row);
     let mut rng = Rng::new("R10");
     let mut lab = Lab::new();
-    let server = lab.start_server_with(&["--drain-ms", "2000"]);
+    let dir = lab.dir.display().to_string();
+    let server = lab.start_server_with(&["--drain-ms", "2000", "--rma", &dir]);
+    assert!(
+        wait_for(Duration::from_secs(10), || (0..2)
+            .all(|s| lab.dir.join(format!("regions-{s}.json")).is_file())),
+        "the server's shards did not write their regions"
+    );
     let loads = [
         lab.start_load_with(1, "h1", 9, &["--window", "500", "--deadline-ms", "4000"]),
         lab.start_load_with(2, "h2", 9, &["--window", "500", "--deadline-ms", "4000"]),
     ];
+    // 2 x 50 puts and gets in flight, from h2 (not partitioned).
+    let rma_args = strings(&[
+        "rma-load",
+        "--connect",
+        &Lab::server_addr(),
+        "--regions",
+        &dir,
+        "--window",
+        "50",
+        "--for",
+        "9",
+        "--deadline-ms",
+        "4000",
+    ]);
+    let rma = lab.spawn(2, "rma-load", &rma_args);
     std::thread::sleep(rng.ms(2500, 3500));
     lab.partition(1, true);
     std::thread::sleep(Duration::from_millis(300));
@@ -1492,6 +1515,29 @@ fn r10_shutdown_under_load_with_a_partitioned_peer_drains_in_time() {
         c.failed().keys().all(|k| !k.contains("TimedOut")),
         "a call to the stopping server waited for its deadline: {}",
         c.0
+    );
+    // The remote-memory operations in flight: each ended, none by its deadline, none late.
+    let m = lab.summary(rma, Duration::from_secs(60));
+    eprintln!("R10 rma (h2): {}", m.0);
+    m.assert_none_late("rma-load");
+    let first = m.0["first_error_ms"]
+        .as_u64()
+        .expect("the RMA load saw no failure");
+    row.fig(format!(
+        "RMA (100 in flight): {} ok, first failure {} ms after SIGTERM, failed {:?} (regions \
+         deregistered as the server's shards end: refused), worst {} ms past a deadline",
+        m.n("ok"),
+        first as i64 - m.rel(term_at) as i64,
+        m.failed(),
+        m.n("max_over_ms")
+    ));
+    assert!(m.n("ok") > 0, "no RMA operation succeeded: {}", m.0);
+    assert!(
+        m.failed()
+            .keys()
+            .all(|k| !k.contains("TimedOut") && k != "BadData"),
+        "an RMA operation waited for its deadline or read wrong bytes: {}",
+        m.0
     );
     lab.check_oracles(&mut row, &[]);
 }

@@ -30,10 +30,20 @@
 //! compare with when it injected a fault (`errors`: the first 200 failures, with how long each
 //! call ran).
 //!
+//! `load --nodes N` runs N nodes in the process (each with `--shards` shards and its own
+//! rails), and `--target-shards M` spreads each task's calls over the server's shards `0..M`
+//! (R8b: 512 rails held at once).
+//!
+//! `serve --rma DIR` also holds remote-memory regions on every shard (see `rma.rs`), their
+//! descriptors and CRC-32s written to `DIR/regions-SHARD.json` at start and the CRC-32s and
+//! counters again to `DIR/final-SHARD.json` when it stops.
+//!
 //! The suite's other clients: `hostile` (R2: malformed requests and stray frames from an
 //! authenticated peer), `deadlines` (R9: deadlines and cancellation at every phase), `attack`
 //! (R7: raw TCP connections to the listener's port), `probe` (R7: how long legitimate connects
-//! take) and `scrape` (a node's metrics, for the gauges oracle). Each prints one JSON line.
+//! take), `rma-attack` (R12: every access to those regions that must be refused, and the ones
+//! that must work), `rma-load` (R10: puts and gets kept in flight) and `scrape` (a node's
+//! metrics, for the gauges oracle). Each prints one JSON line.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // An example may panic on a broken set-up.
 
@@ -124,6 +134,8 @@ enum Cmd {
     Probe(hostile::ProbeArgs),
     /// R12: attack the remote-memory regions of a `serve --rma` server.
     RmaAttack(rma::RmaAttackArgs),
+    /// R10: keep puts and gets in flight to a `serve --rma` server.
+    RmaLoad(rma::RmaLoadArgs),
     /// Print a node's metrics (`GET /metrics`).
     Scrape {
         /// The metrics address.
@@ -228,6 +240,7 @@ fn main() {
         Cmd::Attack(a) => hostile::attack(&a),
         Cmd::Probe(a) => hostile::probe(&a),
         Cmd::RmaAttack(a) => rma::rma_attack(&a),
+        Cmd::RmaLoad(a) => rma::rma_load(&a),
         Cmd::Scrape { at } => hostile::scrape(at).map(|body| print!("{body}")),
     };
     if let Err(e) = r {

@@ -174,7 +174,13 @@ fn outcome<T>(r: &Result<T, Error>) -> String {
                 .next()
                 .unwrap_or("?")
         ),
-        Err(e) => format!("Other.{e}"),
+        Err(e) => format!(
+            "Other.{}",
+            format!("{e:?}")
+                .split([' ', '{', '('])
+                .next()
+                .unwrap_or("?")
+        ),
     }
 }
 
@@ -629,6 +635,146 @@ pub(crate) fn rma_attack(a: &RmaAttackArgs) -> Result<(), String> {
                     "rma_feature": feature,
                     "trusted_ops": ts.puts + ts.gets + ts.endpoints,
                     "server_modes": modes,
+                }))
+            }
+        })
+        .map_err(|e| e.to_string())?;
+    for r in out {
+        println!("{}", r?);
+    }
+    Ok(())
+}
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct RmaLoadArgs {
+    /// The server.
+    #[arg(long, value_name = "ADDR")]
+    connect: SocketAddrArg,
+    /// The server's region files (`serve --rma DIR`).
+    #[arg(long, value_name = "DIR")]
+    regions: PathBuf,
+    /// The server's shards (a region file each).
+    #[arg(long, value_name = "N", default_value = "2", value_parser = cli::positive)]
+    server_shards: usize,
+    /// Operations in flight per server shard.
+    #[arg(long, value_name = "N", default_value = "8", value_parser = cli::positive)]
+    window: usize,
+    /// Seconds of load.
+    #[arg(long = "for", value_name = "SECS", default_value = "5", value_parser = cli::seconds)]
+    load_for: Duration,
+    /// Each operation's deadline, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
+    deadline_ms: u64,
+}
+
+/// What an RMA load saw.
+#[derive(Default)]
+struct LoadTally {
+    sent: u64,
+    ok: u64,
+    late: u64,
+    max_over: Duration,
+    first_error: Option<Duration>,
+    failed: BTreeMap<String, u64>,
+}
+
+/// R10's remote-memory load: one shard, `window` operations in flight per server shard, puts
+/// of 64 bytes to its `scratch` region alternating with gets of 64 bytes of `rw`, each with
+/// the deadline `--deadline-ms`, for `--for` seconds or until SIGTERM. A get that reads other
+/// bytes than the server wrote counts as `BadData`. Prints one JSON line: `{"start_unix_ms",
+/// "sent", "ok", "late", "max_over_ms", "first_error_ms", "failed": {kind: n}}` (`late`: ended
+/// more than 250 ms after its deadline; `first_error_ms` from the start).
+pub(crate) fn rma_load(a: &RmaLoadArgs) -> Result<(), String> {
+    let (regions, _) = read_regions(&a.regions, a.server_shards)?;
+    let regions = std::sync::Arc::new(
+        regions
+            .into_iter()
+            .map(|r| (r.get("rw"), r.get("scratch")))
+            .collect::<Vec<_>>(),
+    );
+    let (connect, window, load_for) = (a.connect, a.window, a.load_for);
+    let deadline = Duration::from_millis(a.deadline_ms);
+    let stop = super::stop_flag()?;
+    let start = Instant::now();
+    let start_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let out = node()
+        .shards(1)
+        .run(move |node: Node| {
+            let (regions, stop) = (regions.clone(), stop.clone());
+            async move {
+                let peer = node
+                    .connect_within(connect, Duration::from_secs(10))
+                    .await
+                    .map_err(|e| format!("cannot connect to {connect}: {e}"))?;
+                node.add_peer_addr(peer.node_id(), connect);
+                let tally = std::rc::Rc::new(std::cell::RefCell::new(LoadTally::default()));
+                let mut tasks = Vec::new();
+                for &(rw, scratch) in regions.iter() {
+                    let want = pattern(rw.shard().index(), "rw");
+                    for w in 0..window {
+                        let (tally, stop, want) = (tally.clone(), stop.clone(), want.clone());
+                        tasks.push(glommio::spawn_local(async move {
+                            let mut i = w as u64;
+                            while start.elapsed() < load_for
+                                && !stop.load(std::sync::atomic::Ordering::Acquire)
+                            {
+                                let off = (i * 64) % REGION_LEN as u64;
+                                let t0 = Instant::now();
+                                tally.borrow_mut().sent += 1;
+                                let r = if i % 2 == 0 {
+                                    peer.put_within(&scratch, off, &[i as u8; 64], deadline)
+                                        .await
+                                        .map(|()| "Ok".to_owned())
+                                } else {
+                                    let at = off as usize;
+                                    peer.get_within(&rw, off, 64, deadline).await.map(|d| {
+                                        if d[..] == want[at..at + 64] {
+                                            "Ok".to_owned()
+                                        } else {
+                                            "BadData".to_owned()
+                                        }
+                                    })
+                                };
+                                let took = t0.elapsed();
+                                let kind = match &r {
+                                    Ok(k) => k.clone(),
+                                    Err(_) => outcome(&r),
+                                };
+                                let failed = kind != "Ok";
+                                {
+                                    let mut t = tally.borrow_mut();
+                                    let over = took.saturating_sub(deadline);
+                                    t.max_over = t.max_over.max(over);
+                                    t.late += u64::from(over > super::LATE_SLACK);
+                                    if failed {
+                                        t.first_error.get_or_insert(start.elapsed());
+                                        *t.failed.entry(kind).or_default() += 1;
+                                    } else {
+                                        t.ok += 1;
+                                    }
+                                }
+                                if failed {
+                                    glommio::timer::sleep(Duration::from_millis(20)).await;
+                                }
+                                i += window as u64;
+                            }
+                        }));
+                    }
+                }
+                for t in tasks {
+                    t.await;
+                }
+                let t = tally.borrow();
+                Ok::<_, String>(json!({
+                    "start_unix_ms": start_unix_ms,
+                    "sent": t.sent,
+                    "ok": t.ok,
+                    "late": t.late,
+                    "max_over_ms": t.max_over.as_millis() as u64,
+                    "first_error_ms": t.first_error.map(|d| d.as_millis() as u64),
+                    "failed": t.failed,
                 }))
             }
         })
