@@ -1,9 +1,9 @@
 //! The reliability suite of `../shared/RELIABILITY.md` (issue 15), across processes in network
 //! namespaces made here: `h0` runs the journaling server (`examples/fault_peer serve`), `h1`
 //! and `h2` run load clients (`fault_peer load`) and the suite's other clients (`hostile`,
-//! `deadlines`, `attack`, `probe`), all on a bridge in a namespace of its own; faults are
-//! injected with `kill -STOP`/`-CONT`, `kill -9`, nftables rules (drop, random loss) and a `tbf`
-//! qdisc inside `h0`.
+//! `deadlines`, `attack`, `probe`, `rma-attack`, `rma-load`), all on a bridge in a namespace of
+//! its own; faults are injected with `kill -STOP`/`-CONT`, `kill -9`, nftables rules (drop,
+//! random loss) and a `tbf` qdisc inside `h0`.
 //!
 //! After each test the oracles are checked: every acknowledged call is in the server's journal,
 //! no call is journaled twice, every journaled payload's CRC matched, no call ended later than
@@ -1439,25 +1439,48 @@ fn r7_a_connection_flood_and_stopped_clients_keep_no_one_out_and_leak_nothing() 
     ));
 }
 
-/// R10: the server stopped (SIGTERM, a drain deadline of 2 s) while 2 × 500 calls are in
-/// flight and `h1` is partitioned from it. The server exits within the drain deadline + 1 s;
-/// `h2`'s calls after the stop fail at once (refused or connection lost, never a timeout); every
-/// call of both ends by its deadline; nothing acknowledged is lost.
+/// R10: the server stopped (SIGTERM, a drain deadline of 2 s) while 2 × 500 calls and 100
+/// remote-memory puts and gets (to regions on both server shards) are in flight and `h1` is
+/// partitioned from it. The server exits within the drain deadline + 1 s; `h2`'s calls and
+/// remote-memory operations after the stop fail at once (refused or connection lost, never a
+/// timeout), and its gets read what the server holds; every call of both ends by its
+/// deadline; nothing acknowledged is lost.
 #[test]
 fn r10_shutdown_under_load_with_a_partitioned_peer_drains_in_time() {
     let _g = serial();
     let mut row = Row::new(
         "R10",
-        "SIGTERM with 1,000 calls in flight and a partitioned peer",
+        "SIGTERM with 1,000 calls and 100 RMA in flight and a partitioned peer",
     );
     require_lab!(row);
     let mut rng = Rng::new("R10");
     let mut lab = Lab::new();
-    let server = lab.start_server_with(&["--drain-ms", "2000"]);
+    let dir = lab.dir.display().to_string();
+    let server = lab.start_server_with(&["--drain-ms", "2000", "--rma", &dir]);
+    assert!(
+        wait_for(Duration::from_secs(10), || (0..2)
+            .all(|s| lab.dir.join(format!("regions-{s}.json")).is_file())),
+        "the server's shards did not write their regions"
+    );
     let loads = [
         lab.start_load_with(1, "h1", 9, &["--window", "500", "--deadline-ms", "4000"]),
         lab.start_load_with(2, "h2", 9, &["--window", "500", "--deadline-ms", "4000"]),
     ];
+    // 2 x 50 puts and gets in flight, from h2 (not partitioned).
+    let rma_args = strings(&[
+        "rma-load",
+        "--connect",
+        &Lab::server_addr(),
+        "--regions",
+        &dir,
+        "--window",
+        "50",
+        "--for",
+        "9",
+        "--deadline-ms",
+        "4000",
+    ]);
+    let rma = lab.spawn(2, "rma-load", &rma_args);
     std::thread::sleep(rng.ms(2500, 3500));
     lab.partition(1, true);
     std::thread::sleep(Duration::from_millis(300));
@@ -1493,7 +1516,192 @@ fn r10_shutdown_under_load_with_a_partitioned_peer_drains_in_time() {
         "a call to the stopping server waited for its deadline: {}",
         c.0
     );
+    // The remote-memory operations in flight: each ended, none by its deadline, none late.
+    let m = lab.summary(rma, Duration::from_secs(60));
+    eprintln!("R10 rma (h2): {}", m.0);
+    m.assert_none_late("rma-load");
+    let first = m.0["first_error_ms"]
+        .as_u64()
+        .expect("the RMA load saw no failure");
+    row.fig(format!(
+        "RMA (100 in flight): {} ok, first failure {} ms after SIGTERM, failed {:?} (regions \
+         deregistered as the server's shards end: refused), worst {} ms past a deadline",
+        m.n("ok"),
+        first as i64 - m.rel(term_at) as i64,
+        m.failed(),
+        m.n("max_over_ms")
+    ));
+    assert!(m.n("ok") > 0, "no RMA operation succeeded: {}", m.0);
+    assert!(
+        m.failed()
+            .keys()
+            .all(|k| !k.contains("TimedOut") && k != "BadData"),
+        "an RMA operation waited for its deadline or read wrong bytes: {}",
+        m.0
+    );
     lab.check_oracles(&mut row, &[]);
+}
+
+/// R12: remote memory under attack across processes. The server holds, on each of its two
+/// shards, regions read-write, read-only, write-only, granted to another node, revoked once,
+/// deregistered, and a scratch region (`serve --rma`); an attacker in `h1`, a node not in
+/// trusted mode, tries out-of-bounds accesses (refused by its own check, and by the holder for
+/// a descriptor that lies about the length), `offset + len` overflowing u64 (raw requests past
+/// its own check), the wrong permission, a region granted to someone else, the old descriptor
+/// after a revoke and after a deregistration, forged generations, ids, shards and nodes,
+/// random descriptors, random raw payloads, a get over the message limit, and trusted (native)
+/// RMA. Each is refused with its typed error well before its 2 s deadline; the valid accesses
+/// work; the server has no `UCP_FEATURE_RMA`; every region's CRC-32 is unchanged at the end
+/// (scratch's is exactly what the valid put made it); a control load sees no failure; the
+/// server's gauges and fds come back to rest.
+#[test]
+fn r12_remote_memory_attacks_are_refused_and_leave_memory_unchanged() {
+    /// Which outcomes a class of attacks may end with.
+    type Allowed<'a> = dyn Fn(&str) -> bool + 'a;
+    const SHARDS: usize = 2;
+    let _g = serial();
+    let mut row = Row::new(
+        "R12",
+        "remote memory: bounds, overflow, permission, revoke, forged descriptors, trusted off",
+    );
+    require_lab!(row);
+    let mut rng = Rng::new("R12");
+    let mut lab = Lab::new();
+    let dir = lab.dir.display().to_string();
+    let server = lab.start_server_with(&["--rma", &dir, "--shards", &SHARDS.to_string()]);
+    let lab_dir = lab.dir.clone();
+    let files = |prefix: &str| -> Vec<serde_json::Value> {
+        (0..SHARDS)
+            .filter_map(|s| {
+                std::fs::read_to_string(lab_dir.join(format!("{prefix}-{s}.json"))).ok()
+            })
+            .map(|t| serde_json::from_str(&t).unwrap())
+            .collect()
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || files("regions").len() == SHARDS),
+        "the server's shards did not write their regions"
+    );
+    let start = files("regions");
+    for f in &start {
+        assert_eq!(f["trusted_rma"], false, "trusted mode on by default: {f}");
+        assert_eq!(
+            f["rma_feature"], false,
+            "UCP_FEATURE_RMA on by default: {f}"
+        );
+    }
+    lab.take_baseline(&mut row);
+    let control = lab.start_load(2, 8, 3000);
+    let args = strings(&[
+        "rma-attack",
+        "--connect",
+        &Lab::server_addr(),
+        "--regions",
+        &dir,
+        "--server-shards",
+        &SHARDS.to_string(),
+        "--seed",
+        &rng.next().to_string(),
+        "--rounds",
+        "50",
+    ]);
+    let t0 = Instant::now();
+    let a = lab.spawn(1, "rma-attack", &args);
+    let out = lab.json(a, Duration::from_secs(60));
+    let took = t0.elapsed();
+    eprintln!("R12 attack: {out}");
+    let classes = out["classes"].as_object().unwrap();
+    // What each class may end with: its typed refusal, never Ok, never a timeout.
+    let refused = |o: &str| o.starts_with("Refused.") || o.starts_with("Invalid.");
+    let expect: [(&str, &Allowed<'_>); 15] = [
+        ("oob", &|o| o == "Invalid.OutOfBounds"),
+        ("oob-forged-length", &|o| o == "Refused.OutOfBounds"),
+        ("overflow-raw", &|o| o == "Refused.OutOfBounds"),
+        ("too-large", &|o| o == "TooLarge"),
+        ("wrong-permission", &|o| {
+            o == "Invalid.NotPermitted" || o == "Refused.NotPermitted"
+        }),
+        ("not-grantee", &|o| o == "Refused.NotGrantee"),
+        ("after-revoke", &|o| o == "Refused.StaleGeneration"),
+        // The deregistered region's slot is taken by the next one: a stale generation.
+        ("after-deregister", &|o| {
+            o == "Refused.StaleGeneration" || o == "Refused.UnknownRegion"
+        }),
+        ("forged-generation", &|o| o == "Refused.StaleGeneration"),
+        ("forged-id", &|o| o == "Refused.UnknownRegion"),
+        ("forged-node", &|o| o == "WrongNode"),
+        ("random-descriptor", &|o| o == "Descriptor" || refused(o)),
+        ("malformed-raw", &|o| o.starts_with("Refused.")),
+        ("trusted-off", &|o| o == "TrustedOff"),
+        ("valid", &|o| o == "Ok"),
+    ];
+    let mut refusals = 0;
+    for (class, allowed) in expect {
+        let got = classes
+            .get(class)
+            .and_then(|v| v.as_object())
+            .unwrap_or_else(|| panic!("class {class} missing: {out}"));
+        for (outcome, n) in got {
+            assert!(allowed(outcome), "{class}: {n} ended {outcome}: {out}");
+            if class != "valid" {
+                refusals += n.as_u64().unwrap();
+            }
+        }
+    }
+    assert_eq!(classes.len(), expect.len(), "a class not checked: {out}");
+    let max_ms = out["max_ms"].as_u64().unwrap();
+    row.fig(format!(
+        "{} refused of {} accesses in {} classes (longest {max_ms} ms, attack {} ms in all)",
+        refusals,
+        out["ops"],
+        expect.len() - 1,
+        took.as_millis()
+    ));
+    // Nothing hung: every refusal came long before its 2 s deadline.
+    assert!(max_ms < 1000, "an access took {max_ms} ms: {out}");
+    assert_eq!(
+        out["valid_reads"],
+        3 * SHARDS as u64,
+        "valid accesses failed: {out}"
+    );
+    assert_eq!(out["trusted_enabled"], false, "{out}");
+    assert_eq!(out["rma_feature"], false, "{out}");
+    assert_eq!(out["trusted_ops"], 0, "a trusted operation ran: {out}");
+    let c = lab.summary(control, Duration::from_secs(60));
+    assert!(c.failed().is_empty(), "the control pair failed: {}", c.0);
+    c.assert_none_late("h2");
+    lab.check_oracles(&mut row, &[]);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+    // The target memory afterwards: written at the server's exit.
+    lab.signal(server, "-TERM");
+    assert!(
+        wait_for(Duration::from_secs(10), || files("final").len() == SHARDS),
+        "the server did not write its regions' final checksums"
+    );
+    let end = files("final");
+    let scratch = out["scratch_crc"].as_array().unwrap();
+    let (mut same, mut refused_there) = (0, 0);
+    for (s, (a, b)) in start.iter().zip(&end).enumerate() {
+        for (name, crc) in a["crc"].as_object().unwrap() {
+            let now = &b["crc"][name];
+            if name == "scratch" {
+                assert_eq!(
+                    now, &scratch[s],
+                    "shard {s}: scratch is not what the valid put made it"
+                );
+            } else {
+                assert_eq!(now, crc, "shard {s}: region {name} changed");
+                same += 1;
+            }
+        }
+        refused_there +=
+            b["stats"]["refused"].as_u64().unwrap() + b["stats"]["malformed"].as_u64().unwrap();
+        assert_eq!(b["stats"]["expired"], 0, "shard {s}: {b}");
+    }
+    row.fig(format!(
+        "{same} regions' CRC-32 unchanged, scratch as written; the server refused {refused_there} \
+         (the rest by the attacker's own checks); trusted mode off on both"
+    ));
 }
 
 /// R13: a 60 s soak at 1 % loss with the server killed (-9) and restarted every 15 s, eager and
@@ -1655,6 +1863,173 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
         b.rss_kib >> 10,
         rss >> 10
     );
+}
+
+/// R8b: 512 endpoints held to one node at once. The server has 16 shards; 4 client processes
+/// (two in `h1`, two in `h2`) run 8 one-shard nodes each, and between a one-shard node and a
+/// 16-shard one there are 16 rails (one UCX endpoint each way per rail), so the server holds
+/// 32 × 16 = 512 rails. Every node spreads its calls over the server's 16 shards for 15 s.
+/// All 512 are ready at once within 10 s and stay so for at least 3 s; no call fails; every
+/// server shard served calls; once the clients are gone the rails and fds are back. Three
+/// waves: the server's memory after the third is within 6 MiB (12 KiB per endpoint) of after
+/// the second (the first ones set the allocator's high-water mark), and within 64 MiB of its
+/// rest.
+#[test]
+fn r8b_512_endpoints_held_at_once_and_given_back() {
+    const SERVER_SHARDS: usize = 16;
+    let _g = serial();
+    let mut row = Row::new(
+        "R8b",
+        "512 endpoints held at once (32 client nodes x 16 server shards)",
+    );
+    require_lab!(row);
+    let mut lab = Lab::new();
+    lab.start_server_with(&["--shards", &SERVER_SHARDS.to_string()]);
+    lab.take_baseline(&mut row);
+    let b = lab.baseline.unwrap();
+    let mut after = Vec::new();
+    for wave in 1..=3 {
+        r8b_wave(&mut lab, &mut row, wave);
+        after.push(lab.server_rss_kib());
+    }
+    row.fig(format!(
+        "server memory {} MiB at rest, after each wave {:?} MiB",
+        b.rss_kib >> 10,
+        after.iter().map(|k| k >> 10).collect::<Vec<_>>()
+    ));
+    // The first two waves raise the allocator's high-water mark; the third may add what the
+    // allocator and the dedup windows (30 s of answered calls) keep, not a leak per endpoint.
+    assert!(
+        after[2] <= after[1] + (6 << 10),
+        "server memory grew from wave to wave: {after:?} KiB"
+    );
+    assert!(
+        after[2] <= b.rss_kib + (64 << 10),
+        "server memory {} -> {} MiB",
+        b.rss_kib >> 10,
+        after[2] >> 10
+    );
+}
+
+/// One wave of R8b: the loads, the rails sampled, the checks, the server back to baseline.
+fn r8b_wave(lab: &mut Lab, row: &mut Row, wave: usize) {
+    const SERVER_SHARDS: usize = 16;
+    const PROCS: usize = 4;
+    const NODES: usize = 8;
+    const ENDPOINTS: usize = SERVER_SHARDS * PROCS * NODES;
+    const LOAD_SECS: u64 = 15;
+    let t0 = Instant::now();
+    let procs: Vec<(String, usize)> = (0..PROCS)
+        .map(|p| {
+            let name = format!("w{wave}-h{}-{p}", 1 + p % 2);
+            let extra = [
+                "--nodes",
+                &NODES.to_string(),
+                "--target-shards",
+                &SERVER_SHARDS.to_string(),
+                "--window",
+                "1",
+                "--pause-ms",
+                "100",
+                "--deadline-ms",
+                "5000",
+            ];
+            let i = lab.start_load_with(1 + p % 2, &name, LOAD_SECS, &extra);
+            (name, i)
+        })
+        .collect();
+    // The server's ready rails, sampled until the loads end.
+    let ready = |lab: &Lab| {
+        lab.gauges()
+            .get("shardcx_rails{state=ready}")
+            .copied()
+            .unwrap_or(0.0) as usize
+    };
+    let (mut peak, mut all_at, mut held_from, mut held_for) = (0, None, None, Duration::ZERO);
+    let (mut fds_peak, mut rss_peak) = (0, 0);
+    while t0.elapsed() < Duration::from_secs(LOAD_SECS + 2) {
+        let n = ready(lab);
+        peak = peak.max(n);
+        fds_peak = fds_peak.max(lab.server_fds());
+        rss_peak = rss_peak.max(lab.server_rss_kib());
+        if n >= ENDPOINTS {
+            all_at.get_or_insert(t0.elapsed());
+            let from = *held_from.get_or_insert(t0.elapsed());
+            held_for = held_for.max(t0.elapsed() - from);
+        } else {
+            held_from = None;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let b = lab.baseline.unwrap();
+    row.fig(format!(
+        "wave {wave}: {peak} rails ready at the peak, all {ENDPOINTS} after {} ms, held together {} ms; \
+         server fds {} -> {fds_peak} and {} MiB at the peak",
+        all_at.map_or(-1, |d| d.as_millis() as i64),
+        held_for.as_millis(),
+        b.fds,
+        rss_peak >> 10
+    ));
+    // Calls served per server shard, from its counters (every rail carried calls).
+    let text = output(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("h0"),
+        fault_peer().to_str().unwrap(),
+        "scrape",
+        "--at",
+        METRICS,
+    ])
+    .unwrap();
+    let mut per_shard: BTreeMap<String, f64> = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("shardcx_messages_in_total{") {
+            if rest.contains("kind=\"rpc\"") {
+                let shard = rest.split('"').nth(1).unwrap_or("?").to_owned();
+                let v: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+                *per_shard.entry(shard).or_default() += v;
+            }
+        }
+    }
+    let (mut total_ok, mut retries) = (0, 0);
+    for (name, i) in &procs {
+        let s = lab.summary(*i, Duration::from_secs(60));
+        assert!(s.failed().is_empty(), "{name}: failed calls: {}", s.0);
+        s.assert_none_late(name);
+        total_ok += s.n("ok");
+        retries += s.n("connect_retries");
+        // Every node of the process answered.
+        let nodes: HashSet<String> = lab.acked(name).into_iter().map(|a| a.0).collect();
+        assert_eq!(
+            nodes.len(),
+            NODES,
+            "{name}: not every node was answered: {}",
+            s.0
+        );
+    }
+    let least = per_shard.values().copied().fold(f64::MAX, f64::min);
+    row.fig(format!(
+        "wave {wave}: {total_ok} calls answered, none failed ({retries} connects tried again); \
+         each of the {} server shards served at least {least} calls",
+        per_shard.len()
+    ));
+    assert!(
+        peak >= ENDPOINTS,
+        "the server never held {ENDPOINTS} rails at once (peak {peak})"
+    );
+    assert!(
+        all_at.is_some_and(|d| d <= Duration::from_secs(10)),
+        "all {ENDPOINTS} rails ready only after {all_at:?}"
+    );
+    assert!(
+        held_for >= Duration::from_secs(3),
+        "{ENDPOINTS} rails held together only {held_for:?}"
+    );
+    assert_eq!(per_shard.len(), SERVER_SHARDS, "{per_shard:?}");
+    assert!(least >= (PROCS * NODES) as f64, "{per_shard:?}");
+    lab.check_oracles(row, &[]);
+    lab.check_baseline(row, Duration::from_secs(10));
 }
 
 /// R11: cross-shard forwarding cycles in one process (3 shards, every shard forwarding to every

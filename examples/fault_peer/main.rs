@@ -30,10 +30,20 @@
 //! compare with when it injected a fault (`errors`: the first 200 failures, with how long each
 //! call ran).
 //!
+//! `load --nodes N` runs N nodes in the process (each with `--shards` shards and its own
+//! rails), and `--target-shards M` spreads each task's calls over the server's shards `0..M`
+//! (R8b: 512 rails held at once).
+//!
+//! `serve --rma DIR` also holds remote-memory regions on every shard (see `rma.rs`), their
+//! descriptors and CRC-32s written to `DIR/regions-SHARD.json` at start and the CRC-32s and
+//! counters again to `DIR/final-SHARD.json` when it stops.
+//!
 //! The suite's other clients: `hostile` (R2: malformed requests and stray frames from an
 //! authenticated peer), `deadlines` (R9: deadlines and cancellation at every phase), `attack`
 //! (R7: raw TCP connections to the listener's port), `probe` (R7: how long legitimate connects
-//! take) and `scrape` (a node's metrics, for the gauges oracle). Each prints one JSON line.
+//! take), `rma-attack` (R12: every access to those regions that must be refused, and the ones
+//! that must work), `rma-load` (R10: puts and gets kept in flight) and `scrape` (a node's
+//! metrics, for the gauges oracle). Each prints one JSON line.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // An example may panic on a broken set-up.
 
@@ -52,11 +62,13 @@ use clap::{Parser, Subcommand};
 use shardcx::proto::NodeId;
 use shardcx::rpc::{RpcConfig, RpcContext, RpcError};
 use shardcx::shards::{NetConfig, Placement};
+use shardcx::ShardId;
 use shardcx::{rpc_function, Node};
 
 #[path = "../common/cli.rs"]
 mod cli;
 mod hostile;
+mod rma;
 
 /// One journaled call.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug)]
@@ -120,6 +132,10 @@ enum Cmd {
     Attack(hostile::AttackArgs),
     /// R7: time directory fetches and one full connect and call.
     Probe(hostile::ProbeArgs),
+    /// R12: attack the remote-memory regions of a `serve --rma` server.
+    RmaAttack(rma::RmaAttackArgs),
+    /// R10: keep puts and gets in flight to a `serve --rma` server.
+    RmaLoad(rma::RmaLoadArgs),
     /// Print a node's metrics (`GET /metrics`).
     Scrape {
         /// The metrics address.
@@ -157,6 +173,10 @@ struct ServeArgs {
     /// The drain deadline at shut-down, in milliseconds.
     #[arg(long, value_name = "MS")]
     drain_ms: Option<u64>,
+    /// Hold remote-memory regions on every shard (R12), their descriptors and checksums
+    /// written to DIR/regions-SHARD.json at start and DIR/final-SHARD.json at the end.
+    #[arg(long, value_name = "DIR")]
+    rma: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -191,6 +211,14 @@ struct LoadArgs {
     /// Stop after this many calls per task (default: none, only `--for`).
     #[arg(long, value_name = "N")]
     calls: Option<u64>,
+    /// Nodes in this process, each with `--shards` shards, its own connection and its own
+    /// rails (node `n`'s source ids are `(src * 100 + n) * 100 + shard` when there are several).
+    #[arg(long, value_name = "N", default_value = "1", value_parser = cli::positive)]
+    nodes: usize,
+    /// Spread each task's calls over the server's shards 0..N (`peer.shard(j)`), so that every
+    /// rail to the server carries calls (default: the default rail only).
+    #[arg(long, value_name = "N")]
+    target_shards: Option<u16>,
 }
 
 fn main() {
@@ -211,6 +239,8 @@ fn main() {
         Cmd::Deadlines(a) => hostile::deadlines(&a),
         Cmd::Attack(a) => hostile::attack(&a),
         Cmd::Probe(a) => hostile::probe(&a),
+        Cmd::RmaAttack(a) => rma::rma_attack(&a),
+        Cmd::RmaLoad(a) => rma::rma_load(&a),
         Cmd::Scrape { at } => hostile::scrape(at).map(|body| print!("{body}")),
     };
     if let Err(e) = r {
@@ -285,6 +315,7 @@ fn serve(a: &ServeArgs) -> Result<(), String> {
         builder = builder.drain_deadline(Duration::from_millis(ms));
     }
     let serve_for = a.serve_for;
+    let rma_dir = a.rma.clone();
     builder
         .rpc::<FaultPut, _, _>(move || {
             let file = RefCell::new(open().ok());
@@ -308,8 +339,12 @@ fn serve(a: &ServeArgs) -> Result<(), String> {
             }
         })
         .run(move |node: Node| {
-            let stop = stop.clone();
+            let (stop, rma_dir) = (stop.clone(), rma_dir.clone());
             async move {
+                let held = match &rma_dir {
+                    Some(dir) => Some(rma::serve_regions(&node, dir)?),
+                    None => None,
+                };
                 if node.shard().index() == 0 {
                     if let Some(a) = node.listen_addr() {
                         println!("listening {a}");
@@ -320,9 +355,15 @@ fn serve(a: &ServeArgs) -> Result<(), String> {
                 while !stop.load(Ordering::Acquire) && Instant::now() < until {
                     glommio::timer::sleep(Duration::from_millis(10)).await;
                 }
+                if let (Some(held), Some(dir)) = (&held, &rma_dir) {
+                    held.finish(&node, dir)?;
+                }
+                Ok::<(), String>(())
             }
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .collect::<Result<Vec<()>, String>>()?;
     Ok(())
 }
 
@@ -441,92 +482,128 @@ fn load(a: &LoadArgs) -> Result<(), String> {
     let start_unix_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let out = node()
-        .shards(a.shards)
-        .run(move |node: Node| {
-            let (acked, stop) = (acked.clone(), stop.clone());
-            async move {
-                let src = src * 100 + node.shard().index() as u64;
-                // Connected within 10 s, trying again after a failure (a handshake that timed
-                // out on a machine too busy to answer it in time); each retry is counted.
-                let connect_by = Instant::now() + Duration::from_secs(10);
-                let mut retries = 0;
-                let peer = loop {
-                    let left = connect_by.saturating_duration_since(Instant::now());
-                    match node.connect_within(connect, left).await {
-                        Ok(p) => break p,
-                        Err(e)
-                            if connect_by.saturating_duration_since(Instant::now())
-                                > Duration::from_millis(200) =>
-                        {
-                            eprintln!("fault_peer: connect failed ({e}); trying again");
-                            retries += 1;
-                            glommio::timer::sleep(Duration::from_millis(100)).await;
-                        }
-                        Err(e) => return Err(format!("cannot connect to {connect}: {e}")),
-                    }
-                };
-                node.add_peer_addr(peer.node_id(), connect);
-                let tally = Rc::new(RefCell::new(Tally {
-                    connect_retries: retries,
-                    ..Tally::default()
-                }));
-                let mut tasks = Vec::new();
-                for w in 0..window {
-                    let (node, tally, acked, stop) =
-                        (node.clone(), tally.clone(), acked.clone(), stop.clone());
-                    tasks.push(glommio::spawn_local(async move {
-                        let rpc = node.rpc();
-                        let mut seq = w as u64;
-                        let mut made = 0;
-                        while start.elapsed() < load_for
-                            && made < calls
-                            && !stop.load(Ordering::Acquire)
-                        {
-                            made += 1;
-                            let data: Vec<u8> =
-                                (0..size).map(|i| (seq as usize + i) as u8).collect();
-                            let crc = crc32fast::hash(&data);
-                            let put = Put {
-                                src,
-                                inc,
-                                seq,
-                                crc,
-                                data,
-                            };
-                            let t0 = Instant::now();
-                            tally.borrow_mut().sent += 1;
-                            let r = rpc.call_within::<FaultPut>(peer, &put, deadline).await;
-                            let took = t0.elapsed();
-                            let ok = tally.borrow_mut().record(
-                                &r.map(|c| c == crc),
-                                (took, deadline),
-                                start.elapsed(),
-                            );
-                            if ok {
-                                if let Ok(mut f) = acked.lock() {
-                                    let at = start.elapsed().as_millis();
-                                    let _ = writeln!(f, "{src} {inc} {seq} {at}");
-                                }
-                            } else {
-                                // Do not spin on a dead peer: the next call reconnects.
-                                glommio::timer::sleep(Duration::from_millis(20)).await;
+    let (shards, nodes, targets) = (a.shards, a.nodes, a.target_shards);
+    // One node of the process: its shards' tallies.
+    let run_node = move |n: usize| -> Result<Vec<Result<Tally, String>>, String> {
+        let (acked, stop) = (acked.clone(), stop.clone());
+        let base = if nodes > 1 {
+            (src * 100 + n as u64) * 100
+        } else {
+            src * 100
+        };
+        node()
+            .shards(shards)
+            .run(move |node: Node| {
+                let (acked, stop) = (acked.clone(), stop.clone());
+                async move {
+                    let src = base + node.shard().index() as u64;
+                    // Connected within 10 s, trying again after a failure (a handshake that timed
+                    // out on a machine too busy to answer it in time); each retry is counted.
+                    let connect_by = Instant::now() + Duration::from_secs(10);
+                    let mut retries = 0;
+                    let peer = loop {
+                        let left = connect_by.saturating_duration_since(Instant::now());
+                        match node.connect_within(connect, left).await {
+                            Ok(p) => break p,
+                            Err(e)
+                                if connect_by.saturating_duration_since(Instant::now())
+                                    > Duration::from_millis(200) =>
+                            {
+                                eprintln!("fault_peer: connect failed ({e}); trying again");
+                                retries += 1;
+                                glommio::timer::sleep(Duration::from_millis(100)).await;
                             }
-                            seq += window as u64;
-                            if !pause.is_zero() {
-                                glommio::timer::sleep(pause).await;
-                            }
+                            Err(e) => return Err(format!("cannot connect to {connect}: {e}")),
                         }
+                    };
+                    node.add_peer_addr(peer.node_id(), connect);
+                    let tally = Rc::new(RefCell::new(Tally {
+                        connect_retries: retries,
+                        ..Tally::default()
                     }));
+                    let mut tasks = Vec::new();
+                    for w in 0..window {
+                        let (node, tally, acked, stop) =
+                            (node.clone(), tally.clone(), acked.clone(), stop.clone());
+                        tasks.push(glommio::spawn_local(async move {
+                            let rpc = node.rpc();
+                            let mut seq = w as u64;
+                            let mut made = 0;
+                            while start.elapsed() < load_for
+                                && made < calls
+                                && !stop.load(Ordering::Acquire)
+                            {
+                                made += 1;
+                                let data: Vec<u8> =
+                                    (0..size).map(|i| (seq as usize + i) as u8).collect();
+                                let crc = crc32fast::hash(&data);
+                                let put = Put {
+                                    src,
+                                    inc,
+                                    seq,
+                                    crc,
+                                    data,
+                                };
+                                let t0 = Instant::now();
+                                tally.borrow_mut().sent += 1;
+                                let to = match targets {
+                                    Some(m) if m > 0 => peer.shard(ShardId::new(
+                                        ((w as u64 + made) % u64::from(m)) as u16,
+                                    )),
+                                    _ => peer,
+                                };
+                                let r = rpc.call_within::<FaultPut>(to, &put, deadline).await;
+                                let took = t0.elapsed();
+                                let ok = tally.borrow_mut().record(
+                                    &r.map(|c| c == crc),
+                                    (took, deadline),
+                                    start.elapsed(),
+                                );
+                                if ok {
+                                    if let Ok(mut f) = acked.lock() {
+                                        let at = start.elapsed().as_millis();
+                                        let _ = writeln!(f, "{src} {inc} {seq} {at}");
+                                    }
+                                } else {
+                                    // Do not spin on a dead peer: the next call reconnects.
+                                    glommio::timer::sleep(Duration::from_millis(20)).await;
+                                }
+                                seq += window as u64;
+                                if !pause.is_zero() {
+                                    glommio::timer::sleep(pause).await;
+                                }
+                            }
+                        }));
+                    }
+                    for t in tasks {
+                        t.await;
+                    }
+                    let t = tally.borrow().clone();
+                    Ok::<Tally, String>(t)
                 }
-                for t in tasks {
-                    t.await;
-                }
-                let t = tally.borrow().clone();
-                Ok::<Tally, String>(t)
+            })
+            .map_err(|e| e.to_string())
+    };
+    let out: Vec<Result<Tally, String>> = if nodes == 1 {
+        run_node(0)?
+    } else {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..nodes)
+                .map(|n| {
+                    let run_node = run_node.clone();
+                    scope.spawn(move || run_node(n))
+                })
+                .collect();
+            let mut all = Vec::new();
+            for h in handles {
+                all.extend(
+                    h.join()
+                        .map_err(|_| "a node's thread panicked".to_owned())??,
+                );
             }
-        })
-        .map_err(|e| e.to_string())?;
+            Ok::<_, String>(all)
+        })?
+    };
     let mut t = Tally::default();
     for shard in out {
         t.merge(&shard?);
