@@ -296,6 +296,20 @@ pub(crate) async fn encode_in_turns<T: Element>(xs: &[T]) -> Vec<u8> {
     out
 }
 
+/// Writes the bytes of `xs` into `out` (at least `xs.len() * T::SIZE` bytes; the rest is left
+/// alone), letting the shard's other tasks run every [`TURN`] elements.
+pub(crate) async fn encode_into_in_turns<T: Element>(xs: &[T], out: &mut [u8]) {
+    if T::SIZE == 0 {
+        return;
+    }
+    for (xs, out) in xs.chunks(TURN).zip(out.chunks_mut(TURN * T::SIZE)) {
+        T::write_all_le(xs, out);
+        if xs.len() == TURN {
+            glommio::yield_if_needed().await;
+        }
+    }
+}
+
 /// [`decode`], letting the shard's other tasks run every [`TURN`] elements.
 pub(crate) async fn decode_in_turns<T: Element>(bytes: &[u8]) -> Option<Vec<T>> {
     if bytes.len() <= TURN * T::SIZE || T::SIZE == 0 {
@@ -334,6 +348,37 @@ pub(crate) async fn combine_le_in_turns<T: Element, O: Operator<T> + ?Sized>(
             glommio::yield_if_needed().await;
         }
     }
+}
+
+/// `mine ∘ other` (or `other ∘ mine` when `other_is_lower`) element by element into a new
+/// vector, `other` still in its wire bytes (`mine.len()` elements of them): one pass that
+/// reads both and writes the result, instead of copying `mine` first and combining into the
+/// copy. The shard's other tasks run between turns of [`TURN`] elements.
+pub(crate) async fn combine_le_new_in_turns<T: Element, O: Operator<T> + ?Sized>(
+    op: &O,
+    mine: &[T],
+    other: &[u8],
+    other_is_lower: bool,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(mine.len());
+    if T::SIZE == 0 {
+        out.extend_from_slice(mine);
+        return out;
+    }
+    let mut scratch = Vec::with_capacity(mine.len().min(TURN));
+    for (mine, other) in mine.chunks(TURN).zip(other.chunks(TURN * T::SIZE)) {
+        scratch.clear();
+        T::extend_from_le(other, &mut scratch);
+        if other_is_lower {
+            out.extend(mine.iter().zip(&scratch).map(|(a, b)| op.combine(b, a)));
+        } else {
+            out.extend(mine.iter().zip(&scratch).map(|(a, b)| op.combine(a, b)));
+        }
+        if mine.len() == TURN {
+            glommio::yield_if_needed().await;
+        }
+    }
+    out
 }
 
 /// [`combine_into`], letting the shard's other tasks run every [`TURN`] elements.

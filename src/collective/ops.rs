@@ -6,6 +6,7 @@
 //! (a rank that receives a message of the wrong length fails with
 //! [`CollectiveError::Mismatch`] and aborts the operation on the others).
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use super::algorithm;
@@ -68,7 +69,7 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
         self.operation("all_reduce", timeout, async |op: &Op| {
-            algorithm::all_reduce(&Group::all(op), data.to_vec(), o).await
+            algorithm::all_reduce(&Group::all(op), Cow::Borrowed(data), o).await
         })
         .await
     }
