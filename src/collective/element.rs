@@ -310,6 +310,26 @@ pub(crate) async fn encode_into_in_turns<T: Element>(xs: &[T], out: &mut [u8]) {
     }
 }
 
+/// The elements in `bytes` written over `out`, or `false` (and `out` untouched) when `bytes`
+/// is not exactly `out.len()` elements; the shard's other tasks run every [`TURN`] elements.
+pub(crate) async fn decode_into_in_turns<T: Element>(bytes: &[u8], out: &mut [T]) -> bool {
+    if bytes.len() != out.len() * T::SIZE {
+        return false;
+    }
+    if T::SIZE == 0 {
+        return true;
+    }
+    for (out, bytes) in out.chunks_mut(TURN).zip(bytes.chunks(TURN * T::SIZE)) {
+        for (x, b) in out.iter_mut().zip(bytes.chunks_exact(T::SIZE)) {
+            *x = T::read_le(b);
+        }
+        if out.len() == TURN {
+            glommio::yield_if_needed().await;
+        }
+    }
+    true
+}
+
 /// [`decode`], letting the shard's other tasks run every [`TURN`] elements.
 pub(crate) async fn decode_in_turns<T: Element>(bytes: &[u8]) -> Option<Vec<T>> {
     if bytes.len() <= TURN * T::SIZE || T::SIZE == 0 {
@@ -367,13 +387,13 @@ pub(crate) async fn combine_le_new_in_turns<T: Element, O: Operator<T> + ?Sized>
     }
     let mut scratch = Vec::with_capacity(mine.len().min(TURN));
     for (mine, other) in mine.chunks(TURN).zip(other.chunks(TURN * T::SIZE)) {
+        // A turn's worth of `mine` copied and combined in place while it is in cache: the
+        // copy and the in-place loop vectorize, an `extend` of combined pairs does not.
+        let at = out.len();
+        out.extend_from_slice(mine);
         scratch.clear();
         T::extend_from_le(other, &mut scratch);
-        if other_is_lower {
-            out.extend(mine.iter().zip(&scratch).map(|(a, b)| op.combine(b, a)));
-        } else {
-            out.extend(mine.iter().zip(&scratch).map(|(a, b)| op.combine(a, b)));
-        }
+        combine_into(op, &mut out[at..], &scratch, other_is_lower);
         if mine.len() == TURN {
             glommio::yield_if_needed().await;
         }
