@@ -36,7 +36,7 @@ use std::ops::Range;
 
 use super::comm::{Group, PHASE_SHIFT};
 use super::element::{
-    combine_in_turns, combine_le_in_turns, combine_le_new_in_turns, decode_in_turns,
+    combine_in_turns, combine_le_append_in_turns, combine_le_in_turns, decode_in_turns,
     encode_in_turns, Element, Operator,
 };
 use super::error::CollectiveError;
@@ -180,6 +180,64 @@ async fn recv_combine<T: Element, O: Operator<T> + ?Sized>(
     Ok(())
 }
 
+/// Most bytes of one message of a pipelined exchange ([`exchange_combine`]).
+const CHUNK: usize = 256 << 10;
+
+/// Most chunks of one pipelined exchange (larger vectors get larger chunks).
+const MAX_CHUNKS: usize = 1024;
+
+/// Chunks a pipelined exchange keeps sent ahead of the one it combines.
+const AHEAD: usize = 2;
+
+/// One exchange of recursive doubling, pipelined: `acc` goes to `peer` and what `peer` sends
+/// (as long) is combined into it (`peer` holds the lower ranks' contribution when
+/// `peer_is_lower`), in chunks of at most [`CHUNK`] bytes, each its own message (step
+/// `step(phase, k * MAX_CHUNKS + c)`): chunk `c` is combined while chunks up to `c + AHEAD`
+/// are on their way, so a chunk is reduced while it is still in cache and the next ones move
+/// meanwhile. When `acc` is still the caller's (borrowed), the combination is written straight
+/// into a new vector (no copy of it first).
+async fn exchange_combine<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    peer: usize,
+    (phase, k): (u32, usize),
+    o: &O,
+    acc: Cow<'_, [T]>,
+    peer_is_lower: bool,
+) -> Result<Vec<T>, CollectiveError> {
+    let n = acc.len();
+    let chunks = (n * T::SIZE).div_ceil(CHUNK).clamp(1, MAX_CHUNKS);
+    let per = n.div_ceil(chunks).max(1);
+    let range = |c: usize| (c * per).min(n)..((c + 1) * per).min(n);
+    let st = |c: usize| step(phase, k * MAX_CHUNKS + c);
+    for c in 0..AHEAD.min(chunks) {
+        g.send_elems(peer, st(c), &acc[range(c)]).await?;
+    }
+    let mut out = match acc {
+        Cow::Owned(v) => Ok(v),
+        Cow::Borrowed(mine) => Err((mine, Vec::with_capacity(n))),
+    };
+    for c in 0..chunks {
+        let r = range(c);
+        match &mut out {
+            Ok(v) => recv_combine(g, peer, st(c), o, &mut v[r], peer_is_lower).await?,
+            Err((mine, v)) => {
+                let d = recv_len(g, peer, st(c), r.len() * T::SIZE).await?;
+                combine_le_append_in_turns(o, &mine[r], &d, peer_is_lower, v).await;
+            }
+        }
+        if c + AHEAD < chunks {
+            let ahead = range(c + AHEAD);
+            match &out {
+                Ok(v) => g.send_elems(peer, st(c + AHEAD), &v[ahead]).await?,
+                Err((mine, _)) => g.send_elems(peer, st(c + AHEAD), &mine[ahead]).await?,
+            }
+        }
+    }
+    Ok(match out {
+        Ok(v) | Err((_, v)) => v,
+    })
+}
+
 /// [`recv_combine`] into `acc` when it is owned already; when it is still the caller's
 /// (borrowed), the combination is written straight into a new vector (no copy of it first).
 async fn recv_combine_cow<T: Element, O: Operator<T> + ?Sized>(
@@ -197,7 +255,9 @@ async fn recv_combine_cow<T: Element, O: Operator<T> + ?Sized>(
         }
         Cow::Borrowed(mine) => {
             let d = recv_len(g, from, st, mine.len() * T::SIZE).await?;
-            Ok(combine_le_new_in_turns(o, mine, &d, from_lower).await)
+            let mut v = Vec::new();
+            combine_le_append_in_turns(o, mine, &d, from_lower, &mut v).await;
+            Ok(v)
         }
     }
 }
@@ -558,8 +618,7 @@ async fn recursive_doubling<T: Element, O: Operator<T> + ?Sized>(
         while mask < pof2 {
             let nd = nr ^ mask;
             let dst = if nd < rem { nd * 2 + 1 } else { nd + rem };
-            g.send_elems(dst, step(1, k), &acc).await?;
-            acc = Cow::Owned(recv_combine_cow(g, dst, step(1, k), o, acc, dst < r).await?);
+            acc = Cow::Owned(exchange_combine(g, dst, (1, k), o, acc, dst < r).await?);
             mask <<= 1;
             k += 1;
         }

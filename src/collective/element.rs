@@ -370,35 +370,34 @@ pub(crate) async fn combine_le_in_turns<T: Element, O: Operator<T> + ?Sized>(
     }
 }
 
-/// `mine ∘ other` (or `other ∘ mine` when `other_is_lower`) element by element into a new
-/// vector, `other` still in its wire bytes (`mine.len()` elements of them): one pass that
-/// reads both and writes the result, instead of copying `mine` first and combining into the
-/// copy. The shard's other tasks run between turns of [`TURN`] elements.
-pub(crate) async fn combine_le_new_in_turns<T: Element, O: Operator<T> + ?Sized>(
+/// Appends `mine ∘ other` (or `other ∘ mine` when `other_is_lower`) element by element to
+/// `out`, `other` still in its wire bytes (`mine.len()` elements of them): one pass that reads
+/// both and writes the result, instead of copying `mine` first and combining into the copy.
+/// The shard's other tasks run between turns of [`TURN`] elements.
+pub(crate) async fn combine_le_append_in_turns<T: Element, O: Operator<T> + ?Sized>(
     op: &O,
     mine: &[T],
     other: &[u8],
     other_is_lower: bool,
-) -> Vec<T> {
-    let mut out = Vec::with_capacity(mine.len());
+    out: &mut Vec<T>,
+) {
+    out.reserve(mine.len());
     if T::SIZE == 0 {
         out.extend_from_slice(mine);
-        return out;
+        return;
     }
-    let mut scratch = Vec::with_capacity(mine.len().min(TURN));
     for (mine, other) in mine.chunks(TURN).zip(other.chunks(TURN * T::SIZE)) {
-        // A turn's worth of `mine` copied and combined in place while it is in cache: the
-        // copy and the in-place loop vectorize, an `extend` of combined pairs does not.
-        let at = out.len();
-        out.extend_from_slice(mine);
-        scratch.clear();
-        T::extend_from_le(other, &mut scratch);
-        combine_into(op, &mut out[at..], &scratch, other_is_lower);
+        // Read straight from the bytes: no scratch vector to copy them into first.
+        let other = other.chunks_exact(T::SIZE).map(T::read_le);
+        if other_is_lower {
+            out.extend(mine.iter().zip(other).map(|(a, b)| op.combine(&b, a)));
+        } else {
+            out.extend(mine.iter().zip(other).map(|(a, b)| op.combine(a, &b)));
+        }
         if mine.len() == TURN {
             glommio::yield_if_needed().await;
         }
     }
-    out
 }
 
 /// [`combine_into`], letting the shard's other tasks run every [`TURN`] elements.

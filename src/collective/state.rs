@@ -31,7 +31,7 @@ pub const MAX_BUFFERED_BYTES: usize = 1 << 30;
 const KEEP_IN_PLACE_OVER: usize = 8 << 10;
 
 /// Most send buffers one shard keeps for reuse (each at most one part, `wire::SEGMENT`).
-const SEND_BUFS: usize = 8;
+const SEND_BUFS: usize = 16;
 
 /// Counters of one shard's collective messages.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
