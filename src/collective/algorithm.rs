@@ -13,7 +13,7 @@
 //! | barrier | dissemination, ⌈log2 p⌉ rounds | – |
 //! | broadcast | binomial tree | scatter (binomial) + ring all-gather (p > 2) |
 //! | reduce | binomial tree | ring reduce-scatter + binomial gather (commutative, p > 2) |
-//! | all-reduce | recursive doubling (non-powers of two folded in) | ring reduce-scatter + ring all-gather (commutative, p > 2) |
+//! | all-reduce | recursive doubling (non-powers of two folded in; each exchange pipelined in chunks of at most 256 KiB) | ring reduce-scatter + ring all-gather (commutative, p > 2) |
 //! | all-reduce over several nodes | through the leaders, unless every node has the same power-of-two number of ranks numbered node by node | by slices: a node's ranks reduce-scatter, rank `s` of every node all-reduces slice `s`, a node's ranks all-gather (commutative, as many ranks on every node) |
 //! | reduce-scatter | binomial reduce to rank 0 + binomial scatter | ring (commutative) |
 //! | all-gather | Bruck, ⌈log2 p⌉ rounds | ring |
@@ -209,6 +209,11 @@ async fn exchange_combine<T: Element, O: Operator<T> + ?Sized>(
     let per = n.div_ceil(chunks).max(1);
     let range = |c: usize| (c * per).min(n)..((c + 1) * per).min(n);
     let st = |c: usize| step(phase, k * MAX_CHUNKS + c);
+    if chunks == 1 {
+        // One message: no pipeline to set up.
+        g.send_elems(peer, st(0), &acc).await?;
+        return recv_combine_cow(g, peer, st(0), o, acc, peer_is_lower).await;
+    }
     for c in 0..AHEAD.min(chunks) {
         g.send_elems(peer, st(c), &acc[range(c)]).await?;
     }
