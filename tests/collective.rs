@@ -689,7 +689,6 @@ async fn suite(c: &mut Communicator, n: usize) -> Result<(), String> {
     movements::<f64>(c, n, "f64").await?;
     varying::<u8>(c, "u8").await?;
     varying::<f64>(c, "f64").await?;
-    in_place::<u8>(c, n, "u8").await?;
     in_place::<i64>(c, n, "i64").await?;
     in_place::<f32>(c, n, "f32").await?;
     non_commutative(c).await

@@ -33,6 +33,9 @@ const KEEP_IN_PLACE_OVER: usize = 8 << 10;
 /// Most send buffers one shard keeps for reuse (each at most one part, `wire::SEGMENT`).
 const SEND_BUFS: usize = 16;
 
+/// Most bytes of send buffers one shard keeps for reuse.
+const SEND_BUF_BYTES: usize = 16 << 20;
+
 /// Counters of one shard's collective messages.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CollectiveStats {
@@ -410,13 +413,21 @@ impl ShardState {
         }
     }
 
-    /// Keeps `buf` (possibly still being sent) for a later [`ShardState::take_send_buf`]; when
-    /// [`SEND_BUFS`] are kept already, an idle one makes room, or `buf` is let go.
+    /// Keeps `buf` (possibly still being sent) for a later [`ShardState::take_send_buf`], within
+    /// [`SEND_BUFS`] buffers and [`SEND_BUF_BYTES`] bytes: when they are full, `buf` takes the
+    /// place of an idle one, or is let go (freed once UCX is done with it).
     pub(crate) fn keep_send_buf(&self, buf: Rc<[u8]>) {
         let mut s = self.inner.borrow_mut();
-        if s.send_bufs.len() < SEND_BUFS {
+        let kept: usize = s.send_bufs.iter().map(|b| b.len()).sum();
+        if s.send_bufs.len() < SEND_BUFS && kept + buf.len() <= SEND_BUF_BYTES {
             s.send_bufs.push(buf);
-        } else if let Some(i) = s.send_bufs.iter().position(|b| Rc::strong_count(b) == 1) {
+            return;
+        }
+        let idle = s
+            .send_bufs
+            .iter()
+            .position(|b| Rc::strong_count(b) == 1 && kept - b.len() + buf.len() <= SEND_BUF_BYTES);
+        if let Some(i) = idle {
             s.send_bufs[i] = buf;
         }
     }
@@ -577,4 +588,46 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>) {
             st.deliver(node, h, Data::Borrowed(frame.payload()));
         }
     });
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
+mod tests {
+    use super::*;
+
+    #[test]
+    fn send_buffers_are_reused_once_idle_and_kept_within_their_limits() {
+        let st = ShardState::default();
+        let a = st.take_send_buf(100);
+        let pa = a.as_ptr();
+        // Still held elsewhere (UCX sending it): a new one.
+        let in_flight = a.clone();
+        st.keep_send_buf(a);
+        let b = st.take_send_buf(100);
+        assert_ne!(b.as_ptr(), pa);
+        st.keep_send_buf(b);
+        // Let go: the first comes back, for its exact length only.
+        drop(in_flight);
+        assert_ne!(st.take_send_buf(99).as_ptr(), pa);
+        let again = st.take_send_buf(100);
+        assert_eq!(again.as_ptr(), pa);
+        st.keep_send_buf(again);
+        // Past the byte limit: an idle one makes room, a buffer that does not fit is let go.
+        let big = st.take_send_buf(SEND_BUF_BYTES);
+        st.keep_send_buf(big);
+        let kept = |st: &ShardState| -> usize {
+            st.inner.borrow().send_bufs.iter().map(|b| b.len()).sum()
+        };
+        assert!(kept(&st) <= SEND_BUF_BYTES, "{}", kept(&st));
+        // All in flight: nothing idle to replace, the limits hold.
+        let mut held = Vec::new();
+        for _ in 0..2 * SEND_BUFS {
+            let b = st.take_send_buf(1 << 20);
+            held.push(b.clone());
+            st.keep_send_buf(b);
+        }
+        let s = st.inner.borrow();
+        assert!(s.send_bufs.len() <= SEND_BUFS);
+        assert!(s.send_bufs.iter().map(|b| b.len()).sum::<usize>() <= SEND_BUF_BYTES);
+    }
 }
