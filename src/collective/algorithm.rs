@@ -13,7 +13,7 @@
 //! | barrier | dissemination, ⌈log2 p⌉ rounds | – |
 //! | broadcast | binomial tree | scatter (binomial) + ring all-gather (p > 2) |
 //! | reduce | binomial tree | ring reduce-scatter + binomial gather (commutative, p > 2) |
-//! | all-reduce | recursive doubling (non-powers of two folded in) | ring reduce-scatter + ring all-gather (commutative, p > 2) |
+//! | all-reduce | recursive doubling (non-powers of two folded in; each exchange pipelined in chunks of at most 256 KiB) | ring reduce-scatter + ring all-gather (commutative, p > 2) |
 //! | all-reduce over several nodes | through the leaders, unless every node has the same power-of-two number of ranks numbered node by node | by slices: a node's ranks reduce-scatter, rank `s` of every node all-reduces slice `s`, a node's ranks all-gather (commutative, as many ranks on every node) |
 //! | reduce-scatter | binomial reduce to rank 0 + binomial scatter | ring (commutative) |
 //! | all-gather | Bruck, ⌈log2 p⌉ rounds | ring |
@@ -31,14 +31,16 @@
 //! with the same power of two on every node, is already hierarchical: its first rounds pair a
 //! node's shards, the later ones each shard with its counterparts on the other nodes.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use super::comm::{Group, PHASE_SHIFT};
 use super::element::{
-    combine_in_turns, combine_le_in_turns, decode_in_turns, encode_in_turns, Element, Operator,
+    combine_in_turns, combine_le_append_in_turns, combine_le_in_turns, decode_in_turns,
+    encode_in_turns, Element, Operator,
 };
 use super::error::CollectiveError;
-use super::state::MAX_BUFFERED_BYTES;
+use super::state::{Bytes, MAX_BUFFERED_BYTES};
 
 /// The algorithm an operation used ([`super::Communicator::last_algorithm`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -155,7 +157,7 @@ async fn recv_len(
     from: usize,
     st: u32,
     len: usize,
-) -> Result<Vec<u8>, CollectiveError> {
+) -> Result<Bytes, CollectiveError> {
     let d = g.recv(from, st).await?;
     if d.len() != len {
         return Err(g.mismatch(from, format!("{} bytes where {len} were expected", d.len())));
@@ -176,6 +178,93 @@ async fn recv_combine<T: Element, O: Operator<T> + ?Sized>(
     let d = recv_len(g, from, st, acc.len() * T::SIZE).await?;
     combine_le_in_turns(o, acc, &d, from_lower).await;
     Ok(())
+}
+
+/// Most bytes of one message of a pipelined exchange ([`exchange_combine`]).
+const CHUNK: usize = 256 << 10;
+
+/// Most chunks of one pipelined exchange (larger vectors get larger chunks).
+const MAX_CHUNKS: usize = 1024;
+
+/// Chunks a pipelined exchange keeps sent ahead of the one it combines.
+const AHEAD: usize = 2;
+
+/// One exchange of recursive doubling, pipelined: `acc` goes to `peer` and what `peer` sends
+/// (as long) is combined into it (`peer` holds the lower ranks' contribution when
+/// `peer_is_lower`), in chunks of at most [`CHUNK`] bytes, each its own message (step
+/// `step(phase, k * MAX_CHUNKS + c)`): chunk `c` is combined while chunks up to `c + AHEAD`
+/// are on their way, so a chunk is reduced while it is still in cache and the next ones move
+/// meanwhile. When `acc` is still the caller's (borrowed), the combination is written straight
+/// into a new vector (no copy of it first).
+async fn exchange_combine<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    peer: usize,
+    (phase, k): (u32, usize),
+    o: &O,
+    acc: Cow<'_, [T]>,
+    peer_is_lower: bool,
+) -> Result<Vec<T>, CollectiveError> {
+    let n = acc.len();
+    let chunks = (n * T::SIZE).div_ceil(CHUNK).clamp(1, MAX_CHUNKS);
+    let per = n.div_ceil(chunks).max(1);
+    let range = |c: usize| (c * per).min(n)..((c + 1) * per).min(n);
+    let st = |c: usize| step(phase, k * MAX_CHUNKS + c);
+    if chunks == 1 {
+        // One message: no pipeline to set up.
+        g.send_elems(peer, st(0), &acc).await?;
+        return recv_combine_cow(g, peer, st(0), o, acc, peer_is_lower).await;
+    }
+    for c in 0..AHEAD.min(chunks) {
+        g.send_elems(peer, st(c), &acc[range(c)]).await?;
+    }
+    let mut out = match acc {
+        Cow::Owned(v) => Ok(v),
+        Cow::Borrowed(mine) => Err((mine, Vec::with_capacity(n))),
+    };
+    for c in 0..chunks {
+        let r = range(c);
+        match &mut out {
+            Ok(v) => recv_combine(g, peer, st(c), o, &mut v[r], peer_is_lower).await?,
+            Err((mine, v)) => {
+                let d = recv_len(g, peer, st(c), r.len() * T::SIZE).await?;
+                combine_le_append_in_turns(o, &mine[r], &d, peer_is_lower, v).await;
+            }
+        }
+        if c + AHEAD < chunks {
+            let ahead = range(c + AHEAD);
+            match &out {
+                Ok(v) => g.send_elems(peer, st(c + AHEAD), &v[ahead]).await?,
+                Err((mine, _)) => g.send_elems(peer, st(c + AHEAD), &mine[ahead]).await?,
+            }
+        }
+    }
+    Ok(match out {
+        Ok(v) | Err((_, v)) => v,
+    })
+}
+
+/// [`recv_combine`] into `acc` when it is owned already; when it is still the caller's
+/// (borrowed), the combination is written straight into a new vector (no copy of it first).
+async fn recv_combine_cow<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    from: usize,
+    st: u32,
+    o: &O,
+    acc: Cow<'_, [T]>,
+    from_lower: bool,
+) -> Result<Vec<T>, CollectiveError> {
+    match acc {
+        Cow::Owned(mut v) => {
+            recv_combine(g, from, st, o, &mut v, from_lower).await?;
+            Ok(v)
+        }
+        Cow::Borrowed(mine) => {
+            let d = recv_len(g, from, st, mine.len() * T::SIZE).await?;
+            let mut v = Vec::new();
+            combine_le_append_in_turns(o, mine, &d, from_lower, &mut v).await;
+            Ok(v)
+        }
+    }
 }
 
 /// Receives `len` elements from `from`.
@@ -333,12 +422,8 @@ async fn reduce_tree<T: Element, O: Operator<T> + ?Sized>(
     while mask < p {
         if vr & mask != 0 {
             if let Some(a) = acc.take() {
-                g.send(
-                    real(vr - mask, tree_root, p),
-                    step(phase, 0),
-                    encode_in_turns(&a).await,
-                )
-                .await?;
+                g.send_elems(real(vr - mask, tree_root, p), step(phase, 0), &a)
+                    .await?;
             }
             break;
         }
@@ -358,8 +443,7 @@ async fn reduce_tree<T: Element, O: Operator<T> + ?Sized>(
     }
     if r == tree_root {
         if let Some(a) = acc.take() {
-            g.send(root, step(phase, 1), encode_in_turns(&a).await)
-                .await?;
+            g.send_elems(root, step(phase, 1), &a).await?;
         }
     }
     if r == root {
@@ -372,7 +456,7 @@ async fn reduce_tree<T: Element, O: Operator<T> + ?Sized>(
 /// them (see [`node_blocks`] and the module docs), flat otherwise.
 pub(crate) async fn all_reduce<T: Element, O: Operator<T> + ?Sized>(
     g: &Group<'_>,
-    data: Vec<T>,
+    data: Cow<'_, [T]>,
     o: &O,
 ) -> Result<Vec<T>, CollectiveError> {
     let (p, n) = (g.size(), data.len());
@@ -382,13 +466,13 @@ pub(crate) async fn all_reduce<T: Element, O: Operator<T> + ?Sized>(
     if g.tuning().hierarchical() && nodes > 1 && nodes < p && (o.is_commutative() || contiguous) {
         let same = blocks.iter().all(|b| b.len() == k);
         if o.is_commutative() && same && n >= k && g.tuning().large(n * T::SIZE) {
-            return sliced_all_reduce(g, &blocks, data, o).await;
+            return sliced_all_reduce(g, &blocks, data.into_owned(), o).await;
         }
         // With as many ranks on every node, a power of two, numbered node by node, recursive
         // doubling already pairs a node's shards first, then each shard with its counterparts
         // on the other nodes (on their own rails): nothing to gain from leaders.
         if !(same && k.is_power_of_two() && contiguous) {
-            return leaders_all_reduce(g, &blocks, data, o).await;
+            return leaders_all_reduce(g, &blocks, data.into_owned(), o).await;
         }
     }
     flat_all_reduce(g, data, o).await
@@ -430,7 +514,7 @@ async fn leaders_all_reduce<T: Element, O: Operator<T> + ?Sized>(
             let leaders = g
                 .sub(blocks.iter().map(|b| b[0]).collect(), 2)
                 .ok_or_else(|| g.invalid("a node's first rank is not a leader"))?;
-            let all = flat_all_reduce(&leaders, p, o).await?;
+            let all = flat_all_reduce(&leaders, Cow::Owned(p), o).await?;
             encode_in_turns(&all).await
         }
         None => vec![0u8; n * T::SIZE],
@@ -466,7 +550,7 @@ async fn sliced_all_reduce<T: Element, O: Operator<T> + ?Sized>(
     let column = g
         .sub(blocks.iter().map(|b| b[s]).collect(), 2)
         .ok_or_else(|| g.invalid("this rank is not in its column"))?;
-    let reduced = flat_all_reduce(&column, acc[slice.clone()].to_vec(), o).await?;
+    let reduced = flat_all_reduce(&column, Cow::Borrowed(&acc[slice.clone()]), o).await?;
     acc[slice].copy_from_slice(&reduced);
     let mut bytes = encode_in_turns(&acc).await;
     let ranges: Vec<Range<usize>> = (0..k)
@@ -483,13 +567,13 @@ async fn sliced_all_reduce<T: Element, O: Operator<T> + ?Sized>(
 /// Flat all-reduce: ring for large commutative reductions, recursive doubling otherwise.
 async fn flat_all_reduce<T: Element, O: Operator<T> + ?Sized>(
     g: &Group<'_>,
-    data: Vec<T>,
+    data: Cow<'_, [T]>,
     o: &O,
 ) -> Result<Vec<T>, CollectiveError> {
     let (p, n) = (g.size(), data.len());
     if p > 2 && o.is_commutative() && n >= p && g.tuning().large(n * T::SIZE) {
         g.chose(Algorithm::Ring);
-        let mut acc = data;
+        let mut acc = data.into_owned();
         ring_reduce_scatter(g, &mut acc, o, 0).await?;
         let mut bytes = encode_in_turns(&acc).await;
         let ranges: Vec<Range<usize>> = (0..p)
@@ -507,10 +591,12 @@ async fn flat_all_reduce<T: Element, O: Operator<T> + ?Sized>(
 
 /// Recursive doubling with the ranks beyond the largest power of two folded in first: ranks
 /// `2i` and `2i + 1` (for `i` below the remainder) combine into one, so every participant
-/// holds a contiguous block of ranks and the combination order stays the rank order.
+/// holds a contiguous block of ranks and the combination order stays the rank order. The
+/// caller's `data` is sent from where it is and combined straight into the result: it is
+/// never copied.
 async fn recursive_doubling<T: Element, O: Operator<T> + ?Sized>(
     g: &Group<'_>,
-    data: Vec<T>,
+    data: Cow<'_, [T]>,
     o: &O,
 ) -> Result<Vec<T>, CollectiveError> {
     let (r, p, n) = (g.rank(), g.size(), data.len());
@@ -523,11 +609,10 @@ async fn recursive_doubling<T: Element, O: Operator<T> + ?Sized>(
     let mut acc = data;
     let newrank = if r < 2 * rem {
         if r % 2 == 0 {
-            g.send(r + 1, step(0, 0), encode_in_turns(&acc).await)
-                .await?;
+            g.send_elems(r + 1, step(0, 0), &acc).await?;
             None
         } else {
-            recv_combine(g, r - 1, step(0, 0), o, &mut acc, true).await?;
+            acc = Cow::Owned(recv_combine_cow(g, r - 1, step(0, 0), o, acc, true).await?);
             Some(r / 2)
         }
     } else {
@@ -538,21 +623,19 @@ async fn recursive_doubling<T: Element, O: Operator<T> + ?Sized>(
         while mask < pof2 {
             let nd = nr ^ mask;
             let dst = if nd < rem { nd * 2 + 1 } else { nd + rem };
-            g.send(dst, step(1, k), encode_in_turns(&acc).await).await?;
-            recv_combine(g, dst, step(1, k), o, &mut acc, dst < r).await?;
+            acc = Cow::Owned(exchange_combine(g, dst, (1, k), o, acc, dst < r).await?);
             mask <<= 1;
             k += 1;
         }
     }
     if r < 2 * rem {
         if r % 2 == 1 {
-            g.send(r - 1, step(2, 0), encode_in_turns(&acc).await)
-                .await?;
+            g.send_elems(r - 1, step(2, 0), &acc).await?;
         } else {
-            acc = recv_elems(g, r + 1, step(2, 0), n).await?;
+            acc = Cow::Owned(recv_elems(g, r + 1, step(2, 0), n).await?);
         }
     }
-    Ok(acc)
+    Ok(acc.into_owned())
 }
 
 /// Ring reduce-scatter in place: afterwards block `rank` of `acc` (blocks as [`block`]) holds
@@ -568,8 +651,7 @@ async fn ring_reduce_scatter<T: Element, O: Operator<T> + ?Sized>(
     let (right, left) = ((r + 1) % p, (r + p - 1) % p);
     for s in 0..p.saturating_sub(1) {
         let out = block(n, p, (r + 2 * p - s - 1) % p);
-        g.send(right, step(phase, s), encode_in_turns(&acc[out]).await)
-            .await?;
+        g.send_elems(right, step(phase, s), &acc[out]).await?;
         let inn = block(n, p, (r + 2 * p - s - 2) % p);
         recv_combine(g, left, step(phase, s), o, &mut acc[inn], true).await?;
     }
@@ -702,7 +784,7 @@ pub(crate) async fn scatter(
             let i = real(v, root, p);
             buf.extend_from_slice(&data[i * b..(i + 1) * b]);
         }
-        (buf, b)
+        (Bytes::Vec(buf), b)
     } else {
         let parent = real(vr - lowbit, root, p);
         let count = lowbit.min(p - vr);
@@ -902,7 +984,7 @@ pub(crate) async fn all_to_allv(
         let (to, from) = ((r + s) % p, (r + p - s) % p);
         g.send(to, step(0, s), std::mem::take(&mut blocks[to]))
             .await?;
-        out[from] = g.recv(from, step(0, s)).await?;
+        out[from] = g.recv(from, step(0, s)).await?.into_vec();
     }
     Ok(out)
 }
@@ -966,8 +1048,7 @@ pub(crate) async fn scan<T: Element, O: Operator<T> + ?Sized>(
     while mask < p {
         let dst = r ^ mask;
         if dst < p {
-            g.send(dst, step(0, k), encode_in_turns(&partial).await)
-                .await?;
+            g.send_elems(dst, step(0, k), &partial).await?;
             let t: Vec<T> = recv_elems(g, dst, step(0, k), n).await?;
             if dst < r {
                 combine_in_turns(o, &mut partial, &t, true).await;

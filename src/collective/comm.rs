@@ -11,9 +11,9 @@ use glommio::timer::sleep;
 use shardcx_shards::proto::{NodeId, Rails, ShardId};
 
 use super::algorithm::{Algorithm, Tuning};
-use super::element::{decode_in_turns, Element};
+use super::element::{decode_in_turns, encode_in_turns, encode_into_in_turns, Element};
 use super::error::{AbortCause, CollectiveError};
-use super::state::{self, Blocked, Data, ShardState};
+use super::state::{self, Blocked, Bytes, Data, ShardState};
 use super::wire::{Header, Kind, COLLECTIVE_AM, SEGMENT};
 use crate::{Error, Node, Peer};
 
@@ -718,7 +718,7 @@ impl Op {
     /// Receives step `step` of this operation from rank `from`. Fails when `from`'s node is
     /// lost, another rank aborts the operation, or this node shuts down; the deadline is the
     /// operation's (see [`Op::run`]).
-    pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Vec<u8>, CollectiveError> {
+    pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Bytes, CollectiveError> {
         let key = (self.comm, self.seq, from as u32, step);
         let node = self.members[from].node;
         self.waiting_for.set(Some(from));
@@ -753,6 +753,41 @@ impl Op {
         .await;
         self.waiting_for.set(None);
         got
+    }
+
+    /// Sends the bytes of `xs` as step `step` to rank `to` (see [`Op::send`]). A message of
+    /// another node that goes by rendezvous in one part is written into one of the shard's
+    /// reused send buffers and sent from there (no fresh allocation, no zero-fill and no copy
+    /// in the send path: UCX reads it where it is); others are encoded into a vector and sent
+    /// as [`Op::send`] sends.
+    pub(crate) async fn send_elems<T: Element>(
+        &self,
+        to: usize,
+        step: u32,
+        xs: &[T],
+    ) -> Result<(), CollectiveError> {
+        let len = xs.len() * T::SIZE;
+        let m = self.members[to];
+        let direct = m.node != self.node.id()
+            && len > RNDV_OVER
+            && len <= SEGMENT
+            && self.node.shard_ctx().rail(m.node, m.shard).is_some();
+        if !direct {
+            return self.send(to, step, encode_in_turns(xs).await).await;
+        }
+        let mut buf = self.state.take_send_buf(len);
+        match Rc::get_mut(&mut buf) {
+            Some(bytes) => encode_into_in_turns(xs, bytes).await,
+            // `take_send_buf` hands out buffers nothing else holds.
+            None => return self.send(to, step, encode_in_turns(xs).await).await,
+        }
+        let h = self.header(Kind::Data, step, len);
+        let sent = m
+            .peer()
+            .am_send_buf(COLLECTIVE_AM, &h.encode(), buf.clone())
+            .map_err(|e| self.failed(to, e));
+        self.state.keep_send_buf(buf);
+        sent
     }
 
     /// Tells every other rank that this operation ended here with `cause` (best effort, from a
@@ -862,8 +897,20 @@ impl<'a> Group<'a> {
     }
 
     /// [`Op::recv`] from group rank `from`.
-    pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Vec<u8>, CollectiveError> {
+    pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Bytes, CollectiveError> {
         self.op.recv(self.ranks[from], self.step(step)).await
+    }
+
+    /// [`Op::send_elems`] to group rank `to`.
+    pub(crate) async fn send_elems<T: Element>(
+        &self,
+        to: usize,
+        step: u32,
+        xs: &[T],
+    ) -> Result<(), CollectiveError> {
+        self.op
+            .send_elems(self.ranks[to], self.step(step), xs)
+            .await
     }
 }
 
@@ -980,7 +1027,7 @@ async fn agree_on_survivors(op: &Op, born: u64) -> Result<(usize, Vec<usize>), C
             match op.recv(r, view_step(me)).await {
                 Ok(view) if view.len() == n => {
                     heard[r] = true;
-                    for (c, v) in common.iter_mut().zip(&view) {
+                    for (c, v) in common.iter_mut().zip(view.iter()) {
                         *c &= *v == 1;
                     }
                 }
@@ -1003,6 +1050,11 @@ async fn agree_on_survivors(op: &Op, born: u64) -> Result<(usize, Vec<usize>), C
     }
 }
 
+/// Messages longer than this (the default rendezvous threshold, `NetConfig::rndv_threshold`)
+/// are handed to UCX as owned buffers when this shard holds the rail; shorter ones are sent
+/// from where they are (UCX copies them at once, eager).
+const RNDV_OVER: usize = 8 << 10;
+
 /// How long an abort may take to reach one rank.
 const ABORT_DEADLINE: Duration = Duration::from_secs(1);
 
@@ -1023,6 +1075,14 @@ async fn deliver_to(node: &Node, to: Member, h: Header, data: Vec<u8>) -> Result
         return Ok(());
     }
     let peer = to.peer();
+    if data.len() > RNDV_OVER
+        && data.len() <= SEGMENT
+        && node.shard_ctx().rail(to.node, to.shard).is_some()
+    {
+        // This shard holds the rail: the vector is moved to UCX, which sends it from where it
+        // is (by rendezvous), instead of copied into a buffer of the rail's.
+        return peer.am_send_buf(COLLECTIVE_AM, &h.encode(), data);
+    }
     let timeout = if matches!(h.kind, Kind::Abort(_)) {
         ABORT_DEADLINE
     } else {

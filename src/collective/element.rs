@@ -296,6 +296,40 @@ pub(crate) async fn encode_in_turns<T: Element>(xs: &[T]) -> Vec<u8> {
     out
 }
 
+/// Writes the bytes of `xs` into `out` (at least `xs.len() * T::SIZE` bytes; the rest is left
+/// alone), letting the shard's other tasks run every [`TURN`] elements.
+pub(crate) async fn encode_into_in_turns<T: Element>(xs: &[T], out: &mut [u8]) {
+    if T::SIZE == 0 {
+        return;
+    }
+    for (xs, out) in xs.chunks(TURN).zip(out.chunks_mut(TURN * T::SIZE)) {
+        T::write_all_le(xs, out);
+        if xs.len() == TURN {
+            glommio::yield_if_needed().await;
+        }
+    }
+}
+
+/// The elements in `bytes` written over `out`, or `false` (and `out` untouched) when `bytes`
+/// is not exactly `out.len()` elements; the shard's other tasks run every [`TURN`] elements.
+pub(crate) async fn decode_into_in_turns<T: Element>(bytes: &[u8], out: &mut [T]) -> bool {
+    if bytes.len() != out.len() * T::SIZE {
+        return false;
+    }
+    if T::SIZE == 0 {
+        return true;
+    }
+    for (out, bytes) in out.chunks_mut(TURN).zip(bytes.chunks(TURN * T::SIZE)) {
+        for (x, b) in out.iter_mut().zip(bytes.chunks_exact(T::SIZE)) {
+            *x = T::read_le(b);
+        }
+        if out.len() == TURN {
+            glommio::yield_if_needed().await;
+        }
+    }
+    true
+}
+
 /// [`decode`], letting the shard's other tasks run every [`TURN`] elements.
 pub(crate) async fn decode_in_turns<T: Element>(bytes: &[u8]) -> Option<Vec<T>> {
     if bytes.len() <= TURN * T::SIZE || T::SIZE == 0 {
@@ -331,6 +365,36 @@ pub(crate) async fn combine_le_in_turns<T: Element, O: Operator<T> + ?Sized>(
         T::extend_from_le(other, &mut scratch);
         combine_into(op, acc, &scratch, other_is_lower);
         if acc.len() == TURN {
+            glommio::yield_if_needed().await;
+        }
+    }
+}
+
+/// Appends `mine ∘ other` (or `other ∘ mine` when `other_is_lower`) element by element to
+/// `out`, `other` still in its wire bytes (`mine.len()` elements of them): one pass that reads
+/// both and writes the result, instead of copying `mine` first and combining into the copy.
+/// The shard's other tasks run between turns of [`TURN`] elements.
+pub(crate) async fn combine_le_append_in_turns<T: Element, O: Operator<T> + ?Sized>(
+    op: &O,
+    mine: &[T],
+    other: &[u8],
+    other_is_lower: bool,
+    out: &mut Vec<T>,
+) {
+    out.reserve(mine.len());
+    if T::SIZE == 0 {
+        out.extend_from_slice(mine);
+        return;
+    }
+    for (mine, other) in mine.chunks(TURN).zip(other.chunks(TURN * T::SIZE)) {
+        // Read straight from the bytes: no scratch vector to copy them into first.
+        let other = other.chunks_exact(T::SIZE).map(T::read_le);
+        if other_is_lower {
+            out.extend(mine.iter().zip(other).map(|(a, b)| op.combine(&b, a)));
+        } else {
+            out.extend(mine.iter().zip(other).map(|(a, b)| op.combine(a, &b)));
+        }
+        if mine.len() == TURN {
             glommio::yield_if_needed().await;
         }
     }

@@ -90,8 +90,31 @@
 //! (reduce-scatter + all-gather) for large commutative reductions. All-reduce over several
 //! nodes is hierarchical: through the leaders, or by slices (each shard all-reducing its slice
 //! with its counterparts on the other nodes, on its own rail). What is not here yet:
-//! hierarchical forms of the other operations, a cost model with measured constants, in-place
-//! variants (but [`Communicator::broadcast`]), pipelining of large messages.
+//! hierarchical forms of the other operations, a cost model with measured constants.
+//!
+//! ## In place
+//!
+//! [`Communicator::broadcast`] works in place, and so do the variants named `*_in_place`
+//! (MPI's `MPI_IN_PLACE`): [`Communicator::all_reduce_in_place`],
+//! [`Communicator::reduce_in_place`], [`Communicator::all_gather_in_place`],
+//! [`Communicator::reduce_scatter_in_place`], [`Communicator::scan_in_place`],
+//! [`Communicator::exclusive_scan_in_place`], [`Communicator::gather_in_place`] and
+//! [`Communicator::scatter_in_place`] (in place at the root), and
+//! [`Communicator::all_to_all_in_place`]: each takes a `&mut [T]`, reads its input there and
+//! leaves its result there (each method says where).
+//!
+//! ## Buffers
+//!
+//! A message to another node that goes by rendezvous in one part (at most
+//! [`wire::SEGMENT`]) is handed to UCX as an owned buffer (a per-shard send buffer reused from
+//! one operation to the next, or the moved vector), which UCX reads where it is; the
+//! receiving shard lands it in its pool or receive cache, and the operation reads it there
+//! (reducing straight from the received bytes) and gives the buffer back: beyond the encoding
+//! of the elements into their wire bytes, such a message is not copied, nor its buffers
+//! allocated afresh, on either side. Recursive doubling encodes the caller's vector for sending
+//! and writes the combination straight into the result (the input is not copied first), in chunks
+//! of at most 256 KiB, each its own message, so that one is reduced while the next ones move.
+//! Longer messages (several parts) are put together in a buffer of their own.
 
 pub mod algorithm;
 mod comm;

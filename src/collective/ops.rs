@@ -6,11 +6,12 @@
 //! (a rank that receives a message of the wrong length fails with
 //! [`CollectiveError::Mismatch`] and aborts the operation on the others).
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use super::algorithm;
 use super::comm::{Communicator, Group, Op};
-use super::element::{encode_in_turns, Element, Operator};
+use super::element::{decode_into_in_turns, encode_in_turns, Element, Operator};
 use super::error::CollectiveError;
 
 impl Communicator {
@@ -68,7 +69,7 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<Vec<T>, CollectiveError> {
         self.operation("all_reduce", timeout, async |op: &Op| {
-            algorithm::all_reduce(&Group::all(op), data.to_vec(), o).await
+            algorithm::all_reduce(&Group::all(op), Cow::Borrowed(data), o).await
         })
         .await
     }
@@ -273,6 +274,205 @@ impl Communicator {
     }
 }
 
+/// In-place variants, as MPI's `MPI_IN_PLACE`: the input is read from `data` and the result
+/// left there, for the operations (and, for gather and scatter, the ranks) where MPI has
+/// them. The same algorithms run as for the variants that return a new vector; a rank whose
+/// `data` has the wrong length fails with [`CollectiveError::InvalidArgument`] (or
+/// [`CollectiveError::Mismatch`] when only the other ranks' lengths tell), and the others with
+/// [`CollectiveError::Aborted`]. `data` is written only when the operation succeeds.
+///
+/// ```no_run
+/// # use std::time::Duration;
+/// # use shardcx::collective::{CollectiveError, Communicator, Sum};
+/// # async fn demo(mut world: Communicator) -> Result<(), CollectiveError> {
+/// let t = Duration::from_secs(5);
+/// let (r, p) = (world.rank(), world.size());
+/// let mut v = vec![r as u64, 1];
+/// world.all_reduce_in_place(&mut v, &Sum, t).await?;
+/// assert_eq!(v[1], p as u64);
+/// // One block per rank, this rank's at `r`; afterwards every block is filled.
+/// let mut all = vec![0u32; p];
+/// all[r] = r as u32 * 10;
+/// world.all_gather_in_place(&mut all, t).await?;
+/// assert_eq!(all[p - 1], (p as u32 - 1) * 10);
+/// # Ok(()) }
+/// ```
+impl Communicator {
+    /// [`Communicator::all_reduce`] in place: `data` holds this rank's input, then the
+    /// reduction of every rank's.
+    pub async fn all_reduce_in_place<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        data: &mut [T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation("all_reduce", timeout, async |op: &Op| {
+            let r = algorithm::all_reduce(&Group::all(op), Cow::Borrowed(&*data), o).await?;
+            copy_result(op, data, &r)
+        })
+        .await
+    }
+
+    /// [`Communicator::reduce`] in place: on rank `root`, `data` holds its input, then the
+    /// reduction; other ranks' `data` is their input, left as it is.
+    pub async fn reduce_in_place<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        root: usize,
+        data: &mut [T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation("reduce", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            match algorithm::reduce(&Group::all(op), root, data.to_vec(), o).await? {
+                Some(r) => copy_result(op, data, &r),
+                None => Ok(()),
+            }
+        })
+        .await
+    }
+
+    /// [`Communicator::all_gather`] in place: `data` is `size()` blocks of equal length, this
+    /// rank's contribution in block `rank()` (the others are not read); afterwards block `i`
+    /// holds rank `i`'s.
+    pub async fn all_gather_in_place<T: Element>(
+        &mut self,
+        data: &mut [T],
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation("all_gather", timeout, async |op: &Op| {
+            check_blocks(op, data.len())?;
+            let b = data.len() / op.size();
+            let mine = encode_in_turns(&data[op.rank() * b..(op.rank() + 1) * b]).await;
+            let all = algorithm::all_gather(&Group::all(op), mine).await?;
+            decode_result(op, &all, data, op.rank(), "element size").await
+        })
+        .await
+    }
+
+    /// [`Communicator::reduce_scatter`] in place (MPI's `Reduce_scatter_block` with
+    /// `MPI_IN_PLACE`): `data` is `size()` blocks of equal length; afterwards its first block
+    /// holds the reduction of everyone's block `rank()` (the other blocks are left as they
+    /// were).
+    pub async fn reduce_scatter_in_place<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        data: &mut [T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation("reduce_scatter", timeout, async |op: &Op| {
+            check_blocks(op, data.len())?;
+            let r = algorithm::reduce_scatter(&Group::all(op), data.to_vec(), o).await?;
+            let n = r.len().min(data.len());
+            copy_result(op, &mut data[..n], &r)
+        })
+        .await
+    }
+
+    /// [`Communicator::gather`] in place at the root: on rank `root`, `data` is `size()` blocks
+    /// of equal length with its own contribution in block `root` (the others are not read),
+    /// and afterwards block `i` holds rank `i`'s; other ranks pass their block, left as it is.
+    pub async fn gather_in_place<T: Element>(
+        &mut self,
+        root: usize,
+        data: &mut [T],
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation("gather", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            let mine = if op.rank() == root {
+                check_blocks(op, data.len())?;
+                let b = data.len() / op.size();
+                encode_in_turns(&data[root * b..(root + 1) * b]).await
+            } else {
+                encode_in_turns(data).await
+            };
+            match algorithm::gather(&Group::all(op), root, mine).await? {
+                Some(all) => decode_result(op, &all, data, op.rank(), "element size").await,
+                None => Ok(()),
+            }
+        })
+        .await
+    }
+
+    /// [`Communicator::scatter`] in place at the root: on rank `root`, `data` is `size()`
+    /// blocks of equal length, left as it is (its own block stays where it is); on the other
+    /// ranks `data` is one block's length and receives its block.
+    pub async fn scatter_in_place<T: Element>(
+        &mut self,
+        root: usize,
+        data: &mut [T],
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation("scatter", timeout, async |op: &Op| {
+            check_root(op, root)?;
+            if op.rank() == root {
+                check_blocks(op, data.len())?;
+                let bytes = encode_in_turns(data).await;
+                algorithm::scatter(&Group::all(op), root, Some(&bytes), 0).await?;
+                return Ok(());
+            }
+            let mine = algorithm::scatter(&Group::all(op), root, None, 0).await?;
+            decode_result(op, &mine, data, root, "a block of another length").await
+        })
+        .await
+    }
+
+    /// [`Communicator::all_to_all`] in place: `data` is `size()` blocks of equal length (the
+    /// same on every rank), block `j` for rank `j`; afterwards block `i` holds what rank `i`
+    /// sent this rank.
+    pub async fn all_to_all_in_place<T: Element>(
+        &mut self,
+        data: &mut [T],
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation("all_to_all", timeout, async |op: &Op| {
+            check_blocks(op, data.len())?;
+            let bytes = encode_in_turns(data).await;
+            let all = algorithm::all_to_all(&Group::all(op), &bytes).await?;
+            decode_result(op, &all, data, op.rank(), "element size").await
+        })
+        .await
+    }
+
+    /// [`Communicator::scan`] in place: on rank `r`, `data` holds its input, then the
+    /// reduction of the inputs of ranks `0..=r`, in rank order.
+    pub async fn scan_in_place<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        data: &mut [T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation("scan", timeout, async |op: &Op| {
+            match algorithm::scan(&Group::all(op), data.to_vec(), o, false).await? {
+                Some(r) => copy_result(op, data, &r),
+                None => Err(op.invalid("no result")),
+            }
+        })
+        .await
+    }
+
+    /// [`Communicator::exclusive_scan`] in place: on rank `r > 0`, `data` holds its input,
+    /// then the reduction of the inputs of ranks `0..r`, in rank order; rank 0's `data` is
+    /// left as it is (MPI leaves it undefined).
+    pub async fn exclusive_scan_in_place<T: Element, O: Operator<T> + ?Sized>(
+        &mut self,
+        data: &mut [T],
+        o: &O,
+        timeout: Duration,
+    ) -> Result<(), CollectiveError> {
+        self.operation(
+            "exclusive_scan",
+            timeout,
+            async |op: &Op| match algorithm::scan(&Group::all(op), data.to_vec(), o, true).await? {
+                Some(r) => copy_result(op, data, &r),
+                None => Ok(()),
+            },
+        )
+        .await
+    }
+}
+
 impl Communicator {
     /// Runs `body` as this communicator's next operation, `name`, within `timeout` (see
     /// [`Op::run`]), and remembers the algorithm it chose.
@@ -311,6 +511,36 @@ async fn decode_blocks<T: Element>(
         );
     }
     Ok(out)
+}
+
+/// Writes `result` over `data` (the same length: every algorithm returns as many elements as
+/// it was given).
+fn copy_result<T: Element>(op: &Op, data: &mut [T], result: &[T]) -> Result<(), CollectiveError> {
+    if result.len() != data.len() {
+        return Err(op.invalid(format!(
+            "{} result elements for a buffer of {}",
+            result.len(),
+            data.len()
+        )));
+    }
+    data.copy_from_slice(result);
+    Ok(())
+}
+
+/// Decodes `bytes` (from rank `from`) over `data`, or a mismatch with it (`what`) when they
+/// are not exactly `data.len()` elements.
+async fn decode_result<T: Element>(
+    op: &Op,
+    bytes: &[u8],
+    data: &mut [T],
+    from: usize,
+    what: &str,
+) -> Result<(), CollectiveError> {
+    if decode_into_in_turns(bytes, data).await {
+        Ok(())
+    } else {
+        Err(op.mismatch(from, what))
+    }
 }
 
 fn check_count(op: &Op, count: usize) -> Result<(), CollectiveError> {

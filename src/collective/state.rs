@@ -9,10 +9,11 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::ops::Deref;
 use std::rc::Rc;
 use std::task::Waker;
 
-use shardcx_shards::net::Frame;
+use shardcx_shards::net::{Frame, Payload};
 use shardcx_shards::proto::NodeId;
 use shardcx_shards::{NetError, ShardCtx};
 
@@ -23,6 +24,17 @@ use super::wire::{Header, Kind, COLLECTIVE_AM};
 /// a communicator not created here yet); messages over it are dropped and counted, and the
 /// operation that needed them ends at its deadline.
 pub const MAX_BUFFERED_BYTES: usize = 1 << 30;
+
+/// Whole messages longer than this (the default rendezvous threshold,
+/// `NetConfig::rndv_threshold`) are kept in the buffer they landed in; shorter ones (eager,
+/// in UCX's descriptor or the shard's shared inline buffer, which must not be held) are copied.
+const KEEP_IN_PLACE_OVER: usize = 8 << 10;
+
+/// Most send buffers one shard keeps for reuse (each at most one part, `wire::SEGMENT`).
+const SEND_BUFS: usize = 16;
+
+/// Most bytes of send buffers one shard keeps for reuse.
+const SEND_BUF_BYTES: usize = 16 << 20;
 
 /// Counters of one shard's collective messages.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -47,7 +59,7 @@ pub struct CollectiveStats {
 struct Slot {
     /// The node it came from (its rank must be on that node).
     node: NodeId,
-    buf: Vec<u8>,
+    buf: Bytes,
     got: usize,
 }
 
@@ -55,8 +67,40 @@ impl Slot {
     fn empty(node: NodeId, total: usize) -> Slot {
         Slot {
             node,
-            buf: vec![0; total],
+            buf: Bytes::Vec(vec![0; total]),
             got: 0,
+        }
+    }
+}
+
+/// A received message's bytes as they are kept: a vector (from another shard of this node,
+/// or put together from parts), or the payload of one frame read where it landed (a
+/// rendezvous buffer of the shard's pool or receive cache, which goes back there when this is
+/// dropped: no copy and no fresh allocation per message).
+pub(crate) enum Bytes {
+    /// An owned vector.
+    Vec(Vec<u8>),
+    /// A frame's payload, in place.
+    Payload(Payload),
+}
+
+impl Bytes {
+    /// The bytes as a vector: moved when they are one, copied out of a payload otherwise.
+    pub(crate) fn into_vec(self) -> Vec<u8> {
+        match self {
+            Bytes::Vec(v) => v,
+            Bytes::Payload(p) => p.as_slice().to_vec(),
+        }
+    }
+}
+
+impl Deref for Bytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Vec(v) => v,
+            Bytes::Payload(p) => p.as_slice(),
         }
     }
 }
@@ -87,6 +131,9 @@ struct Inner {
     waiters: HashMap<(u64, u64), Waker>,
     /// Nodes whose connection ended, with the epoch at which it did and why.
     lost: HashMap<NodeId, (u64, String)>,
+    /// Reused send buffers ([`ShardState::take_send_buf`]); one held elsewhere too is still
+    /// being sent.
+    send_bufs: Vec<Rc<[u8]>>,
     /// Bumped at every loss.
     epoch: u64,
     /// The epoch at which this node began shutting down.
@@ -167,7 +214,7 @@ impl ShardState {
     }
 
     /// The complete message `key`, with the node it came from, if it is here.
-    pub(crate) fn take(&self, key: Key) -> Option<(NodeId, Vec<u8>)> {
+    pub(crate) fn take(&self, key: Key) -> Option<(NodeId, Bytes)> {
         let mut s = self.inner.borrow_mut();
         match s.slots.get(&key) {
             Some(slot) if slot.got == slot.buf.len() => {}
@@ -351,6 +398,40 @@ impl ShardState {
         }
     }
 
+    /// A send buffer of exactly `len` bytes that nothing else holds: a reused one when one of
+    /// that length is idle (its old bytes still in it), else a new one. Give it back with
+    /// [`ShardState::keep_send_buf`] once it is handed to UCX.
+    pub(crate) fn take_send_buf(&self, len: usize) -> Rc<[u8]> {
+        let mut s = self.inner.borrow_mut();
+        let idle = s
+            .send_bufs
+            .iter()
+            .position(|b| b.len() == len && Rc::strong_count(b) == 1);
+        match idle {
+            Some(i) => s.send_bufs.swap_remove(i),
+            None => std::iter::repeat_n(0u8, len).collect(),
+        }
+    }
+
+    /// Keeps `buf` (possibly still being sent) for a later [`ShardState::take_send_buf`], within
+    /// [`SEND_BUFS`] buffers and [`SEND_BUF_BYTES`] bytes: when they are full, `buf` takes the
+    /// place of an idle one, or is let go (freed once UCX is done with it).
+    pub(crate) fn keep_send_buf(&self, buf: Rc<[u8]>) {
+        let mut s = self.inner.borrow_mut();
+        let kept: usize = s.send_bufs.iter().map(|b| b.len()).sum();
+        if s.send_bufs.len() < SEND_BUFS && kept + buf.len() <= SEND_BUF_BYTES {
+            s.send_bufs.push(buf);
+            return;
+        }
+        let idle = s
+            .send_bufs
+            .iter()
+            .position(|b| Rc::strong_count(b) == 1 && kept - b.len() + buf.len() <= SEND_BUF_BYTES);
+        if let Some(i) = idle {
+            s.send_bufs[i] = buf;
+        }
+    }
+
     pub(crate) fn stats(&self) -> CollectiveStats {
         let s = self.inner.borrow();
         CollectiveStats {
@@ -362,25 +443,24 @@ impl ShardState {
 
 /// A message's data as it arrived.
 pub(crate) enum Data<'a> {
-    /// Read in place (an eager frame): copied if kept.
+    /// Read in place (a part of a message): copied into its slot.
     Borrowed(&'a [u8]),
-    /// Owned (a rendezvous frame, or a message from another shard): moved if it is the whole
-    /// message.
+    /// Owned (a message from another shard): moved if it is the whole message.
     Owned(Vec<u8>),
+    /// A frame's payload (from another node): kept as it is if it is the whole message.
+    Payload(Payload),
 }
 
 impl Data<'_> {
     fn len(&self) -> usize {
-        match self {
-            Data::Borrowed(b) => b.len(),
-            Data::Owned(v) => v.len(),
-        }
+        self.as_slice().len()
     }
 
     fn as_slice(&self) -> &[u8] {
         match self {
             Data::Borrowed(b) => b,
             Data::Owned(v) => v,
+            Data::Payload(p) => p.as_slice(),
         }
     }
 }
@@ -419,22 +499,23 @@ impl Inner {
                 return false;
             }
             self.buffered += total;
-            if let Data::Owned(buf) = data {
-                if buf.len() == total {
-                    // The whole message, moved in.
-                    self.slots.insert(
-                        key,
-                        Slot {
-                            node,
-                            buf,
-                            got: total,
-                        },
-                    );
-                    self.stats.arrived += 1;
-                    return true;
-                }
-                self.slots.insert(key, Slot::empty(node, total));
-                return self.copy_part(key, node, total, offset, &buf);
+            if len == total && !matches!(data, Data::Borrowed(_)) {
+                // The whole message, moved in (a vector) or kept where it landed (a payload).
+                let buf = match data {
+                    Data::Owned(v) => Bytes::Vec(v),
+                    Data::Payload(p) => Bytes::Payload(p),
+                    Data::Borrowed(b) => Bytes::Vec(b.to_vec()),
+                };
+                self.slots.insert(
+                    key,
+                    Slot {
+                        node,
+                        buf,
+                        got: total,
+                    },
+                );
+                self.stats.arrived += 1;
+                return true;
             }
             self.slots.insert(key, Slot::empty(node, total));
         }
@@ -454,11 +535,16 @@ impl Inner {
         let Some(slot) = self.slots.get_mut(&key) else {
             return false;
         };
-        if slot.node != node || slot.buf.len() != total || slot.got + len > total {
+        let Bytes::Vec(buf) = &mut slot.buf else {
+            // A whole message is here already: this part is one too many.
+            self.stats.dropped_malformed += 1;
+            return false;
+        };
+        if slot.node != node || buf.len() != total || slot.got + len > total {
             self.stats.dropped_malformed += 1;
             return false;
         }
-        slot.buf[offset..offset + len].copy_from_slice(part);
+        buf[offset..offset + len].copy_from_slice(part);
         slot.got += len;
         self.stats.arrived += 1;
         slot.got == total
@@ -488,12 +574,60 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>) {
             return;
         };
         let node = frame.node();
-        if h.offset == 0 && frame.payload().len() as u64 == h.total && !frame.payload().is_empty() {
-            // The whole message: moved out of a rendezvous vector, copied once out of UCX's
-            // descriptor otherwise.
+        let len = frame.payload().len();
+        if h.offset == 0 && len as u64 == h.total && len > KEEP_IN_PLACE_OVER {
+            // The whole message, by rendezvous: kept where it landed (a buffer of the shard's
+            // pool or receive cache), read in place by the operation and given back when it
+            // is done with it.
+            st.deliver(node, h, Data::Payload(frame.into_payload()));
+        } else if h.offset == 0 && len as u64 == h.total && len > 0 {
+            // A short whole message: copied once out of UCX's descriptor (or the shard's
+            // inline buffer), which is released at once.
             st.deliver(node, h, Data::Owned(frame.into_vec()));
         } else {
             st.deliver(node, h, Data::Borrowed(frame.payload()));
         }
     });
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
+mod tests {
+    use super::*;
+
+    #[test]
+    fn send_buffers_are_reused_once_idle_and_kept_within_their_limits() {
+        let st = ShardState::default();
+        let a = st.take_send_buf(100);
+        let pa = a.as_ptr();
+        // Still held elsewhere (UCX sending it): a new one.
+        let in_flight = a.clone();
+        st.keep_send_buf(a);
+        let b = st.take_send_buf(100);
+        assert_ne!(b.as_ptr(), pa);
+        st.keep_send_buf(b);
+        // Let go: the first comes back, for its exact length only.
+        drop(in_flight);
+        assert_ne!(st.take_send_buf(99).as_ptr(), pa);
+        let again = st.take_send_buf(100);
+        assert_eq!(again.as_ptr(), pa);
+        st.keep_send_buf(again);
+        // Past the byte limit: an idle one makes room, a buffer that does not fit is let go.
+        let big = st.take_send_buf(SEND_BUF_BYTES);
+        st.keep_send_buf(big);
+        let kept = |st: &ShardState| -> usize {
+            st.inner.borrow().send_bufs.iter().map(|b| b.len()).sum()
+        };
+        assert!(kept(&st) <= SEND_BUF_BYTES, "{}", kept(&st));
+        // All in flight: nothing idle to replace, the limits hold.
+        let mut held = Vec::new();
+        for _ in 0..2 * SEND_BUFS {
+            let b = st.take_send_buf(1 << 20);
+            held.push(b.clone());
+            st.keep_send_buf(b);
+        }
+        let s = st.inner.borrow();
+        assert!(s.send_bufs.len() <= SEND_BUFS);
+        assert!(s.send_bufs.iter().map(|b| b.len()).sum::<usize>() <= SEND_BUF_BYTES);
+    }
 }
