@@ -683,6 +683,15 @@ impl ShardCtx {
         self.stats.sleeps.get()
     }
 
+    /// Times the driver's watchdog found it not polled for a whole watch slice and woke it
+    /// from the waker thread (see "The watchdog" in [`crate::driver`]): a park glommio did not
+    /// end, the thread descheduled, or a task that kept the thread for longer without yielding.
+    pub fn driver_watchdog_wakes(&self) -> u64 {
+        self.stats
+            .watchdog_wakes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// This shard's value of type `T` in its extension slot, if there is one (see the module
     /// docs, "Extensions"). `None` after the shard's teardown.
     pub fn ext<T: 'static>(&self) -> Option<Rc<T>> {

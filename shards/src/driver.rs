@@ -77,6 +77,22 @@
 //! parks when `run_task_queues` returns false because `need_preempt()` was already true); the
 //! shorter the preempt timer, the more often it happens.
 //!
+//! ## The watchdog
+//!
+//! The backstop bounds a park only if glommio's own timer wakes the executor. Shards were
+//! still seen parked in `io_uring_enter` for good, past their timers, on a heavily loaded
+//! machine (the reliability suite's 512-endpoint row, 1 run in 5 at load 26-42: executors
+//! parked, a node that never connected, a server that answered no handshake and no SIGTERM
+//! until a debugger's attach interrupted the wait). So the waker thread also watches the
+//! driver: every [`WATCH_SLICE`] it waits out (while the driver spins, or sleeps), it checks
+//! that the driver was polled since its last look (the driver stores its poll count, an
+//! atomic store per poll of up to [`IDLE_ROUNDS`] rounds) and, if it was not, wakes the driver
+//! task from its own thread. glommio queues a foreign wake-up and writes the executor's event
+//! fd, which ends any park; the executor then runs its timers and tasks. The driver is polled
+//! at least every [`MAX_SLEEP`] even when asleep, so a look that finds no poll means the
+//! thread was parked, descheduled, or busy in a task that does not yield for longer than a
+//! slice; the wake-up is harmless in each case. [`DriverStats::watchdog_wakes`] counts them.
+//!
 //! ## Changing the spin/arm strategy
 //!
 //! The whole strategy is the driver task's loop (`run` in this module): when to arm, how long
@@ -102,8 +118,8 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::task::Poll;
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -146,6 +162,10 @@ pub struct DriverStats {
     pub rounds: Cell<u64>,
     /// Times the driver went to sleep.
     pub sleeps: Cell<u64>,
+    /// Times the waker thread found the driver not polled for a whole [`WATCH_SLICE`] and
+    /// woke its task from outside (see "The watchdog" in the module docs). Shared with the
+    /// waker thread.
+    pub watchdog_wakes: Arc<AtomicU64>,
 }
 
 /// What the driver calls besides `progress` (see "The mesh's hook" in the module docs).
@@ -191,9 +211,23 @@ pub(crate) struct Driver {
     worker: Worker,
 }
 
+/// What the driver task shares with its waker thread's watchdog (see "The watchdog" in the
+/// module docs).
+struct Watch {
+    /// The driver's polls so far (stored by the driver, read by the watchdog).
+    polls: AtomicU64,
+    /// The driver task's waker, while the task runs (set by the task at its start and taken
+    /// back on its own thread before it returns, so that the watchdog never drops the last
+    /// reference to the task).
+    waker: Mutex<Option<Waker>>,
+    /// The watchdog's wakes (also [`DriverStats::watchdog_wakes`]).
+    wakes: Arc<AtomicU64>,
+}
+
 /// The pieces the driver task runs with.
 pub(crate) struct DriverTask {
     worker: Worker,
+    watch: Arc<Watch>,
     stream: UnixStream,
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
@@ -232,9 +266,15 @@ impl Driver {
         let listener = UnixListener::bind(&path)?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread_stop = stop.clone();
+        let watch = Arc::new(Watch {
+            polls: AtomicU64::new(0),
+            waker: Mutex::new(None),
+            wakes: stats.watchdog_wakes.clone(),
+        });
+        let thread_watch = watch.clone();
         let waker = std::thread::Builder::new()
             .name(format!("shardcx-waker-{shard}"))
-            .spawn(move || waker_thread(listener, fd, thread_stop))?;
+            .spawn(move || waker_thread(listener, fd, thread_stop, thread_watch))?;
         let connected = UnixStream::connect(&path).await;
         // The path is only needed until the one connection is made.
         let _ = std::fs::remove_file(&path);
@@ -255,6 +295,7 @@ impl Driver {
             },
             DriverTask {
                 worker: worker.clone(),
+                watch,
                 stream,
                 stop,
                 sleeping,
@@ -392,7 +433,12 @@ pub(crate) async fn run(mut task: DriverTask) {
     let mut byte = [0u8; 1];
     let mut watching = false;
     let mut backstop = Backstop::new();
+    let waker = std::future::poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
+    *lock(&task.watch.waker) = Some(waker);
+    let mut polls = 0u64;
     while !task.stop.load(Ordering::Acquire) {
+        polls += 1;
+        task.watch.polls.store(polls, Ordering::Relaxed);
         let found = std::future::poll_fn(|_| Poll::Ready(spin(&task))).await;
         // The mesh's lanes (see "The mesh's hook").
         let hook = task.hook.get();
@@ -465,6 +511,8 @@ pub(crate) async fn run(mut task: DriverTask) {
         backstop.arm(now).await;
         futures_lite::future::yield_now().await;
     }
+    // The watchdog wakes this task no more; its waker is dropped here, on the task's thread.
+    drop(lock(&task.watch.waker).take());
     // From now on the hook is not polled.
     if let Some(hook) = task.hook.get() {
         hook.sleeping(true);
@@ -508,8 +556,31 @@ fn socket_path(shard: usize) -> PathBuf {
     std::env::temp_dir().join(format!("shardcx-{}-{shard}-{seq}.sock", std::process::id()))
 }
 
+/// `m` locked, whether or not another thread panicked while holding it.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Watch {
+    /// One look of the watchdog, every [`WATCH_SLICE`] at most: if the driver has not been
+    /// polled since the last look (`seen`), wake its task from this thread. glommio then
+    /// writes its executor's event fd, which ends a park that nothing else would end.
+    fn look(&self, seen: &mut u64) {
+        let polls = self.polls.load(Ordering::Relaxed);
+        if polls != *seen {
+            *seen = polls;
+            return;
+        }
+        if let Some(w) = lock(&self.waker).as_ref() {
+            w.wake_by_ref();
+            self.wakes.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
 /// The waker thread: wait for a watch request, wait for the event fd, answer; until stopped.
-fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>) {
+/// Between (and during) waits, every [`WATCH_SLICE`], the watchdog looks at the driver.
+fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>, watch: Arc<Watch>) {
     let Ok((mut stream, _)) = listener.accept() else {
         return;
     };
@@ -521,6 +592,7 @@ fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>) {
         return;
     }
     let mut byte = [0u8; 1];
+    let mut seen = 0;
     loop {
         match stream.read(&mut byte) {
             Ok(1) => {}
@@ -533,6 +605,7 @@ fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>) {
                 if stop.load(Ordering::Acquire) {
                     return;
                 }
+                watch.look(&mut seen);
                 continue;
             }
             _ => return,
@@ -544,6 +617,7 @@ fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>) {
             if stop.load(Ordering::Acquire) {
                 break;
             }
+            watch.look(&mut seen);
         }
         if stream.write_all(b"e").is_err() {
             return;

@@ -186,6 +186,41 @@ fn busy_then_idle_pingpong_finishes() {
     );
 }
 
+/// A task that keeps the shard's thread for longer than a watch slice (a blocking call, as a
+/// park glommio did not end would) leaves the driver unpolled: the waker thread's watchdog
+/// wakes it, and the shard goes on (a timer set before still fires, the driver runs again).
+#[test]
+fn a_driver_left_unpolled_is_woken_by_its_watchdog() {
+    let out = ShardsBuilder::new()
+        .shard_count(1)
+        .placement(Placement::Unpinned)
+        .transports("sm,self")
+        .run(|ctx: Rc<ShardCtx>| async move {
+            let before = ctx.driver_watchdog_wakes();
+            let rounds = ctx.progress_rounds();
+            // Three watch slices (100 ms each) without yielding.
+            std::thread::sleep(Duration::from_millis(350));
+            let t0 = Instant::now();
+            glommio::timer::sleep(Duration::from_millis(20)).await;
+            let slept = t0.elapsed();
+            // The driver runs again after the block.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while ctx.progress_rounds() == rounds && Instant::now() < deadline {
+                glommio::timer::sleep(Duration::from_millis(1)).await;
+            }
+            (
+                ctx.driver_watchdog_wakes() - before,
+                ctx.progress_rounds() > rounds,
+                slept,
+            )
+        })
+        .unwrap();
+    let (wakes, progressed, slept) = out[0];
+    assert!(wakes >= 1, "the watchdog did not wake the blocked driver");
+    assert!(progressed, "the driver did not run after the block");
+    assert!(slept < Duration::from_secs(2), "a timer took {slept:?}");
+}
+
 #[test]
 fn settings_and_errors_are_send() {
     fn send<T: Send + 'static>() {}
