@@ -1871,7 +1871,7 @@ fn r8_many_endpoints_connect_at_once_and_leave_nothing_behind() {
 /// 32 × 16 = 512 rails. Every node spreads its calls over the server's 16 shards for 15 s.
 /// All 512 are ready at once within 10 s and stay so for at least 3 s; no call fails; every
 /// server shard served calls; once the clients are gone the rails and fds are back. Three
-/// waves: the server's memory after the third is within 6 MiB (12 KiB per endpoint) of after
+/// waves: the server's memory after the third is within 12 MiB (24 KiB per endpoint) of after
 /// the second (the first ones set the allocator's high-water mark), and within 64 MiB of its
 /// rest.
 #[test]
@@ -1899,8 +1899,10 @@ fn r8b_512_endpoints_held_at_once_and_given_back() {
     ));
     // The first two waves raise the allocator's high-water mark; the third may add what the
     // allocator and the dedup windows (30 s of answered calls) keep, not a leak per endpoint.
+    // Seen from the second wave to the third: +3 MiB and +5 MiB (quiet machine, two runs of
+    // 2026-11-27), so the bound leaves room for the allocator (16 shard threads' arenas).
     assert!(
-        after[2] <= after[1] + (6 << 10),
+        after[2] <= after[1] + (12 << 10),
         "server memory grew from wave to wave: {after:?} KiB"
     );
     assert!(
