@@ -80,11 +80,14 @@
 //! ## The watchdog
 //!
 //! The backstop bounds a park only if glommio's own timer wakes the executor. Shards were
-//! still seen parked in `io_uring_enter` for good, past their timers, on a heavily loaded
-//! machine (the reliability suite's 512-endpoint row, 1 run in 5 at load 26-42: executors
-//! parked, a node that never connected, a server that answered no handshake and no SIGTERM
-//! until a debugger's attach interrupted the wait). So the waker thread also watches the
-//! driver: every [`WATCH_SLICE`] it waits out (while the driver spins, or sleeps), it checks
+//! still seen parked in `io_uring_enter` for good on a heavily loaded machine (the reliability
+//! suite's 512-endpoint row, 1 run in 5 at load 26-42: a node that never connected, a server
+//! that answered no handshake and no SIGTERM until a debugger's attach interrupted the wait).
+//! The one such park caught with this watchdog in place (`scripts/repro-park`) was earlier
+//! than anything here can reach: the executor parked before it first ran the shard's main
+//! task, with no timer registered and no waker thread yet; that one needs a fix in or around
+//! glommio's loop (see the README's pitfalls). For a park once the driver runs, the waker
+//! thread also watches the driver: every [`WATCH_SLICE`] it waits out (while the driver spins, or sleeps), it checks
 //! that the driver was polled since its last look (the driver stores its poll count, an
 //! atomic store per poll of up to [`IDLE_ROUNDS`] rounds) and, if it was not, wakes the driver
 //! task from its own thread. glommio queues a foreign wake-up and writes the executor's event

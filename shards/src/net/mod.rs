@@ -888,7 +888,7 @@ impl NetState {
     }
 
     fn now(&self) -> Timestamp {
-        self.timestamp(Instant::now())
+        timestamp_of(Instant::now())
     }
 
     /// `at` on this shard's net clock.
@@ -899,7 +899,7 @@ impl NetState {
             Some((r, now, at)) if r == round => (now, at),
             _ => {
                 let at = Instant::now();
-                let now = self.timestamp(at);
+                let now = timestamp_of(at);
                 self.batch.set(Some((round, now, at)));
                 (now, at)
             }
@@ -911,10 +911,6 @@ impl NetState {
         self.batch
             .get()
             .and_then(|(r, _, at)| (r == round).then_some(at))
-    }
-
-    fn timestamp(&self, at: Instant) -> Timestamp {
-        timestamp_of(at)
     }
 
     fn count(&self, f: impl FnOnce(&mut NetStats)) {
