@@ -101,6 +101,50 @@ pub struct ShardsBuilder {
 /// every queue, it bounds that delay.
 const PREEMPT_TIMER: Duration = Duration::from_millis(1);
 
+/// How often a shard's executor is sent a signal while it has not yet run the shard's main
+/// task (see [`start_nudger`]).
+const START_NUDGE: Duration = Duration::from_millis(20);
+
+/// Called on a shard's executor thread before glommio's `run`: nudge the thread with a signal
+/// every [`START_NUDGE`] until the shard's main task first runs.
+///
+/// glommio 0.9's `LocalExecutor::run` can park before it has run the task it was given: if its
+/// preempt timer (1 ms here, [`PREEMPT_TIMER`]) fired before it looked at its task queues,
+/// which a thread descheduled on a loaded machine sees, it runs nothing and parks in
+/// `io_uring_enter` with no timer and no I/O registered. The shard's main task, which would
+/// register both (and start the driver's watchdog), then never runs: a node that never
+/// connected, seen in the reliability suite's busiest rows and caught by
+/// `scripts/repro-park`. A signal ends that wait (`EINTR`, which glommio takes as a spurious
+/// wake-up); see [`shardcx_ucx::Nudger`]. On a healthy start the main task runs within
+/// microseconds and nothing is sent. A shard whose nudger cannot start (no thread) starts
+/// without one.
+fn start_nudger(shard: usize) -> Option<shardcx_ucx::Nudger> {
+    match shardcx_ucx::Nudger::start(START_NUDGE, &format!("shardcx-nudge-{shard}")) {
+        Ok(n) => Some(n),
+        Err(e) => {
+            tracing::warn!(error = %e, "no start-up nudger for this shard");
+            None
+        }
+    }
+}
+
+/// `fut`, after ending `nudger`'s signals on its first poll.
+async fn nudged_until_polled<T>(
+    nudger: Option<shardcx_ucx::Nudger>,
+    fut: impl Future<Output = T>,
+) -> T {
+    if let Some(n) = nudger {
+        n.done();
+        if n.sent() > 0 {
+            tracing::debug!(
+                signals = n.sent(),
+                "the executor was nudged before it first ran the shard"
+            );
+        }
+    }
+    fut.await
+}
+
 /// The size of a shared-memory FIFO element (UCX's `MM_FIFO_ELEM_SIZE`, 128 by default) that
 /// shards ask for, unless the environment sets [`MM_FIFO_ELEM_ENV`]. A message goes by UCX's
 /// short path (copied into the element, no request) only when it fits one element; every
@@ -373,9 +417,10 @@ impl ShardsBuilder {
                 .spawn(move || {
                     // Every event on this shard's thread (all its tasks) carries `shard=N`.
                     let span = tracing::info_span!("shard", id = shard).entered();
+                    let nudger = start_nudger(shard);
                     async move {
                         let _span = span;
-                        me.shard_main(shard, ends, f).await
+                        nudged_until_polled(nudger, me.shard_main(shard, ends, f)).await
                     }
                 })
                 .map_err(|e| BootError::Executor {
@@ -827,6 +872,37 @@ fn parse_memlock(limits: &str) -> Option<u64> {
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
+
+    /// glommio 0.9 parks before running the task it was given when its preempt timer fired
+    /// before it looked at its queues; with a 10 µs timer that is almost every start (without
+    /// a nudger, a run of this loop hung on its first or second executor, 2026-11-27). The
+    /// nudger's signals end each such park until the task has run.
+    #[test]
+    fn an_executor_parked_before_its_first_task_is_nudged_until_it_runs() {
+        for i in 0..10 {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let t = std::thread::spawn(move || {
+                let Ok(ex) = LocalExecutorBuilder::new(GPlacement::Unbound)
+                    .io_memory(64 << 10)
+                    .preempt_timer(Duration::from_micros(10))
+                    .make()
+                else {
+                    eprintln!("skipped: no glommio executor here (io_uring or memlock missing)");
+                    let _ = tx.send(None);
+                    return;
+                };
+                let nudger = start_nudger(i);
+                let ran = ex.run(nudged_until_polled(nudger, async { true }));
+                let _ = tx.send(Some(ran));
+            });
+            match rx.recv_timeout(Duration::from_secs(20)) {
+                Ok(Some(ran)) => assert!(ran),
+                Ok(None) => return,
+                Err(e) => panic!("executor {i} never ran its task: {e}"),
+            }
+            t.join().unwrap();
+        }
+    }
 
     #[test]
     fn listeners_are_read_from_proc_net_tcp_lines() {

@@ -85,8 +85,10 @@
 //! that answered no handshake and no SIGTERM until a debugger's attach interrupted the wait).
 //! The one such park caught with this watchdog in place (`scripts/repro-park`) was earlier
 //! than anything here can reach: the executor parked before it first ran the shard's main
-//! task, with no timer registered and no waker thread yet; that one needs a fix in or around
-//! glommio's loop (see the README's pitfalls). For a park once the driver runs, the waker
+//! task, with no timer registered and no waker thread yet. That one is ended by signals: each
+//! shard's executor thread is nudged (`shardcx_ucx::Nudger`, `start_nudger` in `boot.rs`)
+//! until the shard's main task first runs, and from then on the backstop and this watchdog
+//! take over. For a park once the driver runs, the waker
 //! thread also watches the driver: every [`WATCH_SLICE`] it waits out (while the driver spins, or sleeps), it checks
 //! that the driver was polled since its last look (the driver stores its poll count, an
 //! atomic store per poll of up to [`IDLE_ROUNDS`] rounds) and, if it was not, wakes the driver

@@ -486,11 +486,15 @@ fn io_uring_status() -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into());
     let probe = std::thread::spawn(|| {
-        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        let ex = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
             .io_memory(64 << 10)
             .make()
-            .map(|ex| ex.run(async {}))
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        // glommio 0.9 can park before running the task it was given; signals end that park
+        // (README, "Known problems and pitfalls").
+        let nudger = shardcx::ucx::Nudger::start(Duration::from_millis(20), "shardcx-nudge").ok();
+        ex.run(async move { drop(nudger) });
+        Ok::<(), String>(())
     })
     .join();
     let verdict = match probe {
