@@ -30,6 +30,8 @@
 //! | `shardcx_dispatch_budget_hits` | counter | dispatch rounds cut at the budget (a flood) |
 //! | `shardcx_connected_nodes` | gauge | nodes this shard has a ready default rail to |
 //! | `shardcx_pending_requests` | gauge | requests waiting for a reply on this shard |
+//! | `shardcx_backlog_bytes`, `shardcx_backlog_peak_bytes` | gauge | bytes of frames this shard's rails hold that UCX has not completed (a slow or stopped peer), now and the most one rail held |
+//! | `shardcx_sends_backlogged` | counter | sends refused because their rail's backlog was full |
 //! | `shardcx_forwards` | counter | requests forwarded to another shard (hops through a lane) |
 //! | `shardcx_lane_in_flight` | gauge | forwarded requests not completed, by `to` (the other shard) |
 //! | `shardcx_rails` | gauge | rails to other nodes' shards, by `state` (`connecting`, `ready`, `draining`, `closing`, `pending_opening`) |
@@ -76,6 +78,7 @@ struct Snapshot {
     sleeps: u64,
     connected_nodes: u64,
     pending_requests: u64,
+    backlog_bytes: u64,
     rails: RailStates,
     /// Requests forwarded to each other shard, not completed.
     lanes: Vec<(ShardId, usize)>,
@@ -149,6 +152,7 @@ fn snapshot(ctx: &ShardCtx, (rpc, latency): (RpcStats, Vec<Latency>)) -> Snapsho
         sleeps: ctx.driver_sleeps(),
         connected_nodes: ctx.connected_nodes().len() as u64,
         pending_requests: ctx.pending_requests() as u64,
+        backlog_bytes: ctx.backlog_total(),
         pool_in_use: pool.bytes_in_use(),
         pool_registered: pool.memory().len() as u64,
     }
@@ -432,6 +436,27 @@ impl Collector for ShardsCollector {
             "Requests of this shard waiting for a reply.",
             Gauge,
             &one(|s| s.pending_requests),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_backlog_bytes",
+            "Bytes of application frames this shard's rails hold that UCX has not completed (queued, or in flight to a slow or stopped peer).",
+            Gauge,
+            &one(|s| s.backlog_bytes),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_backlog_peak_bytes",
+            "The most bytes one of this shard's rails has held that UCX had not completed.",
+            Gauge,
+            &one(|s| s.net.backlog_peak_bytes),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_sends_backlogged",
+            "Sends refused because their rail held max_backlog_bytes already.",
+            Counter,
+            &one(|s| s.net.sends_backlogged),
         )?;
         family(
             &mut encoder,

@@ -494,6 +494,7 @@ impl Lab {
                 "shardcx_rails",
                 "shardcx_pending_requests",
                 "shardcx_lane_in_flight",
+                "shardcx_backlog_bytes",
             ]
             .iter()
             .map(|k| g.get(*k).copied().unwrap_or(0.0))
@@ -520,6 +521,35 @@ impl Lab {
             show("shardcx_pending_requests"),
             show("shardcx_lane_in_flight")
         );
+    }
+
+    /// R5 and R6: the most bytes a load process's rails held for the server that UCX had not
+    /// completed (each bounded by `NetConfig::max_backlog_bytes`, the default here), and the
+    /// server's shards' peaks (summed), as figures.
+    fn check_backlog(&self, row: &mut Row, loads: &[(&str, &Summary)]) {
+        let limit = shardcx::shards::NetConfig::default().max_backlog_bytes;
+        let mut parts = Vec::new();
+        for (who, s) in loads {
+            let peak = s.0["backlog_peak_bytes"]
+                .as_u64()
+                .expect("the load reports backlog_peak_bytes");
+            assert!(
+                peak <= limit,
+                "{who}: backlog of {peak} bytes, limit {limit}"
+            );
+            parts.push(format!("{who} {} KiB", peak >> 10));
+        }
+        let server = self
+            .gauges()
+            .get("shardcx_backlog_peak_bytes")
+            .copied()
+            .unwrap_or(0.0);
+        row.fig(format!(
+            "backlog peak per rail: {}; server {} KiB (its shards' peaks summed); limit {} MiB",
+            parts.join(", "),
+            server as u64 >> 10,
+            limit >> 20
+        ));
     }
 
     /// Oracles 1, 2, 4 and 6: the journal against every `acked-*` file (and `extra`
@@ -844,6 +874,7 @@ fn r6_a_stopped_peer_is_declared_dead_and_comes_back() {
         "no ack within 3 s after SIGCONT: {back:?}"
     );
     assert!(s.n("ok") > 0);
+    lab.check_backlog(&mut row, &[("h1", &s)]);
     lab.check_oracles(&mut row, &[]);
     lab.check_baseline(&mut row, Duration::from_secs(5));
 }
@@ -1194,6 +1225,7 @@ fn r5_loss_and_a_bandwidth_cap_corrupt_lose_and_hang_nothing() {
             sum.failed()
         ));
     }
+    lab.check_backlog(&mut row, &[("h1", &s), ("h2", &l)]);
     lab.check_oracles(&mut row, &[]);
     lab.check_baseline(&mut row, Duration::from_secs(5));
 }

@@ -25,7 +25,7 @@
 //! SIGTERM ends the load early (calls in flight finish). At the end it prints one JSON line:
 //! `{"src", "inc", "start_unix_ms", "sent", "ok", "late", "max_over_ms", "first_error_ms",
 //! "last_error_ms", "failed": {kind: n}, "errors": [[ms, kind, took_ms], ...],
-//! "connect_retries"}`, where the
+//! "connect_retries", "backlog_peak_bytes"}`, where the
 //! error times count from the start of the run (`start_unix_ms`, wall clock), for the suite to
 //! compare with when it injected a fault (`errors`: the first 200 failures, with how long each
 //! call ran).
@@ -382,6 +382,9 @@ struct Tally {
     errors: Vec<(u64, String, u64)>,
     /// Failed connects before the first that succeeded.
     connect_retries: u64,
+    /// The most bytes one rail of the shard held for the server that UCX had not completed
+    /// (`NetStats::backlog_peak_bytes`; bounded by `NetConfig::max_backlog_bytes`).
+    backlog_peak: u64,
 }
 
 /// Failures kept with their times in the summary (the counts cover them all).
@@ -425,6 +428,7 @@ impl Tally {
     fn merge(&mut self, o: &Tally) {
         self.sent += o.sent;
         self.connect_retries += o.connect_retries;
+        self.backlog_peak = self.backlog_peak.max(o.backlog_peak);
         self.ok += o.ok;
         self.late += o.late;
         self.max_over = self.max_over.max(o.max_over);
@@ -578,6 +582,8 @@ fn load(a: &LoadArgs) -> Result<(), String> {
                     for t in tasks {
                         t.await;
                     }
+                    tally.borrow_mut().backlog_peak =
+                        node.shard_ctx().net_stats().backlog_peak_bytes;
                     let t = tally.borrow().clone();
                     Ok::<Tally, String>(t)
                 }
@@ -624,6 +630,7 @@ fn load(a: &LoadArgs) -> Result<(), String> {
             "failed": t.failed,
             "errors": t.errors,
             "connect_retries": t.connect_retries,
+            "backlog_peak_bytes": t.backlog_peak,
         })
     );
     Ok(())

@@ -192,6 +192,18 @@ pub enum NetError {
         /// The remote node.
         node: NodeId,
     },
+    /// The rail to the node holds [`crate::NetConfig::max_backlog_bytes`] of frames that UCX
+    /// has not completed (the peer is slow, stopped or cut off): the send was refused before
+    /// anything was queued or sent. Try again once earlier sends complete.
+    #[error("the rail to node {node} holds {held} bytes not yet sent (limit {limit})")]
+    Backlogged {
+        /// The remote node.
+        node: NodeId,
+        /// The bytes the rail held.
+        held: u64,
+        /// The limit ([`crate::NetConfig::max_backlog_bytes`]).
+        limit: u64,
+    },
     /// The connection closed (locally or by the peer) before the operation completed.
     #[error("connection to node {node} closed")]
     Closed {

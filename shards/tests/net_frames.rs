@@ -818,6 +818,120 @@ fn oversized_payloads_are_refused_before_allocation() {
     assert_eq!(s.delivered, 1, "{s:?}");
 }
 
+/// Stops the shard of B it reaches: its thread sleeps, so nothing sent to it completes.
+const STALL: AmId = AmId::new(13);
+
+/// A rail's backlog (`NetConfig::max_backlog_bytes`, 1 MiB here): while B's shard is stalled,
+/// A's rendezvous sends to it stay incomplete and hold their bytes; the send that would go
+/// over the limit is refused with `Backlogged` (nothing sent), the figures read back, every
+/// accepted send arrives once B runs again, the backlog empties, and an empty rail takes a
+/// frame larger than the limit.
+#[test]
+fn a_stalled_peer_fills_the_rails_backlog_and_further_sends_are_refused() {
+    let _g = serial();
+    let chosen = Arc::new(AtomicUsize::new(0));
+    let stalled = Arc::new(AtomicBool::new(false));
+    // Heartbeats may miss the whole stall without the peer being declared dead.
+    let cfg = NetConfig {
+        dead_after: 50,
+        ..net_config()
+    };
+    let b = start_b(cfg.clone(), {
+        let (handlers, stalled) = (large_handlers(chosen.clone()), stalled.clone());
+        move |ctx: &Rc<ShardCtx>| {
+            handlers(ctx);
+            let stalled = stalled.clone();
+            ctx.set_net_handler(STALL, move |_, _, _| {
+                stalled.store(true, Ordering::Release);
+                std::thread::sleep(Duration::from_millis(1500));
+            });
+        }
+    });
+    let addr = b.addr;
+    let limit = 1u64 << 20;
+    let a_cfg = NetConfig {
+        max_backlog_bytes: limit,
+        ..cfg
+    };
+    let acks: Acks = Arc::default();
+    let got = run_a(a_cfg, move |ctx| {
+        let (acks, stalled) = (acks.clone(), stalled.clone());
+        async move {
+            if ctx.id() != RAIL_HOLDER {
+                return None;
+            }
+            collect_acks(&ctx, &acks);
+            ctx.connect(addr).await.expect("connect");
+            ctx.send_am_now(b0(), STALL, &[], &[]).expect("stall");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !stalled.load(Ordering::Acquire) && Instant::now() < deadline {
+                sleep(Duration::from_millis(1)).await;
+            }
+            assert!(stalled.load(Ordering::Acquire), "B never stalled");
+            // 256 KiB each, by rendezvous: posted, and not pulled while B sleeps.
+            let mut accepted = Vec::new();
+            let mut refused = None;
+            for i in 0..16u8 {
+                let msg = pattern(256 << 10, i);
+                let want = (msg.len() as u64, checksum(&msg));
+                match ctx.send_am_buf_now(b0(), BIG, &[], msg) {
+                    Ok(()) => accepted.push(want),
+                    Err(NetError::Backlogged { held, limit, .. }) => {
+                        refused = Some((i, held, limit, ctx.backlog_bytes(B)));
+                        break;
+                    }
+                    Err(e) => panic!("send {i}: {e}"),
+                }
+            }
+            let mut arrived = 0;
+            for want in &accepted {
+                if wait_for_ack(&acks, *want, Duration::from_secs(20)).await {
+                    arrived += 1;
+                }
+            }
+            // The senders see the completions shortly after B's acks.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while ctx.backlog_bytes(B) > 0 && Instant::now() < deadline {
+                sleep(Duration::from_millis(1)).await;
+            }
+            let drained = ctx.backlog_bytes(B);
+            // An empty rail takes a frame over the limit.
+            let big = pattern(2 << 20, 99);
+            let want = (big.len() as u64, checksum(&big));
+            ctx.send_am_buf_now(b0(), BIG, &[], big)
+                .expect("a large frame on an empty rail");
+            let big_arrived = wait_for_ack(&acks, want, Duration::from_secs(20)).await;
+            Some((
+                accepted.len(),
+                arrived,
+                refused,
+                drained,
+                big_arrived,
+                ctx.net_stats(),
+            ))
+        }
+    });
+    b.finish();
+    let (accepted, arrived, refused, drained, big_arrived, stats) = got
+        .into_iter()
+        .flatten()
+        .next()
+        .expect("the rail holder reports");
+    eprintln!("accepted {accepted}, refused {refused:?}, stats {stats:?}");
+    let (at, held, said_limit, read) = refused.expect("a send was refused");
+    assert_eq!(said_limit, limit);
+    assert_eq!(at as usize, accepted);
+    // Three 256 KiB frames (and their headers) fit 1 MiB, a fourth does not.
+    assert_eq!(accepted, 3);
+    assert!(held > 3 * (256 << 10) && held <= limit, "{held}");
+    assert_eq!(read, held, "backlog_bytes reads what the refusal said");
+    assert_eq!(arrived, accepted, "every accepted send arrived");
+    assert_eq!(drained, 0, "the backlog empties once the peer runs");
+    assert!(big_arrived);
+    assert_eq!(stats.sends_backlogged, 1);
+    assert!(stats.backlog_peak_bytes >= held, "{stats:?}");
+}
+
 #[test]
 fn frame_handlers_only_for_request_kinds() {
     let _g = serial();

@@ -296,6 +296,17 @@ pub struct NetConfig {
     /// Idle receive vectors kept per shard for rendezvous data that no handler chose a buffer
     /// for and that did not fit the shard's pool ([`buffers`]), default 32 MiB.
     pub rndv_cache_bytes: usize,
+    /// Most bytes of application frames (headers and payload) one rail may hold that UCX has
+    /// not completed: queued for the rail's sender, or posted and not yet taken by the peer
+    /// (a rendezvous not yet pulled). A peer that is stopped, slow or cut off stops
+    /// completing sends; without a bound, a sender that does not wait for answers would queue
+    /// without end. A send that would go over it is refused at once with
+    /// [`NetError::Backlogged`] (nothing queued, nothing sent; counted in
+    /// [`NetStats::sends_backlogged`]); a rail that holds nothing takes any frame up to
+    /// [`NetConfig::max_message_size`]. Frames UCX takes in place never count. Default
+    /// 64 MiB. [`ShardCtx::backlog_bytes`](crate::ShardCtx::backlog_bytes) reads a peer's
+    /// backlog, [`NetStats::backlog_peak_bytes`] the largest seen.
+    pub max_backlog_bytes: u64,
 }
 
 /// A connected remote node, as seen from this node. `Send + Copy`: pass it between shards.
@@ -463,6 +474,12 @@ pub struct NetStats {
     pub reconnects: u64,
     /// ... that failed (the peer then backs off).
     pub reconnects_failed: u64,
+    /// Sends refused because their rail held [`NetConfig::max_backlog_bytes`] already
+    /// ([`NetError::Backlogged`]).
+    pub sends_backlogged: u64,
+    /// The most bytes one of this shard's rails has held that UCX had not completed (see
+    /// [`NetConfig::max_backlog_bytes`]), since the shard started.
+    pub backlog_peak_bytes: u64,
 }
 
 /// A shard's rails by state ([`ShardCtx::rail_states`]).
@@ -702,6 +719,7 @@ impl Default for NetConfig {
             max_message_size: Limits::DEFAULT_MAX_MESSAGE_SIZE,
             rndv_timeout: Duration::from_secs(10),
             rndv_cache_bytes: 32 << 20,
+            max_backlog_bytes: 64 << 20,
         }
     }
 }
@@ -1112,6 +1130,29 @@ impl ShardCtx {
             r.pending_openings += p.pending.len();
         }
         r
+    }
+
+    /// The bytes of application frames this shard's rails to `node` hold that UCX has not
+    /// completed (queued, or posted and in flight; see [`NetConfig::max_backlog_bytes`]); 0
+    /// for a node this shard has no rail to.
+    pub fn backlog_bytes(&self, node: NodeId) -> u64 {
+        self.net()
+            .peers
+            .borrow()
+            .get(&node)
+            .map_or(0, |p| p.rails.iter().map(|r| r.backlog.bytes()).sum())
+    }
+
+    /// The bytes all of this shard's rails hold that UCX has not completed (the sum of
+    /// [`ShardCtx::backlog_bytes`] over its peers).
+    pub fn backlog_total(&self) -> u64 {
+        self.net()
+            .peers
+            .borrow()
+            .values()
+            .flat_map(|p| p.rails.iter())
+            .map(|r| r.backlog.bytes())
+            .sum()
     }
 
     /// Counts a connect made again to a known peer's address after its session was lost

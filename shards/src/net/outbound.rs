@@ -40,13 +40,51 @@ pub(super) enum Outbound {
         header: Vec<u8>,
         payload: SendBuf,
         rndv: bool,
+        /// Its bytes in the rail's [`Backlog`].
+        bytes: u64,
     },
     /// A send already posted to UCX by [`send`] (the queue was empty), not complete yet: the
     /// sender tracks its completion as for a send of its own (`rndv`: a rendezvous).
-    Posted { send: AmSend<SendBuf>, rndv: bool },
+    Posted {
+        send: AmSend<SendBuf>,
+        rndv: bool,
+        /// Its bytes in the rail's [`Backlog`].
+        bytes: u64,
+    },
     /// A send in place failed at once: the sender reports the transport error and stops, as
     /// after a send of its own failed.
     Failed,
+}
+
+/// The bytes of application frames a rail holds that UCX has not completed (see
+/// [`super::NetConfig::max_backlog_bytes`]): reserved by [`send`] when it queues or posts a
+/// frame, released by the rail's sender when UCX completes it (or it is dropped).
+#[derive(Default)]
+pub(super) struct Backlog {
+    bytes: std::cell::Cell<u64>,
+}
+
+impl Backlog {
+    /// The bytes held now.
+    pub(super) fn bytes(&self) -> u64 {
+        self.bytes.get()
+    }
+
+    /// Takes `bytes` more, unless the rail holds some already and would go over `limit`
+    /// (a frame is always taken by an empty rail, however large). Returns the bytes held
+    /// before, as the refusal's figure.
+    fn reserve(&self, bytes: u64, limit: u64) -> Result<u64, u64> {
+        let held = self.bytes.get();
+        if held > 0 && held.saturating_add(bytes) > limit {
+            return Err(held);
+        }
+        self.bytes.set(held + bytes);
+        Ok(held + bytes)
+    }
+
+    fn release(&self, bytes: u64) {
+        self.bytes.set(self.bytes.get().saturating_sub(bytes));
+    }
 }
 
 /// The parts of an application frame's header that the caller chooses.
@@ -282,6 +320,7 @@ fn send_on(
         } else {
             AmProto::Eager
         };
+        let bytes = reserve(net, node, p, am.as_slice().len() + len)?;
         let mut send = ep.am_send(DATA_AM, am.as_slice(), body.into_send_buf(), proto);
         // The first poll posts the send (the waker is the sender's from its first poll on).
         let first = Pin::new(&mut send).poll(&mut std::task::Context::from_waker(Waker::noop()));
@@ -289,24 +328,32 @@ fn send_on(
             s.sent_posted += 1;
             s.traffic(&header, false);
         });
+        if first.is_ready() {
+            p.backlog.release(bytes);
+        }
         return match first {
             Poll::Ready((Ok(()), _)) => Ok(()),
             Poll::Ready((Err(_), _)) => {
                 p.out.push(Outbound::Failed);
                 Err(NetError::Transport { node })
             }
-            Poll::Pending if p.out.push(Outbound::Posted { send, rndv }) => {
+            Poll::Pending if p.out.push(Outbound::Posted { send, rndv, bytes }) => {
                 ctx.wake_driver();
                 Ok(())
             }
             // Closed meanwhile: dropping the send parks its buffer with UCX.
-            Poll::Pending => Err(NetError::NotConnected { node }),
+            Poll::Pending => {
+                p.backlog.release(bytes);
+                Err(NetError::NotConnected { node })
+            }
         };
     }
+    let bytes = reserve(net, node, p, am.as_slice().len() + len)?;
     let item = Outbound::Data {
         header: am.into_vec(),
         payload: body.into_send_buf(),
         rndv,
+        bytes,
     };
     if p.out.push(item) {
         net.count(|s| {
@@ -317,7 +364,25 @@ fn send_on(
         ctx.wake_driver();
         Ok(())
     } else {
+        p.backlog.release(bytes);
         Err(NetError::NotConnected { node })
+    }
+}
+
+/// Reserves `bytes` of rail `p`'s backlog for a frame about to be queued or posted, or
+/// refuses it ([`NetError::Backlogged`], counted); returns the bytes reserved.
+fn reserve(net: &NetState, node: NodeId, p: &RailConn, bytes: usize) -> Result<u64, NetError> {
+    let bytes = bytes as u64;
+    let limit = net.settings.cfg.max_backlog_bytes;
+    match p.backlog.reserve(bytes, limit) {
+        Ok(held) => {
+            net.count(|s| s.backlog_peak_bytes = s.backlog_peak_bytes.max(held));
+            Ok(bytes)
+        }
+        Err(held) => {
+            net.count(|s| s.sends_backlogged += 1);
+            Err(NetError::Backlogged { node, held, limit })
+        }
     }
 }
 
@@ -333,7 +398,7 @@ fn send_on(
 pub(super) async fn sender(
     ctx: Weak<ShardCtx>,
     ep: Rc<Endpoint>,
-    out: Rc<Queue<Outbound>>,
+    (out, backlog): (Rc<Queue<Outbound>>, Rc<Backlog>),
     (node, remote, generation): (NodeId, ShardId, u64),
     live: Rc<std::cell::Cell<usize>>,
     (linger, rndv_timeout): (Duration, Duration),
@@ -355,13 +420,14 @@ pub(super) async fn sender(
             c.wake_driver();
         }
     };
-    let mut in_flight: VecDeque<AmSend<SendBuf>> = VecDeque::new();
+    let mut in_flight: VecDeque<(AmSend<SendBuf>, u64)> = VecDeque::new();
     let mut failed = ep.failed();
     loop {
         let next = poll_fn(|cx| {
-            while let Some(f) = in_flight.front_mut() {
+            while let Some((f, bytes)) = in_flight.front_mut() {
                 match Pin::new(f).poll(cx) {
                     Poll::Ready((Ok(()), _)) => {
+                        backlog.release(*bytes);
                         in_flight.pop_front();
                     }
                     Poll::Ready((Err(_), _)) => return Poll::Ready(Next::Failed),
@@ -379,24 +445,31 @@ pub(super) async fn sender(
             Poll::Pending
         })
         .await;
-        let (mut send, rndv, posted) = match next {
+        let (mut send, rndv, posted, bytes) = match next {
             Next::Frame(Some(Outbound::Control(header, payload))) => (
                 ep.am_send(FRAME_AM, &header, SendBuf::Vec(payload), AmProto::Eager),
                 false,
                 false,
+                0,
             ),
-            Next::Frame(Some(Outbound::Posted { send, rndv })) => (send, rndv, true),
+            Next::Frame(Some(Outbound::Posted { send, rndv, bytes })) => (send, rndv, true, bytes),
             Next::Frame(Some(Outbound::Data {
                 header,
                 payload,
                 rndv,
+                bytes,
             })) => {
                 let proto = if rndv {
                     AmProto::Rendezvous
                 } else {
                     AmProto::Eager
                 };
-                (ep.am_send(DATA_AM, &header, payload, proto), rndv, false)
+                (
+                    ep.am_send(DATA_AM, &header, payload, proto),
+                    rndv,
+                    false,
+                    bytes,
+                )
             }
             Next::Frame(Some(Outbound::Failed)) | Next::Failed => {
                 report(&ctx);
@@ -416,15 +489,17 @@ pub(super) async fn sender(
             first
         };
         match first {
-            Some((Ok(()), _)) => {}
+            Some((Ok(()), _)) => backlog.release(bytes),
             Some((Err(_), _)) => {
+                backlog.release(bytes);
                 report(&ctx);
                 break;
             }
-            None if !rndv => in_flight.push_back(send),
+            None if !rndv => in_flight.push_back((send, bytes)),
             None => {
                 let ctx = ctx.clone();
                 let live = live.clone();
+                let backlog = backlog.clone();
                 live.set(live.get() + 1);
                 glommio::spawn_local(async move {
                     // Dropping the send on timeout cancels it; UCX keeps the buffer parked
@@ -434,6 +509,7 @@ pub(super) async fn sender(
                         false
                     })
                     .await;
+                    backlog.release(bytes);
                     if !done {
                         if let Some(c) = ctx.upgrade() {
                             c.net()
@@ -453,11 +529,18 @@ pub(super) async fn sender(
             }
         }
     }
+    // Frames left in the queue (the sender failed) go with it: their bytes leave the backlog.
+    while let Some(item) = out.try_next() {
+        if let Outbound::Data { bytes, .. } | Outbound::Posted { bytes, .. } = item {
+            backlog.release(bytes);
+        }
+    }
     // Let the last frames (a reject, a close) leave before the endpoint goes.
     let _ = future::or(
         async {
-            for f in in_flight {
+            for (f, bytes) in in_flight {
                 let _ = f.await;
+                backlog.release(bytes);
             }
             ep.flush().await
         },

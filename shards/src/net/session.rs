@@ -93,7 +93,7 @@ use futures_lite::future;
 use glommio::timer::{sleep, Timer};
 
 use super::bootstrap::Directory;
-use super::outbound::{self, Outbound};
+use super::outbound::{self, Backlog, Outbound};
 use super::request::send_cancel;
 use super::{frame_am_header, NetError, NetState, Queue, RemoteNode, Slot};
 use crate::boot::ShardCtx;
@@ -153,6 +153,9 @@ pub(super) struct RailConn {
     /// The sender task's endpoint, for sends in place; it goes when the sender ends.
     pub(super) ep: Weak<Endpoint>,
     pub(super) generation: u64,
+    /// Bytes of application frames on this rail that UCX has not completed: queued for the
+    /// sender, or posted and in flight ([`super::NetConfig::max_backlog_bytes`]).
+    pub(super) backlog: Rc<Backlog>,
     waiters: Vec<Waiter>,
 }
 
@@ -471,6 +474,7 @@ fn make_rail(
     let generation = net.generation.get() + 1;
     net.generation.set(generation);
     let out = Queue::new();
+    let backlog = Rc::new(Backlog::default());
     let live = net.live_senders.clone();
     live.set(live.get() + 1);
     // The sender holds the only strong reference: the endpoint goes when the sender ends.
@@ -479,7 +483,7 @@ fn make_rail(
     let send = outbound::sender(
         Rc::downgrade(ctx),
         ep,
-        out.clone(),
+        (out.clone(), backlog.clone()),
         (node, remote, generation),
         live.clone(),
         (net.settings.cfg.linger, net.settings.cfg.rndv_timeout),
@@ -495,6 +499,7 @@ fn make_rail(
         out,
         ep: weak_ep,
         generation,
+        backlog,
         waiters: Vec::new(),
     }
 }
