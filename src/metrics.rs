@@ -32,6 +32,7 @@
 //! | `shardcx_pending_requests` | gauge | requests waiting for a reply on this shard |
 //! | `shardcx_backlog_bytes`, `shardcx_backlog_peak_bytes` | gauge | bytes of frames this shard's rails hold that UCX has not completed (a slow or stopped peer), now and the most one rail held |
 //! | `shardcx_sends_backlogged` | counter | sends refused because their rail's backlog was full |
+//! | `shardcx_peers_dropped`, `shardcx_refused_banned` | counter | peers dropped for sending malformed requests again and again, and their handshakes refused while banned |
 //! | `shardcx_forwards` | counter | requests forwarded to another shard (hops through a lane) |
 //! | `shardcx_lane_in_flight` | gauge | forwarded requests not completed, by `to` (the other shard) |
 //! | `shardcx_rails` | gauge | rails to other nodes' shards, by `state` (`connecting`, `ready`, `draining`, `closing`, `pending_opening`) |
@@ -457,6 +458,20 @@ impl Collector for ShardsCollector {
             "Sends refused because their rail held max_backlog_bytes already.",
             Counter,
             &one(|s| s.net.sends_backlogged),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_peers_dropped",
+            "Peers this shard dropped for misbehaviour (strike_limit malformed requests within strike_window).",
+            Counter,
+            &one(|s| s.net.peers_dropped),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_refused_banned",
+            "Handshakes refused because their node was dropped and is still banned.",
+            Counter,
+            &one(|s| s.net.refused_banned),
         )?;
         family(
             &mut encoder,

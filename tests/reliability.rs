@@ -1078,6 +1078,8 @@ fn r2_malformed_frames_are_refused_with_typed_errors_and_harm_no_one() {
         "64k",
         "--max-message",
         "1m",
+        "--persist",
+        "300",
     ]);
     let h = lab.spawn(1, "hostile", &args);
     let out = lab.json(h, Duration::from_secs(60));
@@ -1111,6 +1113,24 @@ fn r2_malformed_frames_are_refused_with_typed_errors_and_harm_no_one() {
         row.fig(format!("{class}: {}", serde_json::Value::from(got.clone())));
     }
     assert_eq!(out["valid"], "ok", "the hostile peer is not served: {out}");
+    // Then it keeps sending malformed requests: dropped at the server's strike limit (100
+    // within 10 s, counting the classes above), its last request unanswered (the rails
+    // closed), and a call after it, which connects again, refused as banned.
+    let persist = &out["persist"];
+    let sent = persist["sent"].as_u64().unwrap_or(0);
+    let ended = persist["ended"].as_str().unwrap_or("");
+    let after = persist["after"].as_str().unwrap_or("");
+    row.fig(format!(
+        "persistent peer dropped after {sent} more malformed requests (last: {ended}); then: {after}"
+    ));
+    assert!(
+        ended.starts_with("Net.") && (1..=100).contains(&sent),
+        "the persistent peer was not dropped: {persist}"
+    );
+    assert!(
+        after.contains("Banned"),
+        "the dropped peer was not refused: {persist}"
+    );
     // No handler ran for a malformed request: only the load's and the one valid call are in
     // the journal (an archive of random bytes that validated would carry a random source).
     let journal = std::fs::read_to_string(lab.journal()).unwrap_or_default();
@@ -1141,6 +1161,11 @@ fn r2_malformed_frames_are_refused_with_typed_errors_and_harm_no_one() {
     assert!(
         dropped("unmatched_reply").unwrap_or(0.0) >= 75.0,
         "stray replies not counted: {counted:?}"
+    );
+    let total = |k: &str| g.get(k).copied().unwrap_or(0.0);
+    assert!(
+        total("shardcx_peers_dropped_total") >= 1.0 && total("shardcx_refused_banned_total") >= 1.0,
+        "the drop and the refusal are not counted: {g:?}"
     );
     assert!(c.failed().is_empty(), "the control pair failed: {}", c.0);
     c.assert_none_late("h2");

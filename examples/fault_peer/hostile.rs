@@ -66,6 +66,10 @@ pub(crate) struct HostileArgs {
     /// The server's payload limit (`serve --max-message`): one byte more is sent.
     #[arg(long, value_name = "B", value_parser = cli::size)]
     max_message: usize,
+    /// At the end, malformed requests (random archives) sent one after another until one is
+    /// not refused as `BadRequest` (the server dropped this peer), at most this many.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    persist: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -149,7 +153,7 @@ fn put_request(src: u64, seq: u64, len: usize) -> Vec<u8> {
 /// frame limit, and stray replies and cancels; then one valid call. Prints the outcomes per
 /// class.
 pub(crate) fn hostile(a: &HostileArgs) -> Result<(), String> {
-    let (connect, seed, rounds) = (a.connect, a.seed, a.rounds);
+    let (connect, seed, rounds, persist) = (a.connect, a.seed, a.rounds, a.persist);
     let (max_args, max_message) = (a.max_args, a.max_message);
     let mut net = NetConfig::default();
     // Ours above the server's, so that the oversized frames leave this node.
@@ -162,6 +166,8 @@ pub(crate) fn hostile(a: &HostileArgs) -> Result<(), String> {
                 .connect_within(connect, Duration::from_secs(10))
                 .await
                 .map_err(|e| format!("cannot connect to {connect}: {e}"))?;
+            // A call after the session is lost connects again (the persist phase's last call).
+            node.add_peer_addr(peer.node_id(), connect);
             let ctx = node.shard_ctx().clone();
             let dest = Dest::from(peer.node_id());
             let mut rng = Rng::new(seed);
@@ -293,8 +299,50 @@ pub(crate) fn hostile(a: &HostileArgs) -> Result<(), String> {
                 .rpc()
                 .call_within::<FaultPut>(peer, &put, Duration::from_secs(2))
                 .await;
+            // A peer that keeps sending malformed requests is dropped: the request that ends
+            // the run is not answered (the server closed the rails), and a call after it,
+            // which connects again, is refused.
+            let (mut sent, mut ended, mut after) = (0u64, String::new(), String::new());
+            if persist > 0 {
+                for _ in 0..persist {
+                    let mut archive = request_prefix(FaultPut::schema(), CallFlags::NONE).to_vec();
+                    let len = 1 + rng.below(256) as usize;
+                    archive.extend(rng.bytes(len));
+                    let r = ctx
+                        .request(
+                            dest,
+                            FrameKind::RpcRequest,
+                            put_id,
+                            archive,
+                            Duration::from_secs(2),
+                        )
+                        .await;
+                    sent += 1;
+                    let o = outcome(r);
+                    if o != "BadRequest" {
+                        ended = o;
+                        break;
+                    }
+                }
+                let put = Put {
+                    src: 7700,
+                    inc: 3,
+                    seq: 0,
+                    crc: crc32fast::hash(b"after"),
+                    data: b"after".to_vec(),
+                };
+                after = match node
+                    .rpc()
+                    .call_within::<FaultPut>(peer, &put, Duration::from_secs(3))
+                    .await
+                {
+                    Ok(_) => "ok".to_owned(),
+                    Err(e) => e.to_string(),
+                };
+            }
             Ok::<_, String>(json!({
                 "classes": results,
+                "persist": {"sent": sent, "ended": ended, "after": after},
                 "stray_sent": stray,
                 "valid": match valid {
                     Ok(c) if c == put.crc => "ok".to_owned(),

@@ -494,6 +494,7 @@ impl ShardsBuilder {
             listen: self.listen,
             listen_addr: Arc::new(OnceLock::new()),
             sessions: Arc::default(),
+            bans: Arc::default(),
             error_mode,
             cfg: self.net.clone(),
         })

@@ -722,7 +722,17 @@ fn answer(ctx: &ShardCtx, node: NodeId, header: &FrameHeader, kind: FrameKind, p
 /// Refuses a request before it runs (nothing recorded in the dedup window).
 fn refuse(ctx: &ShardCtx, rpc: &ShardRpc, node: NodeId, header: &FrameHeader, f: Failure) {
     rpc.count_failure(f.code);
+    strike_if_malformed(ctx, node, f.code);
     answer(ctx, node, header, FrameKind::RpcError, &f.encode());
+}
+
+/// A request refused because it does not decode (its envelope or its arguments) counts against
+/// its sender: one that keeps sending them is dropped (`NetConfig::strike_limit`, see
+/// [`ShardCtx::strike`]).
+fn strike_if_malformed(ctx: &ShardCtx, from: NodeId, code: RpcErrorCode) {
+    if code == RpcErrorCode::BadRequest {
+        ctx.strike(from);
+    }
 }
 
 /// Before the rendezvous data of a request is pulled: refuses an unknown function and
@@ -1090,6 +1100,7 @@ fn finish(
         }
         Err(f) => {
             rpc.count_failure(f.code);
+            strike_if_malformed(ctx, from, f.code);
             (FrameKind::RpcError, f.encode())
         }
     };

@@ -199,6 +199,9 @@ pub enum RejectReason {
     UnknownSession,
     /// The frame's shards are not a rail of this node pair (see [`crate::Rails`]).
     NoSuchRail,
+    /// The server dropped this node for misbehaviour (it kept sending frames the server had
+    /// to refuse) and refuses it for a while.
+    Banned,
     /// A reason this build does not know (code kept).
     Other(u8),
 }
@@ -637,6 +640,7 @@ impl RejectReason {
             RejectReason::Shutdown => 6,
             RejectReason::UnknownSession => 7,
             RejectReason::NoSuchRail => 8,
+            RejectReason::Banned => 9,
             RejectReason::Other(code) => code,
         }
     }
@@ -652,6 +656,7 @@ impl RejectReason {
             6 => RejectReason::Shutdown,
             7 => RejectReason::UnknownSession,
             8 => RejectReason::NoSuchRail,
+            9 => RejectReason::Banned,
             other => RejectReason::Other(other),
         }
     }

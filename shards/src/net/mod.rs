@@ -307,6 +307,17 @@ pub struct NetConfig {
     /// 64 MiB. [`ShardCtx::backlog_bytes`](crate::ShardCtx::backlog_bytes) reads a peer's
     /// backlog, [`NetStats::backlog_peak_bytes`] the largest seen.
     pub max_backlog_bytes: u64,
+    /// Frames from one peer that this node refused as malformed ([`ShardCtx::strike`]: an RPC
+    /// request whose envelope or arguments do not decode) within [`NetConfig::strike_window`]
+    /// on one shard, at which the peer is dropped ([`ShardCtx::drop_peer`]): every shard
+    /// closes its rails to it, its session is forgotten, and its handshakes are refused
+    /// ([`RejectReason::Banned`](crate::proto::handshake::RejectReason::Banned)) for
+    /// [`NetConfig::strike_ban`]. Default 100; 0 never drops a peer.
+    pub strike_limit: u32,
+    /// The window of [`NetConfig::strike_limit`], default 10 s.
+    pub strike_window: Duration,
+    /// How long a dropped peer is refused, default 30 s.
+    pub strike_ban: Duration,
 }
 
 /// A connected remote node, as seen from this node. `Send + Copy`: pass it between shards.
@@ -480,6 +491,11 @@ pub struct NetStats {
     /// The most bytes one of this shard's rails has held that UCX had not completed (see
     /// [`NetConfig::max_backlog_bytes`]), since the shard started.
     pub backlog_peak_bytes: u64,
+    /// Peers this shard dropped for misbehaviour ([`NetConfig::strike_limit`],
+    /// [`ShardCtx::drop_peer`]).
+    pub peers_dropped: u64,
+    /// Handshakes refused because their node was dropped and is still banned.
+    pub refused_banned: u64,
 }
 
 /// A shard's rails by state ([`ShardCtx::rail_states`]).
@@ -584,6 +600,48 @@ pub(crate) struct NodeSettings {
     pub(crate) cfg: NetConfig,
     /// The node's sessions, shared by its shards (see `session`).
     pub(crate) sessions: session::SessionTable,
+    /// The peers this node dropped for misbehaviour, shared by its shards (see
+    /// [`ShardCtx::drop_peer`]).
+    pub(crate) bans: std::sync::Arc<Bans>,
+}
+
+/// Nodes dropped for misbehaviour and until when their handshakes are refused
+/// ([`RejectReason::Banned`](crate::proto::handshake::RejectReason::Banned)); a generation
+/// that every shard's timer compares with the one it last saw, to close its own rails to a node
+/// another shard dropped.
+#[derive(Debug, Default)]
+pub(crate) struct Bans {
+    until: std::sync::Mutex<HashMap<NodeId, Instant>>,
+    generation: std::sync::atomic::AtomicU64,
+}
+
+impl Bans {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, Instant>> {
+        self.until.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `node` is refused now (an expired ban is forgotten).
+    pub(crate) fn is_banned(&self, node: NodeId) -> bool {
+        let mut until = self.lock();
+        match until.get(&node) {
+            Some(t) if *t > Instant::now() => true,
+            Some(_) => {
+                until.remove(&node);
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn ban(&self, node: NodeId, until: Instant) {
+        self.lock().insert(node, until);
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
+    }
+
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 type LostHook = Rc<dyn Fn(Option<NodeId>, &NetError)>;
@@ -680,6 +738,11 @@ pub(crate) struct NetState {
     /// The buffer short eager payloads are copied into for an inline dispatch, reused while
     /// no frame keeps it ([`inbound`]).
     inline_bytes: Cell<Option<Rc<Vec<u8>>>>,
+    /// Strikes against peers ([`ShardCtx::strike`]): when the current window began, and how
+    /// many in it.
+    strikes: RefCell<HashMap<NodeId, (Instant, u32)>>,
+    /// The [`Bans`] generation this shard last closed rails for.
+    bans_seen: Cell<u64>,
 }
 
 impl NetConfig {
@@ -720,6 +783,9 @@ impl Default for NetConfig {
             rndv_timeout: Duration::from_secs(10),
             rndv_cache_bytes: 32 << 20,
             max_backlog_bytes: 64 << 20,
+            strike_limit: 100,
+            strike_window: Duration::from_secs(10),
+            strike_ban: Duration::from_secs(30),
         }
     }
 }
@@ -895,6 +961,8 @@ impl NetState {
             timer_at: Cell::new(Timestamp::MAX),
             timer_waker: RefCell::new(None),
             rearm_asked: Cell::new(false),
+            strikes: RefCell::default(),
+            bans_seen: Cell::new(0),
             batch: Cell::new(None),
             dispatching: Cell::new(false),
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
@@ -1153,6 +1221,64 @@ impl ShardCtx {
             .flat_map(|p| p.rails.iter())
             .map(|r| r.backlog.bytes())
             .sum()
+    }
+
+    /// Counts one frame from `node` that this shard refused as malformed (the RPC server calls
+    /// it for a request whose envelope or arguments do not decode; a handler may call it for
+    /// its own refusals). At [`NetConfig::strike_limit`] strikes within
+    /// [`NetConfig::strike_window`], the peer is dropped ([`ShardCtx::drop_peer`]); returns
+    /// whether this strike dropped it.
+    pub fn strike(&self, node: NodeId) -> bool {
+        let net = self.net();
+        let cfg = &net.settings.cfg;
+        if cfg.strike_limit == 0 {
+            return false;
+        }
+        let now = Instant::now();
+        let out = {
+            let mut strikes = net.strikes.borrow_mut();
+            let e = strikes.entry(node).or_insert((now, 0));
+            if now.duration_since(e.0) > cfg.strike_window {
+                *e = (now, 0);
+            }
+            e.1 += 1;
+            let out = e.1 >= cfg.strike_limit;
+            if out {
+                strikes.remove(&node);
+            }
+            out
+        };
+        if out {
+            self.drop_peer(node);
+        }
+        out
+    }
+
+    /// Drops `node`: its handshakes are refused for [`NetConfig::strike_ban`]
+    /// ([`RejectReason::Banned`](crate::proto::handshake::RejectReason::Banned)), the node's
+    /// session is forgotten, this shard's rails to it close at once (a `Close` goes to the
+    /// peer; what was pending on them fails with [`NetError::Closed`]), and every other shard
+    /// closes its own at its next heartbeat tick. Connects to it are refused too while the ban
+    /// lasts. Counted in [`NetStats::peers_dropped`].
+    pub fn drop_peer(&self, node: NodeId) {
+        let net = self.net();
+        let ban = net.settings.cfg.strike_ban;
+        tracing::warn!(%node, ?ban, "peer dropped: it kept sending frames this node refused");
+        net.settings.bans.ban(node, Instant::now() + ban);
+        if let Ok(mut t) = net.settings.sessions.lock() {
+            t.remove(&node);
+        }
+        net.strikes.borrow_mut().remove(&node);
+        net.count(|s| s.peers_dropped += 1);
+        session::close_node(net, node);
+        // The other shards look at the bans on their timer; this one has closed its rails.
+        net.bans_seen.set(net.settings.bans.generation());
+        net.rearm();
+    }
+
+    /// Whether `node` was dropped ([`ShardCtx::drop_peer`]) and is still refused.
+    pub fn is_banned(&self, node: NodeId) -> bool {
+        self.net().settings.bans.is_banned(node)
     }
 
     /// Counts a connect made again to a known peer's address after its session was lost

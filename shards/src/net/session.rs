@@ -270,6 +270,14 @@ pub(super) fn accept_opening(
     let Some(ep) = endpoint_to(ctx, net, addr) else {
         return false;
     };
+    if net.settings.bans.is_banned(node) {
+        // Dropped for misbehaviour: told so at once, on an endpoint of its own.
+        if let Some(t) = Connection::refuse(&cfg, header, &msg, RejectReason::Banned) {
+            refuse_on(ep, frame_am_header(net.settings.node_id, 0), t.to_vec());
+        }
+        net.count(|s| s.refused_banned += 1);
+        return false;
+    }
     let conn = match &msg {
         HandshakeMessage::Join(join) => {
             let session = session_of(net, node);
@@ -782,6 +790,50 @@ pub(super) fn run_lost_hooks(net: &NetState, node: Option<NodeId>, err: &NetErro
 
 /// Closes every rail of this shard at shut-down (a `Close` goes out where a session is up) and
 /// removes them.
+/// Closes this shard's rails to `node` at once (a `Close` to the peer where a session is up);
+/// what was pending on them fails with [`NetError::Closed`]. For a peer dropped for
+/// misbehaviour ([`crate::ShardCtx::drop_peer`]).
+pub(super) fn close_node(net: &NetState, node: NodeId) {
+    let now = net.now();
+    let remotes: Vec<ShardId> = net
+        .peers
+        .borrow()
+        .get(&node)
+        .map(|p| p.rails.iter().map(|r| r.remote).collect())
+        .unwrap_or_default();
+    for remote in remotes {
+        if let Some(r) = net
+            .peers
+            .borrow_mut()
+            .get_mut(&node)
+            .and_then(|p| p.get_mut(remote))
+        {
+            r.conn.close(now);
+        }
+        service(net, node, remote);
+    }
+}
+
+/// Closes this shard's rails to the nodes that another shard dropped since this one last
+/// looked (see [`crate::ShardCtx::drop_peer`]): one atomic load per timer round otherwise.
+fn close_banned(net: &NetState) {
+    let generation = net.settings.bans.generation();
+    if generation == net.bans_seen.get() {
+        return;
+    }
+    net.bans_seen.set(generation);
+    let banned: Vec<NodeId> = net
+        .peers
+        .borrow()
+        .keys()
+        .copied()
+        .filter(|n| net.settings.bans.is_banned(*n))
+        .collect();
+    for node in banned {
+        close_node(net, node);
+    }
+}
+
 pub(super) fn close_all(net: &NetState) {
     let now = net.now();
     let rails: Vec<(NodeId, ShardId)> = net
@@ -1064,6 +1116,12 @@ impl Drop for Leading<'_> {
 async fn establish_now(ctx: &Rc<ShardCtx>, dir: &Directory) -> Result<(), NetError> {
     let net = ctx.net();
     let node = dir.node_id;
+    if net.settings.bans.is_banned(node) {
+        return Err(NetError::Refused {
+            node,
+            reason: RejectReason::Banned,
+        });
+    }
     let rails = rails_with(ctx, dir.shard_count()).ok_or(NetError::BadShardCount {
         node,
         count: dir.shard_count(),
@@ -1204,6 +1262,7 @@ fn next_timeout(net: &NetState) -> Option<Timestamp> {
 /// Fails the requests whose deadline has passed ([`NetError::TimedOut`], and a cancel frame
 /// for an RPC request), and runs the rails' timers that are due.
 fn handle_timeouts(ctx: &ShardCtx, net: &NetState) {
+    close_banned(net);
     let now = net.now();
     loop {
         // Not borrowed across the cancel: sending does not touch the table, but a waker might
