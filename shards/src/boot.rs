@@ -105,8 +105,10 @@ const PREEMPT_TIMER: Duration = Duration::from_millis(1);
 /// task (see [`start_nudger`]).
 const START_NUDGE: Duration = Duration::from_millis(20);
 
-/// Called on a shard's executor thread before glommio's `run`: nudge the thread with a signal
-/// every [`START_NUDGE`] until the shard's main task first runs.
+/// Called on a shard's executor thread before glommio's `run` (so not from the maker closure of
+/// glommio's `LocalExecutorBuilder::spawn`, which `run` itself calls on the main task's first
+/// poll: too late): nudge the thread with a signal every [`START_NUDGE`] until the shard's main
+/// task first runs.
 ///
 /// glommio 0.9's `LocalExecutor::run` can park before it has run the task it was given: if its
 /// preempt timer (1 ms here, [`PREEMPT_TIMER`]) fired before it looked at its task queues,
@@ -410,18 +412,25 @@ impl ShardsBuilder {
             };
             let me = recipe.clone();
             let f = f.clone();
-            let h = LocalExecutorBuilder::new(placement)
-                .name(&format!("shardcx-{shard}"))
+            let builder = LocalExecutorBuilder::new(placement)
                 .preempt_timer(PREEMPT_TIMER)
-                .io_memory(io_memory as usize)
+                .io_memory(io_memory as usize);
+            // Not glommio's `spawn`: it calls the future's maker inside `run`, on the main
+            // task's first poll, which is too late for the nudger (see `start_nudger`).
+            let h = std::thread::Builder::new()
+                .name(format!("shardcx-{shard}"))
                 .spawn(move || {
+                    let ex = builder.make().map_err(|e| BootError::Executor {
+                        shard,
+                        reason: e.to_string(),
+                    })?;
                     // Every event on this shard's thread (all its tasks) carries `shard=N`.
                     let span = tracing::info_span!("shard", id = shard).entered();
                     let nudger = start_nudger(shard);
-                    async move {
+                    ex.run(async move {
                         let _span = span;
                         nudged_until_polled(nudger, me.shard_main(shard, ends, f)).await
-                    }
+                    })
                 })
                 .map_err(|e| BootError::Executor {
                     shard,
@@ -437,17 +446,8 @@ impl ShardsBuilder {
                 Ok(Err(e)) => {
                     first_err.get_or_insert(e);
                 }
-                Err(e) => {
-                    let err = match e {
-                        glommio::GlommioError::BuilderError(
-                            glommio::BuilderErrorKind::ThreadPanic(_),
-                        ) => BootError::Panicked { shard },
-                        other => BootError::Executor {
-                            shard,
-                            reason: other.to_string(),
-                        },
-                    };
-                    first_err.get_or_insert(err);
+                Err(_panic) => {
+                    first_err.get_or_insert(BootError::Panicked { shard });
                 }
             }
         }
