@@ -98,9 +98,10 @@ fn extension_slot_per_shard_and_dropped_at_shard_end() {
             "shard {shard}: newest first"
         );
         for (_, what, thread) in dropped {
-            // glommio names the thread `shardcx-{shard}-{executor id}`.
-            assert!(
-                thread.starts_with(&format!("shardcx-{shard}-")),
+            // Each shard's executor runs on the thread `shardcx-{shard}`.
+            assert_eq!(
+                thread,
+                &format!("shardcx-{shard}"),
                 "{what} dropped on thread {thread:?}, not shard {shard}'s"
             );
         }
