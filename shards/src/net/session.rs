@@ -802,16 +802,22 @@ pub(super) fn close_node(net: &NetState, node: NodeId) {
         .map(|p| p.rails.iter().map(|r| r.remote).collect())
         .unwrap_or_default();
     for remote in remotes {
-        if let Some(r) = net
-            .peers
-            .borrow_mut()
-            .get_mut(&node)
-            .and_then(|p| p.get_mut(remote))
-        {
-            r.conn.close(now);
-        }
-        service(net, node, remote);
+        close_rail(net, node, remote, now);
     }
+}
+
+/// Closes the rail to `(node, remote)` at once (a `Close` to the peer where a session is up)
+/// and services it, which retires it.
+fn close_rail(net: &NetState, node: NodeId, remote: ShardId, now: Timestamp) {
+    if let Some(r) = net
+        .peers
+        .borrow_mut()
+        .get_mut(&node)
+        .and_then(|p| p.get_mut(remote))
+    {
+        r.conn.close(now);
+    }
+    service(net, node, remote);
 }
 
 /// Closes this shard's rails to the nodes that another shard dropped since this one last
@@ -843,15 +849,7 @@ pub(super) fn close_all(net: &NetState) {
         .flat_map(|(n, p)| p.rails.iter().map(|r| (*n, r.remote)))
         .collect();
     for (node, remote) in rails {
-        if let Some(r) = net
-            .peers
-            .borrow_mut()
-            .get_mut(&node)
-            .and_then(|p| p.get_mut(remote))
-        {
-            r.conn.close(now);
-        }
-        service(net, node, remote);
+        close_rail(net, node, remote, now);
     }
     net.peers.borrow_mut().clear();
 }
