@@ -27,6 +27,7 @@
 //! | `shardcx_rpc_cancels_sent` | counter | cancel frames sent for calls given up |
 //! | `shardcx_mesh_taken` | counter | cross-shard lane messages, by `by` (`driver`, `task`) |
 //! | `shardcx_driver_rounds`, `shardcx_driver_sleeps` | counter | progress rounds, and sleeps of an idle shard |
+//! | `shardcx_driver_stalls`, `shardcx_driver_stall_longest_seconds` | counter, gauge | times the driver was not polled for 250 ms or more (a blocking call or a task that does not yield on the shard's thread; each is logged with what the thread was doing), and the longest |
 //! | `shardcx_dispatch_budget_hits` | counter | dispatch rounds cut at the budget (a flood) |
 //! | `shardcx_connected_nodes` | gauge | nodes this shard has a ready default rail to |
 //! | `shardcx_pending_requests` | gauge | requests waiting for a reply on this shard |
@@ -77,6 +78,8 @@ struct Snapshot {
     mesh: MeshStats,
     rounds: u64,
     sleeps: u64,
+    /// Driver stalls of 250 ms or more, and the longest (ms).
+    stalls: (u64, u64),
     connected_nodes: u64,
     pending_requests: u64,
     backlog_bytes: u64,
@@ -151,6 +154,7 @@ fn snapshot(ctx: &ShardCtx, (rpc, latency): (RpcStats, Vec<Latency>)) -> Snapsho
         mesh: ctx.mesh_stats(),
         rounds: ctx.progress_rounds(),
         sleeps: ctx.driver_sleeps(),
+        stalls: ctx.driver_stalls(),
         connected_nodes: ctx.connected_nodes().len() as u64,
         pending_requests: ctx.pending_requests() as u64,
         backlog_bytes: ctx.backlog_total(),
@@ -419,6 +423,13 @@ impl Collector for ShardsCollector {
         )?;
         family(
             &mut encoder,
+            "shardcx_driver_stalls",
+            "Times the progress driver was not polled for 250 ms or more (each is logged).",
+            Counter,
+            &one(|s| s.stalls.0),
+        )?;
+        family(
+            &mut encoder,
             "shardcx_dispatch_budget_hits",
             "Dispatch rounds cut at the budget with inputs left (a flood).",
             Counter,
@@ -628,6 +639,18 @@ impl Collector for ShardsCollector {
             let labels = [("shard", shard.to_string())];
             let secs = now.saturating_duration_since(snap.at).as_secs_f64();
             ConstGauge::new(secs).encode(age.encode_family(&labels)?)?;
+        }
+        drop(age);
+        let mut longest = encoder.encode_descriptor(
+            "shardcx_driver_stall_longest_seconds",
+            "The longest time the progress driver was not polled (of the stalls counted).",
+            None,
+            Gauge,
+        )?;
+        for (shard, snap) in &snaps {
+            let labels = [("shard", shard.to_string())];
+            let secs = snap.stalls.1 as f64 / 1000.0;
+            ConstGauge::new(secs).encode(longest.encode_family(&labels)?)?;
         }
         Ok(())
     }

@@ -738,6 +738,14 @@ impl ShardCtx {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Stalls of this shard's driver of [`crate::stall::STALL_REPORT`] or longer, ended so
+    /// far, and the longest in milliseconds (each is also logged; see [`crate::stall`]).
+    pub fn driver_stalls(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = &self.stats.stalls;
+        (s.stalls.load(Relaxed), s.longest_ms.load(Relaxed))
+    }
+
     /// This shard's value of type `T` in its extension slot, if there is one (see the module
     /// docs, "Extensions"). `None` after the shard's teardown.
     pub fn ext<T: 'static>(&self) -> Option<Rc<T>> {

@@ -132,6 +132,7 @@ use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::UnixStream;
 use glommio::timer::Timer;
 
+use crate::stall::{current_tid, StallStats, StallWatch};
 use crate::ucx::{Armed, WakeupFd, Worker};
 
 /// Longest single wait of the waker thread on the event fd before it looks at the stop flag.
@@ -171,6 +172,9 @@ pub struct DriverStats {
     /// woke its task from outside (see "The watchdog" in the module docs). Shared with the
     /// waker thread.
     pub watchdog_wakes: Arc<AtomicU64>,
+    /// Stalls of the driver the watchdog saw (see [`crate::stall`]). Shared with the waker
+    /// thread.
+    pub stalls: Arc<StallStats>,
 }
 
 /// What the driver calls besides `progress` (see "The mesh's hook" in the module docs).
@@ -227,6 +231,8 @@ struct Watch {
     waker: Mutex<Option<Waker>>,
     /// The watchdog's wakes (also [`DriverStats::watchdog_wakes`]).
     wakes: Arc<AtomicU64>,
+    /// Stalls seen (also [`DriverStats::stalls`]).
+    stalls: Arc<StallStats>,
 }
 
 /// The pieces the driver task runs with.
@@ -275,11 +281,13 @@ impl Driver {
             polls: AtomicU64::new(0),
             waker: Mutex::new(None),
             wakes: stats.watchdog_wakes.clone(),
+            stalls: stats.stalls.clone(),
         });
         let thread_watch = watch.clone();
+        let stall = StallWatch::new(shard, current_tid());
         let waker = std::thread::Builder::new()
             .name(format!("shardcx-waker-{shard}"))
-            .spawn(move || waker_thread(listener, fd, thread_stop, thread_watch))?;
+            .spawn(move || waker_thread(listener, fd, thread_stop, thread_watch, stall))?;
         let connected = UnixStream::connect(&path).await;
         // The path is only needed until the one connection is made.
         let _ = std::fs::remove_file(&path);
@@ -569,13 +577,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Watch {
     /// One look of the watchdog, every [`WATCH_SLICE`] at most: if the driver has not been
     /// polled since the last look (`seen`), wake its task from this thread. glommio then
-    /// writes its executor's event fd, which ends a park that nothing else would end.
-    fn look(&self, seen: &mut u64) {
+    /// writes its executor's event fd, which ends a park that nothing else would end. `stall`
+    /// records what the shard's thread does meanwhile (see [`crate::stall`]).
+    fn look(&self, seen: &mut u64, stall: &mut StallWatch) {
         let polls = self.polls.load(Ordering::Relaxed);
         if polls != *seen {
             *seen = polls;
+            stall.polled(&self.stalls);
             return;
         }
+        stall.not_polled();
         if let Some(w) = lock(&self.waker).as_ref() {
             w.wake_by_ref();
             self.wakes.fetch_add(1, Ordering::Relaxed);
@@ -585,7 +596,13 @@ impl Watch {
 
 /// The waker thread: wait for a watch request, wait for the event fd, answer; until stopped.
 /// Between (and during) waits, every [`WATCH_SLICE`], the watchdog looks at the driver.
-fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>, watch: Arc<Watch>) {
+fn waker_thread(
+    listener: UnixListener,
+    fd: WakeupFd,
+    stop: Arc<AtomicBool>,
+    watch: Arc<Watch>,
+    mut stall: StallWatch,
+) {
     let Ok((mut stream, _)) = listener.accept() else {
         return;
     };
@@ -600,7 +617,8 @@ fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>, wat
     let mut seen = 0;
     loop {
         match stream.read(&mut byte) {
-            Ok(1) => {}
+            // The driver asks to sleep: it runs, whatever the looks saw since.
+            Ok(1) => stall.polled(&watch.stalls),
             Err(e)
                 if matches!(
                     e.kind(),
@@ -610,7 +628,7 @@ fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>, wat
                 if stop.load(Ordering::Acquire) {
                     return;
                 }
-                watch.look(&mut seen);
+                watch.look(&mut seen, &mut stall);
                 continue;
             }
             _ => return,
@@ -622,7 +640,7 @@ fn waker_thread(listener: UnixListener, fd: WakeupFd, stop: Arc<AtomicBool>, wat
             if stop.load(Ordering::Acquire) {
                 break;
             }
-            watch.look(&mut seen);
+            watch.look(&mut seen, &mut stall);
         }
         if stream.write_all(b"e").is_err() {
             return;

@@ -90,6 +90,7 @@ pub mod net;
 pub mod pool;
 pub mod rma;
 pub mod rma_trusted;
+pub mod stall;
 pub mod tag;
 
 pub use boot::{

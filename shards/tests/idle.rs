@@ -189,6 +189,7 @@ fn busy_then_idle_pingpong_finishes() {
 /// A task that keeps the shard's thread for longer than a watch slice (a blocking call, as a
 /// park glommio did not end would) leaves the driver unpolled: the waker thread's watchdog
 /// wakes it, and the shard goes on (a timer set before still fires, the driver runs again).
+/// The block is reported and counted as a stall (`shardcx_shards::stall`).
 #[test]
 fn a_driver_left_unpolled_is_woken_by_its_watchdog() {
     let out = ShardsBuilder::new()
@@ -197,6 +198,7 @@ fn a_driver_left_unpolled_is_woken_by_its_watchdog() {
         .transports("sm,self")
         .run(|ctx: Rc<ShardCtx>| async move {
             let before = ctx.driver_watchdog_wakes();
+            let (stalls_before, _) = ctx.driver_stalls();
             let rounds = ctx.progress_rounds();
             // Three watch slices (100 ms each) without yielding.
             std::thread::sleep(Duration::from_millis(350));
@@ -208,14 +210,27 @@ fn a_driver_left_unpolled_is_woken_by_its_watchdog() {
             while ctx.progress_rounds() == rounds && Instant::now() < deadline {
                 glommio::timer::sleep(Duration::from_millis(1)).await;
             }
+            // The stall is counted at the watchdog's next look that finds the driver polled.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while ctx.driver_stalls().0 == stalls_before && Instant::now() < deadline {
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+            }
+            let (stalls, longest) = ctx.driver_stalls();
             (
                 ctx.driver_watchdog_wakes() - before,
                 ctx.progress_rounds() > rounds,
                 slept,
+                stalls - stalls_before,
+                longest,
             )
         })
         .unwrap();
-    let (wakes, progressed, slept) = out[0];
+    let (wakes, progressed, slept, stalls, longest) = out[0];
+    assert_eq!(stalls, 1, "the block was not reported as one stall");
+    assert!(
+        (250..2_000).contains(&longest),
+        "the stall's length: {longest} ms"
+    );
     assert!(wakes >= 1, "the watchdog did not wake the blocked driver");
     assert!(progressed, "the driver did not run after the block");
     assert!(slept < Duration::from_secs(2), "a timer took {slept:?}");
