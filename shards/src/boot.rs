@@ -159,6 +159,35 @@ pub const MM_FIFO_ELEM_SIZE: &str = "256";
 /// The environment variable that overrides [`MM_FIFO_ELEM_SIZE`].
 pub const MM_FIFO_ELEM_ENV: &str = "UCX_MM_FIFO_ELEM_SIZE";
 
+/// Non-blocking TCP connects for UCX's `tcp` transport (UCX's `TCP_CONN_NB`, `n` by default in
+/// UCX 1.12 and later), unless the environment sets [`TCP_CONN_NB_ENV`]. With UCX's default, the
+/// first message to a peer over `tcp` calls a blocking `connect(2)` on the shard's thread: a
+/// lost SYN held the shard for a second or more (the kernel's SYN retransmission), with its
+/// timers, heartbeats and deadlines (the reliability suite's R13 saw calls end 0.84 s past their
+/// deadline, and a stall report "S in connect"). Non-blocking, UCX waits for the connect in its
+/// event loop instead.
+pub const TCP_CONN_NB: &str = "y";
+/// The environment variable that overrides [`TCP_CONN_NB`].
+pub const TCP_CONN_NB_ENV: &str = "UCX_TCP_CONN_NB";
+
+/// Whether UCX may open its `tcp` transport with transport list `tls` (`UCX_TLS` syntax;
+/// `None`: UCX's default, all of them). Setting [`TCP_CONN_NB`] otherwise makes UCX warn that
+/// the setting is invalid.
+fn uses_tcp(tls: Option<&str>) -> bool {
+    tls.is_none_or(|tls| {
+        let tokens: Vec<&str> = tls
+            .split(',')
+            .map(|t| t.trim().trim_start_matches('\\'))
+            .collect();
+        if tokens.iter().any(|t| t.starts_with('^')) {
+            // A list of transports to leave out.
+            !tokens.iter().any(|t| t.trim_start_matches('^') == "tcp")
+        } else {
+            tokens.iter().any(|t| matches!(*t, "all" | "tcp"))
+        }
+    })
+}
+
 /// Whether UCX may open a shared-memory FIFO transport with transport list `tls` (`UCX_TLS`
 /// syntax; `None`: UCX's default, all of them). Setting [`MM_FIFO_ELEM_SIZE`] otherwise makes
 /// UCX warn that the setting is invalid.
@@ -521,6 +550,12 @@ impl ShardsBuilder {
         if std::env::var_os(MM_FIFO_ELEM_ENV).is_none() && uses_shared_memory(tls.as_deref()) {
             // A UCX without the setting keeps its default: only slower, never wrong.
             let _ = config.set(&MM_FIFO_ELEM_ENV["UCX_".len()..], MM_FIFO_ELEM_SIZE);
+        }
+        if std::env::var_os(TCP_CONN_NB_ENV).is_none() && uses_tcp(tls.as_deref()) {
+            // A UCX without the setting keeps its blocking connects.
+            // UCX matches a cached transport setting against the tcp table's own field names, which
+            // carry no `TCP_` prefix.
+            let _ = config.set("CONN_NB", TCP_CONN_NB);
         }
         let mut features = self.features;
         features.wakeup = true;
@@ -948,6 +983,23 @@ mod tests {
         }
         for tls in ["tcp", "tcp,self", "rc,ud", ""] {
             assert!(!uses_shared_memory(Some(tls)), "{tls}");
+        }
+    }
+
+    #[test]
+    fn tcp_is_seen_in_transport_lists() {
+        for tls in [
+            None,
+            Some("sm,tcp"),
+            Some("tcp"),
+            Some("^sm"),
+            Some("all"),
+            Some("\\tcp"),
+        ] {
+            assert!(uses_tcp(tls), "{tls:?}");
+        }
+        for tls in ["sm", "posix,self", "^tcp", "^sm,tcp", "rc,ud", ""] {
+            assert!(!uses_tcp(Some(tls)), "{tls}");
         }
     }
 
