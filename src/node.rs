@@ -159,6 +159,9 @@ struct BookEntry {
     failures: u32,
     /// No connect starts before this (after a failure).
     retry_at: Option<Instant>,
+    /// When the last failure was counted: attempts that started before it and fail too (calls
+    /// that connected at once, each for itself) count no more failures.
+    failed_at: Option<Instant>,
 }
 
 /// First wait after a failed connect on first use; it doubles with every failure in a row.
@@ -172,6 +175,7 @@ impl BookEntry {
             addr,
             failures: 0,
             retry_at: None,
+            failed_at: None,
         }
     }
 
@@ -983,6 +987,7 @@ pub(crate) async fn connect_lazily(
         }
         sleep(wait).await;
     }
+    let attempt = Instant::now();
     let connected = node
         .connect_within(addr, timeout.saturating_sub(start.elapsed()))
         .await;
@@ -996,10 +1001,15 @@ pub(crate) async fn connect_lazily(
                 // The operation's own deadline cut the connect short: that says
                 // nothing about the peer.
                 Err(Error::TimedOut { .. }) => {}
+                // Another attempt that started with this one already failed and counted:
+                // one failure per round of attempts, not one per call that waited.
+                Err(_) if e.failed_at.is_some_and(|t| t >= attempt) => {}
                 Err(err) => {
                     e.failures = e.failures.saturating_add(1);
                     let backoff = e.backoff(peer);
-                    e.retry_at = Some(Instant::now() + backoff);
+                    let now = Instant::now();
+                    e.failed_at = Some(now);
+                    e.retry_at = Some(now + backoff);
                     tracing::warn!(node = %peer, %addr, failures = e.failures, retry_in = ?backoff,
                         error = %err, "reconnect failed; backing off");
                 }

@@ -907,6 +907,45 @@ fn a_restarted_peer_is_reached_again_with_back_off() {
     assert!(back_after < Duration::from_secs(5), "{back_after:?}");
 }
 
+/// Calls that find no connection at the same moment each try to connect; when those attempts
+/// all fail, the peer's back-off counts one failure, not one per call (eight calls once made a
+/// first back-off of 2 s, which outlived the restart of the peer they waited for).
+#[test]
+fn concurrent_failed_connects_count_one_failure() {
+    let _g = serial();
+    let addr = free_port();
+    let peer_id = NodeId::new(41);
+    let out = node(40, KEY)
+        .shards(1)
+        .peer_addr(peer_id, addr)
+        .run(move |_node: Node| async move {
+            let peer = Peer::new(peer_id);
+            let calls = (0..8).map(|_| {
+                glommio::spawn_local(async move {
+                    peer.am_send_within(WORK, b"", b"", Duration::from_secs(5))
+                        .await
+                })
+            });
+            let calls: Vec<_> = calls.collect();
+            let mut failed = 0;
+            for c in calls {
+                failed += usize::from(c.await.is_err());
+            }
+            // Within the first back-off (at least 37 ms): answered from the book.
+            let next = peer
+                .am_send_within(WORK, b"", b"", Duration::from_millis(5))
+                .await;
+            (failed, next)
+        })
+        .expect("client node");
+    let (failed, next) = &out[0];
+    assert_eq!(*failed, 8);
+    match next {
+        Err(Error::BackingOff { failures, .. }) => assert_eq!(*failures, 1, "{next:?}"),
+        other => panic!("expected BackingOff, got {other:?}"),
+    }
+}
+
 /// Waits (polling) for the test thread's go-ahead.
 async fn wait_go(rx: &Mutex<mpsc::Receiver<()>>) {
     let t0 = Instant::now();
