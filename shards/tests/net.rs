@@ -566,3 +566,37 @@ fn a_listener_that_cannot_bind_fails_the_run_and_no_shard_serves() {
     );
     drop(taken);
 }
+
+/// Strikes against a peer add up over the node's shards: 50 from each of two shards drop it
+/// (the limit is 100), once, and every shard then sees it banned. (Counted per shard, a peer
+/// spreading its malformed frames over N rails got N times the limit.)
+#[test]
+fn strikes_from_every_shard_add_up_to_one_drop() {
+    let _g = serial();
+    const X: NodeId = NodeId::new(0xBAD);
+    let struck = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let out = run_a(KEY, move |ctx: Rc<ShardCtx>| {
+        let struck = struck.clone();
+        async move {
+            let mut drops = 0;
+            for _ in 0..50 {
+                drops += usize::from(ctx.strike(X));
+                // Interleave the two shards' strikes.
+                glommio::yield_if_needed().await;
+            }
+            struck.fetch_add(1, Ordering::AcqRel);
+            let t0 = Instant::now();
+            while struck.load(Ordering::Acquire) < 2 && t0.elapsed() < LIMIT {
+                sleep(Duration::from_millis(1)).await;
+            }
+            (drops, ctx.is_banned(X), ctx.net_stats().peers_dropped)
+        }
+    });
+    let drops: usize = out.iter().map(|o| o.0).sum();
+    assert_eq!(drops, 1, "{out:?}");
+    assert!(
+        out.iter().all(|o| o.1),
+        "not banned on every shard: {out:?}"
+    );
+    assert_eq!(out.iter().map(|o| o.2).sum::<u64>(), 1, "{out:?}");
+}

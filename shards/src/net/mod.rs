@@ -308,8 +308,8 @@ pub struct NetConfig {
     /// backlog, [`NetStats::backlog_peak_bytes`] the largest seen.
     pub max_backlog_bytes: u64,
     /// Frames from one peer that this node refused as malformed ([`ShardCtx::strike`]: an RPC
-    /// request whose envelope or arguments do not decode) within [`NetConfig::strike_window`]
-    /// on one shard, at which the peer is dropped ([`ShardCtx::drop_peer`]): every shard
+    /// request whose envelope or arguments do not decode) within [`NetConfig::strike_window`],
+    /// counted over all of the node's shards, at which the peer is dropped ([`ShardCtx::drop_peer`]): every shard
     /// closes its rails to it, its session is forgotten, and its handshakes are refused
     /// ([`RejectReason::Banned`](crate::proto::handshake::RejectReason::Banned)) for
     /// [`NetConfig::strike_ban`]. Default 100; 0 never drops a peer.
@@ -613,6 +613,9 @@ pub(crate) struct NodeSettings {
 pub(crate) struct Bans {
     until: std::sync::Mutex<HashMap<NodeId, Instant>>,
     generation: std::sync::atomic::AtomicU64,
+    /// Strikes against peers, counted node-wide ([`ShardCtx::strike`]): when the current window
+    /// began, and how many in it.
+    strikes: std::sync::Mutex<HashMap<NodeId, (Instant, u32)>>,
 }
 
 impl Bans {
@@ -641,6 +644,27 @@ impl Bans {
 
     pub(crate) fn generation(&self) -> u64 {
         self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Counts one strike against `node` at `now`; true when it reaches `limit` within
+    /// `window` (the count then starts again).
+    fn strike(&self, node: NodeId, now: Instant, limit: u32, window: Duration) -> bool {
+        let mut strikes = self.strikes.lock().unwrap_or_else(|e| e.into_inner());
+        let e = strikes.entry(node).or_insert((now, 0));
+        if now.duration_since(e.0) > window {
+            *e = (now, 0);
+        }
+        e.1 += 1;
+        let out = e.1 >= limit;
+        if out {
+            strikes.remove(&node);
+        }
+        out
+    }
+
+    fn forgive(&self, node: NodeId) {
+        let mut strikes = self.strikes.lock().unwrap_or_else(|e| e.into_inner());
+        strikes.remove(&node);
     }
 }
 
@@ -738,9 +762,6 @@ pub(crate) struct NetState {
     /// The buffer short eager payloads are copied into for an inline dispatch, reused while
     /// no frame keeps it ([`inbound`]).
     inline_bytes: Cell<Option<Rc<Vec<u8>>>>,
-    /// Strikes against peers ([`ShardCtx::strike`]): when the current window began, and how
-    /// many in it.
-    strikes: RefCell<HashMap<NodeId, (Instant, u32)>>,
     /// The [`Bans`] generation this shard last closed rails for.
     bans_seen: Cell<u64>,
 }
@@ -961,7 +982,6 @@ impl NetState {
             timer_at: Cell::new(Timestamp::MAX),
             timer_waker: RefCell::new(None),
             rearm_asked: Cell::new(false),
-            strikes: RefCell::default(),
             bans_seen: Cell::new(0),
             batch: Cell::new(None),
             dispatching: Cell::new(false),
@@ -1225,29 +1245,19 @@ impl ShardCtx {
 
     /// Counts one frame from `node` that this shard refused as malformed (the RPC server calls
     /// it for a request whose envelope or arguments do not decode; a handler may call it for
-    /// its own refusals). At [`NetConfig::strike_limit`] strikes within
-    /// [`NetConfig::strike_window`], the peer is dropped ([`ShardCtx::drop_peer`]); returns
-    /// whether this strike dropped it.
+    /// its own refusals). Strikes are counted node-wide (every shard's add up): at
+    /// [`NetConfig::strike_limit`] strikes within [`NetConfig::strike_window`], the peer is
+    /// dropped ([`ShardCtx::drop_peer`]); returns whether this strike dropped it.
     pub fn strike(&self, node: NodeId) -> bool {
         let net = self.net();
         let cfg = &net.settings.cfg;
         if cfg.strike_limit == 0 {
             return false;
         }
-        let now = Instant::now();
-        let out = {
-            let mut strikes = net.strikes.borrow_mut();
-            let e = strikes.entry(node).or_insert((now, 0));
-            if now.duration_since(e.0) > cfg.strike_window {
-                *e = (now, 0);
-            }
-            e.1 += 1;
-            let out = e.1 >= cfg.strike_limit;
-            if out {
-                strikes.remove(&node);
-            }
-            out
-        };
+        let out =
+            net.settings
+                .bans
+                .strike(node, Instant::now(), cfg.strike_limit, cfg.strike_window);
         if out {
             self.drop_peer(node);
         }
@@ -1268,7 +1278,7 @@ impl ShardCtx {
         if let Ok(mut t) = net.settings.sessions.lock() {
             t.remove(&node);
         }
-        net.strikes.borrow_mut().remove(&node);
+        net.settings.bans.forgive(node);
         net.count(|s| s.peers_dropped += 1);
         session::close_node(net, node);
         // The other shards look at the bans on their timer; this one has closed its rails.
