@@ -640,7 +640,6 @@ impl Collector for ShardsCollector {
             let secs = now.saturating_duration_since(snap.at).as_secs_f64();
             ConstGauge::new(secs).encode(age.encode_family(&labels)?)?;
         }
-        drop(age);
         let mut longest = encoder.encode_descriptor(
             "shardcx_driver_stall_longest_seconds",
             "The longest time the progress driver was not polled (of the stalls counted).",

@@ -16,7 +16,10 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The shortest stall that is reported and counted.
+/// The shortest stall that is reported and counted. A stall is measured from the last look that
+/// found the driver polled to the first that finds it polled again (or a watch request from it),
+/// so it can read up to one [`crate::driver::WATCH_SLICE`] short: a stall of 350 ms or more is
+/// always reported.
 pub const STALL_REPORT: Duration = Duration::from_millis(250);
 
 /// At most this many distinct thread states are kept per stall (the rest are counted).
@@ -207,7 +210,7 @@ impl StallWatch {
         tracing::warn!(
             shard = self.shard,
             stalled_ms = ms,
-            "the shard's driver was not polled for {ms} ms (its timers, heartbeats and deadlines \
+            "the shard's driver was not polled for {ms} ms or more (its timers, heartbeats and deadlines \
              waited too); the thread was seen: {}since the first look: {split}",
             seen
         );

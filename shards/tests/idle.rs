@@ -200,8 +200,8 @@ fn a_driver_left_unpolled_is_woken_by_its_watchdog() {
             let before = ctx.driver_watchdog_wakes();
             let (stalls_before, _) = ctx.driver_stalls();
             let rounds = ctx.progress_rounds();
-            // Three watch slices (100 ms each) without yielding.
-            std::thread::sleep(Duration::from_millis(350));
+            // Five watch slices (100 ms each) without yielding.
+            std::thread::sleep(Duration::from_millis(500));
             let t0 = Instant::now();
             glommio::timer::sleep(Duration::from_millis(20)).await;
             let slept = t0.elapsed();
