@@ -1845,6 +1845,44 @@ fn r13_a_soak_with_restarts_and_loss_stays_flat() {
     lab.check_baseline(&mut row, Duration::from_secs(5));
 }
 
+/// R13b (the defect R13 found): UCX's `tcp` transport connected with a blocking `connect(2)` on
+/// the shard's thread, so a lost SYN held the client's shard (its timers, heartbeats and
+/// deadlines) for a second or more. Here every SYN to the server's UCX ports (not its listener)
+/// is dropped for 2.5 s while a load with 500 ms deadlines starts: no stall of the client's
+/// shard is reported, no call ends late, and calls are answered. (With `UCX_TCP_CONN_NB=n` in
+/// the environment, UCX's old default, this fails: "not polled for 2976 ms or more ... S in
+/// connect (wait_woken) x29".)
+#[test]
+fn r13b_a_lost_syn_does_not_stall_the_shard() {
+    let _g = serial();
+    let mut row = Row::new("R13b", "SYNs to UCX's ports dropped for 2.5 s at start");
+    require_lab!(row);
+    let mut lab = Lab::new();
+    lab.start_server();
+    lab.take_baseline(&mut row);
+    let drop_syn = format!("tcp dport != {PORT} tcp flags & (syn | ack) == syn drop");
+    lab.nft_table("sxsyn", &drop_syn, "accept");
+    let load = lab.start_load(1, 6, 500);
+    std::thread::sleep(Duration::from_millis(2500));
+    lab.nft(&["delete table inet sxsyn".to_owned()]);
+    let s = lab.summary(load, Duration::from_secs(60));
+    eprintln!("R13b h1: {}", s.0);
+    let err = std::fs::read_to_string(lab.dir.join("h1.err")).unwrap_or_default();
+    let stalls: Vec<&str> = err.lines().filter(|l| l.contains("not polled")).collect();
+    row.fig(format!(
+        "{} ok, failed {:?}, late {}, {} stall report(s)",
+        s.n("ok"),
+        s.failed(),
+        s.n("late"),
+        stalls.len()
+    ));
+    s.assert_none_late("h1");
+    assert!(stalls.is_empty(), "the client's shard stalled: {stalls:?}");
+    assert!(s.n("ok") > 0, "no call answered once SYNs passed: {}", s.0);
+    lab.check_oracles(&mut row, &[]);
+    lab.check_baseline(&mut row, Duration::from_secs(5));
+}
+
 /// R8: 64 client shards (4 processes of 16, two hosts) connect at once and make 100 calls
 /// each, then all close. Every shard connects within 10 s (a failed connect may be tried again
 /// within them: counted and printed), no call fails, and the server's rails, fds and memory
