@@ -208,6 +208,22 @@ fn family(
     Ok(())
 }
 
+/// A gauge family in seconds (a float), one series per shard.
+fn seconds_family(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    snaps: &[(usize, Snapshot)],
+    secs: impl Fn(&Snapshot) -> f64,
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (shard, snap) in snaps {
+        let labels = [("shard", shard.to_string())];
+        ConstGauge::new(secs(snap)).encode(metric.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
 impl Collector for ShardsCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         use MetricType::{Counter, Gauge};
@@ -629,28 +645,20 @@ impl Collector for ShardsCollector {
             Gauge,
             &one(|s| s.pool_registered),
         )?;
-        let mut age = encoder.encode_descriptor(
+        seconds_family(
+            &mut encoder,
             "shardcx_metrics_age_seconds",
             "How old this shard's published figures are.",
-            None,
-            Gauge,
+            &snaps,
+            |snap| now.saturating_duration_since(snap.at).as_secs_f64(),
         )?;
-        for (shard, snap) in &snaps {
-            let labels = [("shard", shard.to_string())];
-            let secs = now.saturating_duration_since(snap.at).as_secs_f64();
-            ConstGauge::new(secs).encode(age.encode_family(&labels)?)?;
-        }
-        let mut longest = encoder.encode_descriptor(
+        seconds_family(
+            &mut encoder,
             "shardcx_driver_stall_longest_seconds",
             "The longest time the progress driver was not polled (of the stalls counted).",
-            None,
-            Gauge,
+            &snaps,
+            |snap| snap.stalls.1 as f64 / 1000.0,
         )?;
-        for (shard, snap) in &snaps {
-            let labels = [("shard", shard.to_string())];
-            let secs = snap.stalls.1 as f64 / 1000.0;
-            ConstGauge::new(secs).encode(longest.encode_family(&labels)?)?;
-        }
         Ok(())
     }
 }
