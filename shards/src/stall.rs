@@ -218,6 +218,7 @@ impl StallWatch {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
 
