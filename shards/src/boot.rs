@@ -147,6 +147,16 @@ async fn nudged_until_polled<T>(
     fut.await
 }
 
+/// Runs `fut` on executor `ex` (made on this thread with `LocalExecutorBuilder::make`, not
+/// glommio's `spawn`), nudging the thread with a signal until `fut` is first polled: glommio
+/// 0.9's `run` can park before it runs the task it was given (see [`start_nudger`]). The
+/// nudger's thread is named `shardcx-nudge-{shard}`. For every executor shardcx makes: the
+/// shards, and probes such as `shardcx info`'s.
+pub fn run_nudged<T>(ex: glommio::LocalExecutor, shard: usize, fut: impl Future<Output = T>) -> T {
+    let nudger = start_nudger(shard);
+    ex.run(nudged_until_polled(nudger, fut))
+}
+
 /// The size of a shared-memory FIFO element (UCX's `MM_FIFO_ELEM_SIZE`, 128 by default) that
 /// shards ask for, unless the environment sets [`MM_FIFO_ELEM_ENV`]. A message goes by UCX's
 /// short path (copied into the element, no request) only when it fits one element; every
@@ -455,10 +465,9 @@ impl ShardsBuilder {
                     })?;
                     // Every event on this shard's thread (all its tasks) carries `shard=N`.
                     let span = tracing::info_span!("shard", id = shard).entered();
-                    let nudger = start_nudger(shard);
-                    ex.run(async move {
+                    run_nudged(ex, shard, async move {
                         let _span = span;
-                        nudged_until_polled(nudger, me.shard_main(shard, ends, f)).await
+                        me.shard_main(shard, ends, f).await
                     })
                 })
                 .map_err(|e| BootError::Executor {
@@ -935,8 +944,7 @@ mod tests {
                     let _ = tx.send(None);
                     return;
                 };
-                let nudger = start_nudger(i);
-                let ran = ex.run(nudged_until_polled(nudger, async { true }));
+                let ran = run_nudged(ex, i, async { true });
                 let _ = tx.send(Some(ran));
             });
             match rx.recv_timeout(Duration::from_secs(20)) {

@@ -492,8 +492,7 @@ fn io_uring_status() -> String {
             .map_err(|e| e.to_string())?;
         // glommio 0.9 can park before running the task it was given; signals end that park
         // (README, "Known problems and pitfalls").
-        let nudger = shardcx::ucx::Nudger::start(Duration::from_millis(20), "shardcx-nudge").ok();
-        ex.run(async move { drop(nudger) });
+        shardcx::shards::boot::run_nudged(ex, 0, async {});
         Ok::<(), String>(())
     })
     .join();

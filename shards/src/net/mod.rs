@@ -764,6 +764,9 @@ pub(crate) struct NetState {
     inline_bytes: Cell<Option<Rc<Vec<u8>>>>,
     /// The [`Bans`] generation this shard last closed rails for.
     bans_seen: Cell<u64>,
+    /// The most bytes one rail's backlog held ([`NetStats::backlog_peak_bytes`], which is
+    /// written only when this grows: the stats are not borrowed for every posted frame).
+    backlog_peak: Cell<u64>,
 }
 
 impl NetConfig {
@@ -983,6 +986,7 @@ impl NetState {
             timer_waker: RefCell::new(None),
             rearm_asked: Cell::new(false),
             bans_seen: Cell::new(0),
+            backlog_peak: Cell::new(0),
             batch: Cell::new(None),
             dispatching: Cell::new(false),
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),

@@ -376,7 +376,10 @@ fn reserve(net: &NetState, node: NodeId, p: &RailConn, bytes: usize) -> Result<u
     let limit = net.settings.cfg.max_backlog_bytes;
     match p.backlog.reserve(bytes, limit) {
         Ok(held) => {
-            net.count(|s| s.backlog_peak_bytes = s.backlog_peak_bytes.max(held));
+            if held > net.backlog_peak.get() {
+                net.backlog_peak.set(held);
+                net.count(|s| s.backlog_peak_bytes = held);
+            }
             Ok(bytes)
         }
         Err(held) => {
