@@ -953,3 +953,65 @@ fn frame_handlers_only_for_request_kinds() {
         assert!(matches!(r, Err(NetError::BadKind { .. })), "{r:?}");
     });
 }
+
+/// Slow handlers do not silence a shard: B's handler takes 30 ms a frame and A sends 60
+/// frames at once (1.8 s of handler time), with peers declared dead after 500 ms without a
+/// heartbeat. B's dispatch stops at glommio's preempt timer and yields (the rest stays
+/// recorded), so its heartbeats still go out: every frame is handled, in order, and neither
+/// side declares the other dead. (Dispatched all in one go, they held B's shard for 1.8 s.)
+#[test]
+fn slow_handlers_leave_room_for_heartbeats() {
+    const SLOW: AmId = AmId::new(14);
+    const FRAMES: usize = 60;
+    let _g = serial();
+    let cfg = NetConfig {
+        heartbeat_interval: Duration::from_millis(100),
+        dead_after: 5,
+        ..net_config()
+    };
+    let got = Arc::new(AtomicUsize::new(0));
+    let bad = Arc::new(AtomicUsize::new(0));
+    let (got_b, bad_b) = (got.clone(), bad.clone());
+    let b = start_b(cfg.clone(), move |ctx: &Rc<ShardCtx>| {
+        let (got, bad) = (got_b.clone(), bad_b.clone());
+        ctx.set_net_handler(SLOW, move |_, _, payload| {
+            if payload.first().copied() != Some(got.load(Ordering::Acquire) as u8) {
+                bad.fetch_add(1, Ordering::Relaxed);
+            }
+            std::thread::sleep(Duration::from_millis(30));
+            got.fetch_add(1, Ordering::Release);
+        });
+    });
+    let addr = b.addr;
+    let got_a = got.clone();
+    let out = run_a(cfg, move |ctx| {
+        let got = got_a.clone();
+        async move {
+            if ctx.id() != RAIL_HOLDER {
+                return None;
+            }
+            ctx.connect(addr).await.expect("connect");
+            for i in 0..FRAMES {
+                ctx.send_am_now(b0(), SLOW, &[], &[i as u8; 8])
+                    .expect("sent");
+            }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while got.load(Ordering::Acquire) < FRAMES && Instant::now() < deadline {
+                sleep(Duration::from_millis(5)).await;
+            }
+            Some(ctx.net_stats())
+        }
+    });
+    let reports = b.finish();
+    let a = out
+        .into_iter()
+        .flatten()
+        .next()
+        .expect("the rail holder reports");
+    assert_eq!(got.load(Ordering::Acquire), FRAMES, "{a:?}");
+    assert_eq!(bad.load(Ordering::Relaxed), 0, "frames out of order");
+    assert_eq!(a.peers_dead, 0, "A declared B dead: {a:?}");
+    for r in &reports {
+        assert_eq!(r.stats.peers_dead, 0, "B declared A dead: {:?}", r.stats);
+    }
+}

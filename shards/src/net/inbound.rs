@@ -18,7 +18,7 @@ use super::{
     parse_am_header, NetError, NetState, DATA_AM, FRAME_AM, MAX_ADDR_LEN, MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
-use crate::driver::{DispatchHook, Dispatched};
+use crate::driver::{DispatchHook, Dispatched, DISPATCH_BUDGET};
 use crate::pool::PoolBuf;
 use crate::proto::conn::{DropReason, Received};
 use crate::proto::handshake::{HandshakeMessage, Role};
@@ -427,7 +427,8 @@ fn dispatch_inline(
     // Cleared at the end, and by the driver's dispatch hook after every `progress` should this
     // end early (a panic outside the handler, caught further up in UCX's callback wrapper).
     net.dispatching.set(true);
-    net.inline_left.set(net.inline_left.get().saturating_sub(1));
+    let left = net.inline_left.get().saturating_sub(1);
+    net.inline_left.set(left);
     let (now, _) = net.batch_now(ctx.progress_rounds());
     if accepted(net, node, &header, now, true) {
         net.count(|s| s.dispatched_in_callback += 1);
@@ -442,7 +443,21 @@ fn dispatch_inline(
             },
         );
     }
+    // Handlers that take long must not keep the shard's timers and heartbeats waiting: once
+    // glommio's preempt timer says so, the rest of this `progress` is recorded for the driver's
+    // dispatch, which yields between its items. Not looked at after the first frame of a
+    // `progress` (the driver yields after the round anyway): a round trip's one frame pays
+    // nothing for it.
+    if left < DISPATCH_BUDGET - 1 && preempt_due() {
+        net.inline_left.set(0);
+    }
     net.dispatching.set(false);
+}
+
+/// Whether the shard's executor wants the thread back for its timers and I/O (glommio's
+/// preempt timer, 1 ms here, has fired): a dispatch stops there and leaves the rest recorded.
+fn preempt_due() -> bool {
+    glommio::executor().need_preempt()
 }
 
 /// The driver's dispatch hook of shard `ctx` (see [`crate::driver::DispatchHook`]): one look
@@ -486,10 +501,18 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
         let Some(item) = item else { break };
         n += 1;
         handle(ctx, net, item, net.batch_now(round).0);
+        // Slow handlers: at least two inputs per round, then the timers' turn when due (see
+        // `preempt_due`).
+        if n > 1 && preempt_due() {
+            break;
+        }
     }
-    if n == budget && !net.inbox.borrow().is_empty() {
+    // Inputs left: the budget ran out (a flood, counted), or a slow handler's preemption.
+    if n > 0 && !net.inbox.borrow().is_empty() {
         backlog = true;
-        net.count(|s| s.dispatch_budget_hits += 1);
+        if n == budget {
+            net.count(|s| s.dispatch_budget_hits += 1);
+        }
     }
     Dispatched {
         handled: n,
