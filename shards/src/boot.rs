@@ -149,9 +149,9 @@ async fn nudged_until_polled<T>(
 
 /// Runs `fut` on executor `ex` (made on this thread with `LocalExecutorBuilder::make`, not
 /// glommio's `spawn`), nudging the thread with a signal until `fut` is first polled: glommio
-/// 0.9's `run` can park before it runs the task it was given (see [`start_nudger`]). The
-/// nudger's thread is named `shardcx-nudge-{shard}`. For every executor shardcx makes: the
-/// shards, and probes such as `shardcx info`'s.
+/// 0.9's `run` can park before it runs the task it was given (README, "Known problems and
+/// pitfalls"; [`shardcx_ucx::Nudger`]). The nudger's thread is named `shardcx-nudge-{shard}`.
+/// For every executor shardcx makes: the shards, and probes such as `shardcx info`'s.
 pub fn run_nudged<T>(ex: glommio::LocalExecutor, shard: usize, fut: impl Future<Output = T>) -> T {
     let nudger = start_nudger(shard);
     ex.run(nudged_until_polled(nudger, fut))
