@@ -164,6 +164,22 @@ where
         .expect("node A failed")
 }
 
+/// Waits (polling every `step`) until `count` reaches `n`, for at most `limit`.
+async fn wait_for_count(count: &AtomicUsize, n: usize, limit: Duration, step: Duration) {
+    let deadline = Instant::now() + limit;
+    while count.load(Ordering::Acquire) < n && Instant::now() < deadline {
+        sleep(step).await;
+    }
+}
+
+/// The one shard of A that reported (the others returned `None`).
+fn the_one<T>(out: Vec<Option<T>>) -> T {
+    out.into_iter()
+        .flatten()
+        .next()
+        .expect("the reporting shard of A")
+}
+
 /// Keeps a shard of A alive (serving forwards) until both shards are done, bounded.
 async fn wait_for_both(finished: &AtomicUsize) {
     finished.fetch_add(1, Ordering::AcqRel);
@@ -418,19 +434,12 @@ fn a_burst_of_eager_frames_arrives_in_order() {
                 payload[..8].copy_from_slice(&seq.to_le_bytes());
                 ctx.send_am(b0(), SEQ, payload).await.expect("queued");
             }
-            let deadline = Instant::now() + LIMIT;
-            while got.load(Ordering::Acquire) < FRAMES as usize && Instant::now() < deadline {
-                sleep(Duration::from_millis(1)).await;
-            }
+            wait_for_count(&got, FRAMES as usize, LIMIT, Duration::from_millis(1)).await;
             Some(ctx.net_stats())
         }
     });
     let _ = b.finish();
-    let sent = sent
-        .into_iter()
-        .flatten()
-        .next()
-        .expect("the owner's stats");
+    let sent = the_one(sent);
     assert_eq!(got.load(Ordering::Acquire), FRAMES as usize, "{sent:?}");
     assert_eq!(
         bad.load(Ordering::Relaxed),
@@ -500,11 +509,7 @@ fn a_shorter_request_times_out_at_its_own_deadline() {
         Some((r, took))
     });
     let _ = b.finish();
-    let (r, took) = got
-        .into_iter()
-        .flatten()
-        .next()
-        .expect("the owner's result");
+    let (r, took) = the_one(got);
     assert_eq!(r, Err(NetError::TimedOut { what: "request" }));
     assert!(took >= Duration::from_millis(50), "gave up early: {took:?}");
     assert!(took < Duration::from_millis(1000), "took {took:?}");
@@ -548,10 +553,8 @@ fn pending_requests_fail_when_the_peer_shuts_down() {
                 }));
             }
             // Once B has every request, stop B.
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while seen.load(Ordering::Acquire) < 2 * PER_SHARD && Instant::now() < deadline {
-                sleep(Duration::from_millis(2)).await;
-            }
+            let (limit, step) = (Duration::from_secs(10), Duration::from_millis(2));
+            wait_for_count(&seen, 2 * PER_SHARD, limit, step).await;
             b_done.store(true, Ordering::Release);
             let mut out = Vec::new();
             for t in tasks {
@@ -627,10 +630,7 @@ fn requests_pending_at_shutdown_are_answered_within_the_drain_timeout() {
                     .push(r.map(|(_, p)| p).map_err(|e| e.to_string()));
             })
             .detach();
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while seen.load(Ordering::Acquire) < 1 && Instant::now() < deadline {
-                sleep(Duration::from_millis(2)).await;
-            }
+            wait_for_count(&seen, 1, Duration::from_secs(10), Duration::from_millis(2)).await;
         }
     });
     let _ = b.finish();
@@ -912,11 +912,7 @@ fn a_stalled_peer_fills_the_rails_backlog_and_further_sends_are_refused() {
         }
     });
     b.finish();
-    let (accepted, arrived, refused, drained, big_arrived, stats) = got
-        .into_iter()
-        .flatten()
-        .next()
-        .expect("the rail holder reports");
+    let (accepted, arrived, refused, drained, big_arrived, stats) = the_one(got);
     eprintln!("accepted {accepted}, refused {refused:?}, stats {stats:?}");
     let (at, held, said_limit, read) = refused.expect("a send was refused");
     assert_eq!(said_limit, limit);
@@ -995,19 +991,18 @@ fn slow_handlers_leave_room_for_heartbeats() {
                 ctx.send_am_now(b0(), SLOW, &[], &[i as u8; 8])
                     .expect("sent");
             }
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while got.load(Ordering::Acquire) < FRAMES && Instant::now() < deadline {
-                sleep(Duration::from_millis(5)).await;
-            }
+            wait_for_count(
+                &got,
+                FRAMES,
+                Duration::from_secs(20),
+                Duration::from_millis(5),
+            )
+            .await;
             Some(ctx.net_stats())
         }
     });
     let reports = b.finish();
-    let a = out
-        .into_iter()
-        .flatten()
-        .next()
-        .expect("the rail holder reports");
+    let a = the_one(out);
     assert_eq!(got.load(Ordering::Acquire), FRAMES, "{a:?}");
     assert_eq!(bad.load(Ordering::Relaxed), 0, "frames out of order");
     assert_eq!(a.peers_dead, 0, "A declared B dead: {a:?}");
