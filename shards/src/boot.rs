@@ -630,6 +630,11 @@ impl ShardsBuilder {
             mesh.drain().await;
             net::shutdown(&ctx, self.mesh.drain_timeout).await;
             mesh.close(mesh_tasks);
+            // The driver's waker thread, whose watchdog ends a glommio park, exits once the
+            // driver stops: a park from here to the end of this shard would be for good (seen
+            // once in R8b, 2026-11-28: a one-shard node parked in `run` with no waker thread
+            // and no nudger). Signals end it, as they do before the shard's first poll.
+            let _nudger = start_nudger(shard);
             ctx.driver.stop();
             progress.await;
         })
