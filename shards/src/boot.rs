@@ -180,37 +180,46 @@ pub const TCP_CONN_NB: &str = "y";
 /// The environment variable that overrides [`TCP_CONN_NB`].
 pub const TCP_CONN_NB_ENV: &str = "UCX_TCP_CONN_NB";
 
-/// Whether UCX may open its `tcp` transport with transport list `tls` (`UCX_TLS` syntax;
-/// `None`: UCX's default, all of them). Setting [`TCP_CONN_NB`] otherwise makes UCX warn that
-/// the setting is invalid.
-fn uses_tcp(tls: Option<&str>) -> bool {
-    tls.is_none_or(|tls| {
-        let tokens: Vec<&str> = tls
-            .split(',')
-            .map(|t| t.trim().trim_start_matches('\\'))
-            .collect();
-        if tokens.iter().any(|t| t.starts_with('^')) {
-            // A list of transports to leave out.
-            !tokens.iter().any(|t| t.trim_start_matches('^') == "tcp")
-        } else {
-            tokens.iter().any(|t| matches!(*t, "all" | "tcp"))
-        }
-    })
+/// A family of UCX transports as a `UCX_TLS` list names it: any of `names` selects it, and
+/// leaving out any of `whole` (with `^`) leaves all of it out.
+struct Family {
+    names: &'static [&'static str],
+    whole: &'static [&'static str],
 }
 
-/// Whether UCX may open a shared-memory FIFO transport with transport list `tls` (`UCX_TLS`
-/// syntax; `None`: UCX's default, all of them). Setting [`MM_FIFO_ELEM_SIZE`] otherwise makes
-/// UCX warn that the setting is invalid.
-fn uses_shared_memory(tls: Option<&str>) -> bool {
-    tls.is_none_or(|tls| {
-        tls.split(',').map(str::trim).any(|t| {
-            t.starts_with('^')
-                || matches!(
-                    t.trim_start_matches('\\'),
-                    "all" | "sm" | "shm" | "mm" | "posix" | "sysv" | "xpmem"
-                )
-        })
-    })
+/// UCX's `tcp` transport.
+const TCP: Family = Family {
+    names: &["tcp"],
+    whole: &["tcp"],
+};
+
+/// UCX's shared-memory FIFO transports, and the aliases that stand for all of them.
+const SHARED_MEMORY: Family = Family {
+    names: &["sm", "shm", "mm", "posix", "sysv", "xpmem"],
+    whole: &["sm", "shm", "mm"],
+};
+
+/// Whether UCX may open a transport of `family` with transport list `tls` (`UCX_TLS` syntax: a
+/// comma-separated list of transports and aliases, `all`, a `\` before a name that is not to
+/// be expanded as an alias, or a list to leave out when it starts with `^`; `None`: UCX's
+/// default, all of them). A setting for a transport UCX does not open makes it warn that the
+/// setting is invalid: [`TCP_CONN_NB`] and [`MM_FIFO_ELEM_SIZE`] are set only where this holds.
+fn may_open(tls: Option<&str>, family: &Family) -> bool {
+    let Some(tls) = tls else { return true };
+    let tokens: Vec<&str> = tls
+        .split(',')
+        .map(|t| t.trim().trim_start_matches('\\'))
+        .collect();
+    if tokens.iter().any(|t| t.starts_with('^')) {
+        // A list of transports to leave out.
+        !tokens
+            .iter()
+            .any(|t| family.whole.contains(&t.trim_start_matches('^')))
+    } else {
+        tokens
+            .iter()
+            .any(|t| *t == "all" || family.names.contains(t))
+    }
 }
 
 /// A hook run on every shard once its state is built (see [`ShardsBuilder::on_start`]).
@@ -556,11 +565,12 @@ impl ShardsBuilder {
             .transports
             .clone()
             .or_else(|| std::env::var("UCX_TLS").ok());
-        if std::env::var_os(MM_FIFO_ELEM_ENV).is_none() && uses_shared_memory(tls.as_deref()) {
+        if std::env::var_os(MM_FIFO_ELEM_ENV).is_none() && may_open(tls.as_deref(), &SHARED_MEMORY)
+        {
             // A UCX without the setting keeps its default: only slower, never wrong.
             let _ = config.set(&MM_FIFO_ELEM_ENV["UCX_".len()..], MM_FIFO_ELEM_SIZE);
         }
-        if std::env::var_os(TCP_CONN_NB_ENV).is_none() && uses_tcp(tls.as_deref()) {
+        if std::env::var_os(TCP_CONN_NB_ENV).is_none() && may_open(tls.as_deref(), &TCP) {
             // A UCX without the setting keeps its blocking connects.
             // UCX matches a cached transport setting against the tcp table's own field names, which
             // carry no `TCP_` prefix.
@@ -991,11 +1001,12 @@ mod tests {
             Some("^tcp"),
             Some("all"),
             Some("tcp,\\sysv"),
+            Some("^posix"),
         ] {
-            assert!(uses_shared_memory(tls), "{tls:?}");
+            assert!(may_open(tls, &SHARED_MEMORY), "{tls:?}");
         }
-        for tls in ["tcp", "tcp,self", "rc,ud", ""] {
-            assert!(!uses_shared_memory(Some(tls)), "{tls}");
+        for tls in ["tcp", "tcp,self", "rc,ud", "", "^sm", "^tcp,shm"] {
+            assert!(!may_open(Some(tls), &SHARED_MEMORY), "{tls}");
         }
     }
 
@@ -1009,10 +1020,10 @@ mod tests {
             Some("all"),
             Some("\\tcp"),
         ] {
-            assert!(uses_tcp(tls), "{tls:?}");
+            assert!(may_open(tls, &TCP), "{tls:?}");
         }
         for tls in ["sm", "posix,self", "^tcp", "^sm,tcp", "rc,ud", ""] {
-            assert!(!uses_tcp(Some(tls)), "{tls}");
+            assert!(!may_open(Some(tls), &TCP), "{tls}");
         }
     }
 
