@@ -576,17 +576,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Watch {
     /// One look of the watchdog, every [`WATCH_SLICE`] at most: if the driver has not been
-    /// polled since the last look (`seen`), wake its task from this thread. glommio then
-    /// writes its executor's event fd, which ends a park that nothing else would end. `stall`
-    /// records what the shard's thread does meanwhile (see [`crate::stall`]).
-    fn look(&self, seen: &mut u64, stall: &mut StallWatch) {
-        let polls = self.polls.load(Ordering::Relaxed);
-        if polls != *seen {
-            *seen = polls;
-            stall.polled(&self.stalls);
+    /// polled since the last look (`stall` keeps the poll count it saw), wake its task from
+    /// this thread. glommio then writes its executor's event fd, which ends a park that
+    /// nothing else would end. `stall` records what the shard's thread does meanwhile (see
+    /// [`crate::stall`]).
+    fn look(&self, stall: &mut StallWatch) {
+        if stall.look(self.polls.load(Ordering::Relaxed), &self.stalls) {
             return;
         }
-        stall.not_polled();
         if let Some(w) = lock(&self.waker).as_ref() {
             w.wake_by_ref();
             self.wakes.fetch_add(1, Ordering::Relaxed);
@@ -614,7 +611,6 @@ fn waker_thread(
         return;
     }
     let mut byte = [0u8; 1];
-    let mut seen = 0;
     loop {
         match stream.read(&mut byte) {
             // The driver asks to sleep: it runs, whatever the looks saw since.
@@ -628,7 +624,7 @@ fn waker_thread(
                 if stop.load(Ordering::Acquire) {
                     return;
                 }
-                watch.look(&mut seen, &mut stall);
+                watch.look(&mut stall);
                 continue;
             }
             _ => return,
@@ -640,7 +636,7 @@ fn waker_thread(
             if stop.load(Ordering::Acquire) {
                 break;
             }
-            watch.look(&mut seen, &mut stall);
+            watch.look(&mut stall);
         }
         if stream.write_all(b"e").is_err() {
             return;

@@ -132,6 +132,9 @@ struct Open {
 pub(crate) struct StallWatch {
     shard: usize,
     tid: Option<u32>,
+    /// The driver's poll count at the last look.
+    polls: u64,
+    /// When a look last found it changed.
     last_polled: Instant,
     open: Option<Open>,
 }
@@ -141,9 +144,23 @@ impl StallWatch {
         Self {
             shard,
             tid,
+            polls: 0,
             last_polled: Instant::now(),
             open: None,
         }
+    }
+
+    /// One look at the driver's poll count `polls`: whether it was polled since the last
+    /// look. If so, a stall that was open ends (and is reported if long enough); if not, what
+    /// the shard's thread is doing is recorded.
+    pub(crate) fn look(&mut self, polls: u64, stats: &StallStats) -> bool {
+        if polls == self.polls {
+            self.not_polled();
+            return false;
+        }
+        self.polls = polls;
+        self.polled(stats);
+        true
     }
 
     /// A look found the driver polled since the last one: a stall that was open ends (and
@@ -157,7 +174,7 @@ impl StallWatch {
     }
 
     /// A look found no poll since the last one.
-    pub(crate) fn not_polled(&mut self) {
+    fn not_polled(&mut self) {
         let Some(tid) = self.tid else {
             return;
         };
