@@ -29,6 +29,7 @@
 //! | `shardcx_driver_rounds`, `shardcx_driver_sleeps` | counter | progress rounds, and sleeps of an idle shard |
 //! | `shardcx_driver_stalls`, `shardcx_driver_stall_longest_seconds` | counter, gauge | times the driver was not polled for 250 ms or more (a blocking call or a task that does not yield on the shard's thread; each is logged with what the thread was doing), and the longest |
 //! | `shardcx_dispatch_budget_hits` | counter | dispatch rounds cut at the budget (a flood) |
+//! | `shardcx_dispatch_preempted` | counter | dispatches cut short for the executor's timers and I/O (slow handlers) |
 //! | `shardcx_connected_nodes` | gauge | nodes this shard has a ready default rail to |
 //! | `shardcx_pending_requests` | gauge | requests waiting for a reply on this shard |
 //! | `shardcx_backlog_bytes`, `shardcx_backlog_peak_bytes` | gauge | bytes of frames this shard's rails hold that UCX has not completed (a slow or stopped peer), now and the most one rail held |
@@ -450,6 +451,13 @@ impl Collector for ShardsCollector {
             "Dispatch rounds cut at the budget with inputs left (a flood).",
             Counter,
             &one(|s| s.net.dispatch_budget_hits),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_dispatch_preempted",
+            "Dispatches cut short for the executor's timers and I/O (slow handlers).",
+            Counter,
+            &one(|s| s.net.dispatch_preempted),
         )?;
         family(
             &mut encoder,

@@ -954,7 +954,8 @@ fn frame_handlers_only_for_request_kinds() {
 /// frames at once (1.8 s of handler time), with peers declared dead after 500 ms without a
 /// heartbeat. B's dispatch stops at glommio's preempt timer and yields (the rest stays
 /// recorded), so its heartbeats still go out: every frame is handled, in order, and neither
-/// side declares the other dead. (Dispatched all in one go, they held B's shard for 1.8 s.)
+/// side declares the other dead, and B counts its dispatches cut short
+/// (`dispatch_preempted`). (Dispatched all in one go, they held B's shard for 1.8 s.)
 #[test]
 fn slow_handlers_leave_room_for_heartbeats() {
     const SLOW: AmId = AmId::new(14);
@@ -1009,4 +1010,7 @@ fn slow_handlers_leave_room_for_heartbeats() {
     for r in &reports {
         assert_eq!(r.stats.peers_dead, 0, "B declared A dead: {:?}", r.stats);
     }
+    // Cut short by the preempt timer, and counted so (not as a flood).
+    let preempted: u64 = reports.iter().map(|r| r.stats.dispatch_preempted).sum();
+    assert!(preempted > 0, "{reports:?}");
 }

@@ -450,6 +450,7 @@ fn dispatch_inline(
     // nothing for it.
     if left < DISPATCH_BUDGET - 1 && preempt_due() {
         net.inline_left.set(0);
+        net.count(|s| s.dispatch_preempted += 1);
     }
     net.dispatching.set(false);
 }
@@ -496,6 +497,7 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
     let net = ctx.net();
     let mut n = 0;
     let mut backlog = false;
+    let mut preempted = false;
     while n < budget {
         let item = net.inbox.borrow_mut().pop_front();
         let Some(item) = item else { break };
@@ -504,13 +506,16 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
         // Slow handlers: at least two inputs per round, then the timers' turn when due (see
         // `preempt_due`).
         if n > 1 && preempt_due() {
+            preempted = true;
             break;
         }
     }
-    // Inputs left: the budget ran out (a flood, counted), or a slow handler's preemption.
+    // Inputs left: the budget ran out (a flood) or a slow handler's preemption, counted apart.
     if n > 0 && !net.inbox.borrow().is_empty() {
         backlog = true;
-        if n == budget {
+        if preempted {
+            net.count(|s| s.dispatch_preempted += 1);
+        } else if n == budget {
             net.count(|s| s.dispatch_budget_hits += 1);
         }
     }

@@ -424,6 +424,10 @@ pub struct NetStats {
     pub handler_panics: u64,
     /// Dispatch rounds that stopped at the driver's budget with inputs left (a flood).
     pub dispatch_budget_hits: u64,
+    /// Dispatches cut short because the shard's executor wanted the thread back for its
+    /// timers and I/O (glommio's preempt timer fired: slow handlers), with the rest of the
+    /// inputs left for the driver's next round.
+    pub dispatch_preempted: u64,
     /// Rendezvous data without a chosen buffer received into a block of the shard's pool.
     pub rndv_pooled: u64,
     /// ... into a recycled vector of the shard's receive cache ([`buffers`]).

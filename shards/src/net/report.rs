@@ -20,6 +20,7 @@ fn problems(s: &NetStats) -> Vec<(&'static str, u64)> {
         ("declined", s.declined),
         ("handler_panics", s.handler_panics),
         ("dispatch_budget_hits", s.dispatch_budget_hits),
+        ("dispatch_preempted", s.dispatch_preempted),
         ("bootstraps_refused", s.bootstraps_refused),
         ("bootstraps_timed_out", s.bootstraps_timed_out),
         ("bootstraps_over_cap", s.bootstraps_over_cap),
