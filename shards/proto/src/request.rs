@@ -117,7 +117,8 @@ enum DedupState<R> {
 ///
 /// A fresh request costs one lookup of its key (which also inserts it), one of its node and
 /// one of its shard's floor in the node's small table; [`DedupWindow::complete`] one more; its
-/// eviction two more. Keys are hashed with a
+/// eviction two more. The table is made with room for `max_entries` (up to 64 Ki), so that it
+/// never grows (rehashing every entry) on a request's path. Keys are hashed with a
 /// keyed multiply-fold hash ([`DedupHasher`]), several times cheaper than std's SipHash, whose
 /// key is drawn per window from std's [`RandomState`] (as `HashMap::new` does). Request ids and
 /// node ids come from the network, but a peer that does not know the key cannot choose ids
@@ -430,6 +431,10 @@ impl<T> Default for PendingTable<T> {
     }
 }
 
+/// The most entries a [`DedupWindow`] makes room for when it is made; a larger window grows
+/// past it as requests arrive.
+const PRESIZE_MAX: usize = 64 * 1024;
+
 impl<R> DedupWindow<R> {
     /// A window holding at most `max_entries` requests (at least 1) for at most `max_age` each.
     pub fn new(max_entries: usize, max_age: Duration) -> DedupWindow<R> {
@@ -442,11 +447,17 @@ impl<R> DedupWindow<R> {
         max_age: Duration,
         hasher: DedupHasher,
     ) -> DedupWindow<R> {
+        let max_entries = max_entries.max(1);
+        // Sized for a full window from the start (up to PRESIZE_MAX entries): growing the
+        // table by rehashing every entry took 300 thousand instructions at a time on the path
+        // of one request (about 100 us at 16 Ki entries, seen in `scripts/count-instructions
+        // --test rpc-lat`). The buckets' pages are touched only as entries land in them.
+        let presize = max_entries.min(PRESIZE_MAX);
         DedupWindow {
-            max_entries: max_entries.max(1),
+            max_entries,
             max_age,
-            entries: HashMap::with_hasher(hasher.clone()),
-            order: VecDeque::new(),
+            entries: HashMap::with_capacity_and_hasher(presize, hasher.clone()),
+            order: VecDeque::with_capacity(presize),
             nodes: HashMap::with_hasher(hasher.clone()),
             hasher,
             evicted: 0,
@@ -730,6 +741,26 @@ mod tests {
             shard: ShardId::new(shard),
             req_id: ReqId::new(req),
         }
+    }
+
+    /// The window's tables are made with room for a full window: filling it, and turning it
+    /// over twice (evictions and fresh keys), never grows them (a growth rehashes every entry
+    /// on one request's path).
+    #[test]
+    fn a_full_window_never_grows_its_tables() {
+        const MAX: usize = 4096;
+        let mut w: DedupWindow<u64> = DedupWindow::new(MAX, Duration::from_secs(3600));
+        let (entries, order) = (w.entries.capacity(), w.order.capacity());
+        assert!(entries >= MAX && order >= MAX, "{entries} {order}");
+        for req in 1..=(3 * MAX as u64) {
+            let k = key(1, 1, req);
+            assert_eq!(w.check_and_insert(t(req), k), DedupVerdict::Fresh);
+            assert!(w.complete(k, req));
+        }
+        assert!(w.len() <= MAX && w.evicted() >= 2 * MAX as u64 - 1);
+        // Tombstones of evicted keys may lower what `capacity` reports; growing raises it.
+        assert!(w.entries.capacity() <= entries, "the key table grew");
+        assert_eq!(w.order.capacity(), order, "the age queue grew");
     }
 
     #[test]
