@@ -274,6 +274,27 @@ fn requests_from_owner_and_non_owner_get_their_replies() {
                 want.reverse();
                 assert_eq!(reply, want);
             }
+            if ctx.id() == owner_a {
+                // A short request gives its vector back once sent: the next request is
+                // encoded into it (no allocation per request).
+                let mut v = ctx.request_buffer();
+                // A capacity of its own, which a new vector would not have.
+                v.reserve(700);
+                v.extend_from_slice(&[me, 1, 2, 3]);
+                let (at, room) = (v.as_ptr(), v.capacity());
+                let (_, reply) = ctx
+                    .request(b0(), FrameKind::RpcRequest, 7, v, Duration::from_secs(5))
+                    .await
+                    .expect("request from the spare vector");
+                assert_eq!(reply, [3, 2, 1, me]);
+                let again = ctx.request_buffer();
+                assert!(again.is_empty());
+                assert_eq!(
+                    (again.as_ptr(), again.capacity()),
+                    (at, room),
+                    "the request's vector was not kept"
+                );
+            }
             // Large request and reply, both by rendezvous.
             let big = pattern(300 << 10, me);
             let (h, reply) = ctx
@@ -289,6 +310,8 @@ fn requests_from_owner_and_non_owner_get_their_replies() {
             assert_eq!(h.kind, FrameKind::RpcResponse);
             assert_eq!(reply.len(), big.len());
             assert!(reply.iter().rev().eq(big.iter()), "large reply content");
+            // A long request's vector is handed over, not kept as the spare.
+            assert!(ctx.request_buffer().capacity() < big.len());
             // An RMA get carries its region id.
             let (h, reply) = ctx
                 .request(
@@ -334,8 +357,8 @@ fn requests_from_owner_and_non_owner_get_their_replies() {
     }
     let owner_b = ShardId::new(0);
     let s = reports[owner_b.index()].stats;
-    // 2 × (N + 2) requests delivered to handlers.
-    assert_eq!(s.delivered, 2 * (N as u64 + 2), "{s:?}");
+    // 2 × (N + 2) requests delivered to handlers, and the owner's one from its spare vector.
+    assert_eq!(s.delivered, 2 * (N as u64 + 2) + 1, "{s:?}");
     // Each large request came by rendezvous.
     assert_eq!(s.rendezvous, 2, "{s:?}");
     assert_eq!(s.dropped_no_handler + s.dropped_malformed, 0, "{s:?}");

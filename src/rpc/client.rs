@@ -165,7 +165,7 @@ impl Rpc {
         let timeout = self.default_deadline();
         let start = Instant::now();
         let t = target::<F>();
-        let encode = || encode_request(t.schema, CallFlags::ONE_WAY, args);
+        let encode = || encode_request(t.schema, CallFlags::ONE_WAY, args, Vec::new());
         let ctx = self.node.shard_ctx();
         let (node, dest) = (peer.node_id(), peer.dest());
         let mut connected = false;
@@ -256,7 +256,8 @@ impl Rpc {
         } else {
             CallFlags::NONE
         };
-        let payload = encode_request(t.schema, flags, args)?;
+        let ctx = self.node.shard_ctx();
+        let payload = encode_request(t.schema, flags, args, ctx.request_buffer())?;
         let len = (payload.len() - shardcx_shards::proto::REQUEST_PREFIX_LEN) as u64;
         if let Some(max) = self.node.local().rpc.config.max_args_size {
             if len > max {
@@ -315,7 +316,10 @@ impl Rpc {
                     if left.is_zero() {
                         return Err(RpcError::TimedOut { after: timeout });
                     }
-                    (left, encode_request(t.schema, flags, args)?)
+                    (
+                        left,
+                        encode_request(t.schema, flags, args, ctx.request_buffer())?,
+                    )
                 }
             };
             // On a rail of this shard the reply is read where UCX put it; from another shard it
@@ -382,16 +386,20 @@ fn target<F: RpcFunction>() -> Target {
     }
 }
 
-/// A request payload: the envelope's prefix, then the arguments' archive written straight
-/// after it (16-byte aligned in the payload, since the prefix is 16 bytes).
+/// A request payload, written into `payload` (emptied): the envelope's prefix, then the
+/// arguments' archive written straight after it (16-byte aligned in the payload, since the
+/// prefix is 16 bytes). For calls, `payload` is the shard's spare request vector
+/// ([`ShardCtx::request_buffer`](shardcx_shards::ShardCtx::request_buffer)), which a short
+/// request gives back once sent: a stream of calls allocates none for its requests.
 fn encode_request<A: RpcType>(
     schema: u64,
     flags: CallFlags,
     args: &A,
+    mut payload: Vec<u8>,
 ) -> Result<Vec<u8>, RpcError> {
-    // Room for small arguments without a reallocation while rkyv writes them (the allocator's
-    // per-thread cache serves this size class without locking).
-    let mut payload = Vec::with_capacity(256);
+    payload.clear();
+    // Room for small arguments without a reallocation while rkyv writes them.
+    payload.reserve(256);
     payload.extend_from_slice(&request_prefix(schema, flags));
     rkyv::api::high::to_bytes_in::<_, rancor::Error>(args, payload)
         .map_err(|e| RpcError::BadRequest(format!("arguments not serialized: {e}")))

@@ -766,6 +766,11 @@ pub(crate) struct NetState {
     /// The buffer short eager payloads are copied into for an inline dispatch, reused while
     /// no frame keeps it ([`inbound`]).
     inline_bytes: Cell<Option<Rc<Vec<u8>>>>,
+    /// The vector of the last short request sent, for the next one's encoding
+    /// ([`ShardCtx::request_buffer`]).
+    spare_request: Cell<Vec<u8>>,
+    /// The waiter of the last request answered on this shard, for the next one (`request`).
+    spare_waiter: Cell<Option<Rc<Slot<request::Reply>>>>,
     /// The [`Bans`] generation this shard last closed rails for.
     bans_seen: Cell<u64>,
     /// The most bytes one rail's backlog held ([`NetStats::backlog_peak_bytes`], which is
@@ -949,6 +954,12 @@ impl<T> Slot<T> {
         }
     }
 
+    /// Forgets the answer and the waiting task, if any: the slot is as new.
+    pub(crate) fn reset(&self) {
+        self.value.borrow_mut().take();
+        self.waker.borrow_mut().take();
+    }
+
     /// Resolves with the answer.
     pub(crate) fn wait(&self) -> impl Future<Output = T> + '_ {
         poll_fn(move |cx| match self.value.borrow_mut().take() {
@@ -995,6 +1006,8 @@ impl NetState {
             dispatching: Cell::new(false),
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
             inline_bytes: Cell::new(None),
+            spare_request: Cell::new(Vec::new()),
+            spare_waiter: Cell::new(None),
             closed: Cell::new(false),
             max_am_header: worker.max_am_header(),
             recv_cache,

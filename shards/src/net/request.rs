@@ -206,7 +206,8 @@ async fn request_local(
     let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
     let now = net.now();
     let deadline = now.saturating_add(timeout);
-    let waiter = Slot::new();
+    // The last answered request's waiter when there is one: no allocation per request.
+    let waiter = net.spare_waiter.take().unwrap_or_else(Slot::new);
     let req_id = net.pending.borrow_mut().insert(
         deadline,
         Pending {
@@ -232,7 +233,16 @@ async fn request_local(
         },
         armed: true,
     };
-    send(ctx, (node, remote), spec, &[], Body::Buf(payload.into()))?;
+    if payload.len() <= RECYCLED_REQUEST {
+        // Sent in place (copied when UCX cannot take it at once), and the vector kept.
+        let sent = send(ctx, (node, remote), spec, &[], Body::Borrowed(&payload));
+        if payload.capacity() <= 2 * RECYCLED_REQUEST {
+            net.spare_request.set(payload);
+        }
+        sent?;
+    } else {
+        send(ctx, (node, remote), spec, &[], Body::Buf(payload.into()))?;
+    }
     if net.closed.get() {
         let got = future::or(async { Some(waiter.wait().await) }, async {
             sleep(deadline.saturating_duration_since(net.now())).await;
@@ -248,10 +258,33 @@ async fn request_local(
     let answer = waiter.wait().await;
     // Every answer is given after its entry left the table (reply, expiry, failure, drain).
     guard.armed = false;
+    // Nothing else holds the waiter once its entry is gone: kept for the next request.
+    if Rc::strong_count(&waiter) == 1 {
+        waiter.reset();
+        net.spare_waiter.set(Some(waiter));
+    }
     answer
 }
 
+/// Requests up to this long are sent from their vector in place, and the vector is kept for the
+/// next request's encoding ([`ShardCtx::request_buffer`]): no allocation per request. Longer
+/// ones are handed to the sender (not copied when UCX keeps them).
+const RECYCLED_REQUEST: usize = 1024;
+
 impl ShardCtx {
+    /// An empty vector to encode a request's payload into, for [`ShardCtx::request`] and the
+    /// like on this shard: the one a short request sent here left, else a new one with room for
+    /// a small request. Requests of at most 1 KiB give their vector back once sent, so a
+    /// stream of calls allocates none.
+    pub fn request_buffer(&self) -> Vec<u8> {
+        let mut v = self.net().spare_request.take();
+        if v.capacity() == 0 {
+            v.reserve(256);
+        }
+        v.clear();
+        v
+    }
+
     /// Sends a request of `kind` ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`] or
     /// [`FrameKind::RmaGet`]) with `id` and `payload` to the connected `node`, from any shard,
     /// and resolves with the reply's header and payload: an [`FrameKind::RpcResponse`] or
