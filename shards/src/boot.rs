@@ -99,7 +99,7 @@ pub struct ShardsBuilder {
 /// traffic saw other threads' wake-ups up to 100 ms late (with the mesh's former lanes,
 /// `am_echo --shards 2`'s forwarding shard had a 100 ms max round trip in every run). Set for
 /// every queue, it bounds that delay.
-const PREEMPT_TIMER: Duration = Duration::from_millis(1);
+pub const PREEMPT_TIMER: Duration = Duration::from_millis(1);
 
 /// How often a shard's executor is sent a signal while it has not yet run the shard's main
 /// task (see [`start_nudger`]).

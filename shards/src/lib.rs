@@ -95,7 +95,7 @@ pub mod tag;
 
 pub use boot::{
     memlock_limit, Placement, ShardCtx, ShardsBuilder, MM_FIFO_ELEM_ENV, MM_FIFO_ELEM_SIZE,
-    TCP_CONN_NB, TCP_CONN_NB_ENV,
+    PREEMPT_TIMER, TCP_CONN_NB, TCP_CONN_NB_ENV,
 };
 pub use driver::DriverConfig;
 pub use error::{BootError, ForwardError, NetError};
