@@ -133,6 +133,23 @@ pub struct DedupWindow<R> {
     nodes: HashMap<NodeId, NodeFloors, DedupHasher>,
     hasher: DedupHasher,
     evicted: u64,
+    /// The sending shard of the last request checked: a stream of requests from one shard
+    /// looks its node and floor up once.
+    last: Option<LastSource>,
+    /// Floors to raise after a run of evictions, one entry per run of evictions from one
+    /// sending shard (see `evict_oldest`); kept for its capacity.
+    raised: Vec<DedupKey>,
+}
+
+/// What [`DedupWindow`] knows of the sending shard of the request it checked last: its node's
+/// incarnation is the newest the window has seen, and its floor is `floor`. Kept up to date
+/// when that floor rises; replaced by the next request from another shard.
+#[derive(Clone, Copy, Debug)]
+struct LastSource {
+    node: NodeId,
+    incarnation: Incarnation,
+    shard: ShardId,
+    floor: Option<ReqId>,
 }
 
 /// The keyed hash of [`DedupWindow`]'s tables: each 64-bit word `x` of the key is folded into
@@ -461,6 +478,8 @@ impl<R> DedupWindow<R> {
             nodes: HashMap::with_hasher(hasher.clone()),
             hasher,
             evicted: 0,
+            last: None,
+            raised: Vec::new(),
         }
     }
 
@@ -474,24 +493,20 @@ impl<R> DedupWindow<R> {
         if self.entries.len() >= self.max_entries {
             self.evict_batch();
         }
-        match self.nodes.get(&key.node) {
-            Some(n) if key.incarnation < n.incarnation => return DedupVerdict::TooOld,
-            Some(n) if key.incarnation == n.incarnation => {
-                if n.floors.get(&key.shard).is_some_and(|f| key.req_id <= *f) {
+        match self.last {
+            Some(l)
+                if l.node == key.node
+                    && l.incarnation == key.incarnation
+                    && l.shard == key.shard =>
+            {
+                if l.floor.is_some_and(|f| key.req_id <= f) {
                     return DedupVerdict::TooOld;
                 }
             }
-            Some(_) => {
-                // The node restarted: everything from its previous life is void. Drop it eagerly
-                // so old entries cannot crowd the window.
-                let node = key.node;
-                self.entries.retain(|k, _| k.node != node);
-                self.order.retain(|(_, k)| k.node != node);
-                self.nodes.insert(node, self.fresh_node(key.incarnation));
-            }
-            None => {
-                self.nodes
-                    .insert(key.node, self.fresh_node(key.incarnation));
+            _ => {
+                if self.too_old_source(key) {
+                    return DedupVerdict::TooOld;
+                }
             }
         }
         match self.entries.entry(key) {
@@ -527,6 +542,7 @@ impl<R> DedupWindow<R> {
             }
             self.evict_oldest();
         }
+        self.raise_floors();
     }
 
     /// When the oldest entry ages out.
@@ -551,6 +567,43 @@ impl<R> DedupWindow<R> {
         self.evicted
     }
 
+    /// The incarnation and floor checks of `key` against its node's record (a request from
+    /// another sending shard than the last one): whether it is too old; if not, its node's
+    /// record is made or renewed, and its shard remembered as the last source.
+    fn too_old_source(&mut self, key: DedupKey) -> bool {
+        let floor = match self.nodes.get(&key.node) {
+            Some(n) if key.incarnation < n.incarnation => return true,
+            Some(n) if key.incarnation == n.incarnation => {
+                let floor = n.floors.get(&key.shard).copied();
+                if floor.is_some_and(|f| key.req_id <= f) {
+                    return true;
+                }
+                floor
+            }
+            Some(_) => {
+                // The node restarted: everything from its previous life is void. Drop it eagerly
+                // so old entries cannot crowd the window.
+                let node = key.node;
+                self.entries.retain(|k, _| k.node != node);
+                self.order.retain(|(_, k)| k.node != node);
+                self.nodes.insert(node, self.fresh_node(key.incarnation));
+                None
+            }
+            None => {
+                self.nodes
+                    .insert(key.node, self.fresh_node(key.incarnation));
+                None
+            }
+        };
+        self.last = Some(LastSource {
+            node: key.node,
+            incarnation: key.incarnation,
+            shard: key.shard,
+            floor,
+        });
+        false
+    }
+
     fn fresh_node(&self, incarnation: Incarnation) -> NodeFloors {
         NodeFloors {
             incarnation,
@@ -566,22 +619,49 @@ impl<R> DedupWindow<R> {
                 break;
             }
         }
+        self.raise_floors();
     }
 
+    /// Evicts the oldest entry; its floor is raised by [`DedupWindow::raise_floors`], which
+    /// every run of evictions ends with (one look-up of the node and floor per run of
+    /// evictions from one sending shard, not one per eviction).
     fn evict_oldest(&mut self) -> bool {
         let Some((_, key)) = self.order.pop_front() else {
             return false;
         };
         if self.entries.remove(&key).is_some() {
             self.evicted += 1;
-            if let Some(n) = self.nodes.get_mut(&key.node) {
-                if n.incarnation == key.incarnation {
-                    let floor = n.floors.entry(key.shard).or_insert(ReqId::NONE);
-                    *floor = (*floor).max(key.req_id);
+            match self.raised.last_mut() {
+                Some(r)
+                    if r.node == key.node
+                        && r.incarnation == key.incarnation
+                        && r.shard == key.shard =>
+                {
+                    r.req_id = r.req_id.max(key.req_id);
                 }
+                _ => self.raised.push(key),
             }
         }
         true
+    }
+
+    /// Raises the floors of the entries evicted since the last call (see `evict_oldest`).
+    fn raise_floors(&mut self) {
+        for key in self.raised.drain(..) {
+            let Some(n) = self.nodes.get_mut(&key.node) else {
+                continue;
+            };
+            if n.incarnation != key.incarnation {
+                continue;
+            }
+            let floor = n.floors.entry(key.shard).or_insert(ReqId::NONE);
+            *floor = (*floor).max(key.req_id);
+            if let Some(l) = &mut self.last {
+                if l.node == key.node && l.incarnation == key.incarnation && l.shard == key.shard {
+                    l.floor = Some(*floor);
+                }
+            }
+        }
     }
 }
 

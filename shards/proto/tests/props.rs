@@ -15,11 +15,11 @@ use shardcx_proto::{
     decode_error, decode_request, encode_error, encode_request, request_prefix, CallFlags,
     RequestEnvelope, RpcErrorCode, RpcWireError, MAX_ERROR_MESSAGE, REQUEST_PREFIX_LEN,
 };
+use shardcx_proto::{DedupKey, DedupVerdict, DedupWindow, PoolConfig, Rail, Rails, WireError};
 use shardcx_proto::{
     Features, FrameFlags, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ReqId, ShardId,
     SizeClassPool, Tag, TagKind, Timestamp,
 };
-use shardcx_proto::{PoolConfig, Rail, Rails, WireError};
 use std::collections::HashSet;
 
 fn kind() -> impl Strategy<Value = FrameKind> {
@@ -588,5 +588,136 @@ proptest! {
         let accepted = if joined { o.joined_accepted } else { o.join_accepted };
         prop_assert!(accepted || !pristine, "the unchanged frame is accepted");
         let _ = fuzzing::handshake_outcome(&bytes[..cut.index(bytes.len() + 1)]);
+    }
+}
+
+/// A plain model of the dedup window's documented rules (`DedupWindow`'s docs): entries in
+/// arrival order, at most `max` of them (a full window evicts its oldest `max / 16`, at least
+/// one, before the next request), none older than `max_age`; per node its newest incarnation
+/// and per sending shard the floor of evicted request ids.
+struct DedupModel {
+    max: usize,
+    max_age: std::time::Duration,
+    entries: Vec<(Timestamp, DedupKey, Option<u64>)>,
+    nodes: Vec<ModelNode>,
+    evicted: u64,
+}
+
+/// A node of [`DedupModel`]: its newest incarnation, and its sending shards' floors.
+type ModelNode = (NodeId, Incarnation, Vec<(ShardId, ReqId)>);
+
+/// What the model says about a request (`DedupVerdict` without the borrow).
+#[derive(Debug, PartialEq, Eq)]
+enum Said {
+    Fresh,
+    InProgress,
+    Done(u64),
+    TooOld,
+}
+
+impl DedupModel {
+    fn evict_oldest(&mut self) {
+        let (_, k, _) = self.entries.remove(0);
+        self.evicted += 1;
+        if let Some((_, inc, floors)) = self.nodes.iter_mut().find(|n| n.0 == k.node) {
+            if *inc == k.incarnation {
+                match floors.iter_mut().find(|f| f.0 == k.shard) {
+                    Some(f) => f.1 = f.1.max(k.req_id),
+                    None => floors.push((k.shard, k.req_id)),
+                }
+            }
+        }
+    }
+
+    fn check(&mut self, now: Timestamp, key: DedupKey) -> Said {
+        while self
+            .entries
+            .first()
+            .is_some_and(|e| now.saturating_duration_since(e.0) >= self.max_age)
+        {
+            self.evict_oldest();
+        }
+        if self.entries.len() >= self.max {
+            for _ in 0..(self.max / 16).max(1) {
+                if self.entries.is_empty() {
+                    break;
+                }
+                self.evict_oldest();
+            }
+        }
+        match self.nodes.iter_mut().find(|n| n.0 == key.node) {
+            Some(n) if key.incarnation < n.1 => return Said::TooOld,
+            Some(n) if key.incarnation == n.1 => {
+                if n.2.iter().any(|f| f.0 == key.shard && key.req_id <= f.1) {
+                    return Said::TooOld;
+                }
+            }
+            Some(n) => {
+                *n = (key.node, key.incarnation, Vec::new());
+                self.entries.retain(|e| e.1.node != key.node);
+            }
+            None => self.nodes.push((key.node, key.incarnation, Vec::new())),
+        }
+        match self.entries.iter().find(|e| e.1 == key) {
+            Some((_, _, Some(r))) => Said::Done(*r),
+            Some((_, _, None)) => Said::InProgress,
+            None => {
+                self.entries.push((now, key, None));
+                Said::Fresh
+            }
+        }
+    }
+
+    fn complete(&mut self, key: DedupKey, reply: u64) -> bool {
+        match self.entries.iter_mut().find(|e| e.1 == key) {
+            Some(e) => {
+                e.2 = Some(reply);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+proptest! {
+    /// The dedup window (with its cached last source and its floors raised once per run of
+    /// evictions) says what the plain model of its rules says, request by request: keys from
+    /// two nodes of three incarnations and two shards each, time moving on by up to 20 ms a
+    /// step against a 50 ms window, windows of 1 to 24 entries.
+    #[test]
+    fn dedup_window_follows_its_model(
+        max in 1usize..24,
+        ops in prop::collection::vec(
+            (any::<bool>(), 1u64..3, 1u64..4, 0u16..2, 1u64..24, 0u64..20),
+            1..300,
+        ),
+    ) {
+        let max_age = std::time::Duration::from_millis(50);
+        let mut w: DedupWindow<u64> = DedupWindow::new(max, max_age);
+        let mut m = DedupModel { max, max_age, entries: Vec::new(), nodes: Vec::new(), evicted: 0 };
+        let mut now = 0u64;
+        for (i, (complete, node, inc, shard, req, dt)) in ops.into_iter().enumerate() {
+            now += dt * 1_000_000;
+            let t = Timestamp::from_nanos(now);
+            let key = DedupKey {
+                node: NodeId::new(node),
+                incarnation: Incarnation::new(inc),
+                shard: ShardId::new(shard),
+                req_id: ReqId::new(req),
+            };
+            if complete {
+                prop_assert_eq!(w.complete(key, i as u64), m.complete(key, i as u64), "op {}", i);
+                continue;
+            }
+            let said = match w.check_and_insert(t, key) {
+                DedupVerdict::Fresh => Said::Fresh,
+                DedupVerdict::InProgress => Said::InProgress,
+                DedupVerdict::Done(r) => Said::Done(*r),
+                DedupVerdict::TooOld => Said::TooOld,
+            };
+            prop_assert_eq!(said, m.check(t, key), "op {} {:?}", i, key);
+            prop_assert_eq!(w.len(), m.entries.len(), "op {}", i);
+            prop_assert_eq!(w.evicted(), m.evicted, "op {}", i);
+        }
     }
 }
