@@ -16,7 +16,7 @@ use glommio::timer::sleep;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::Archived;
-use shardcx_shards::net::{instant_of, timestamp_of, Frame, RndvBuf};
+use shardcx_shards::net::{instant_of, timestamp_of, RndvBuf};
 use shardcx_shards::proto::request::DedupHasher;
 use shardcx_shards::proto::rpc::{decode_request, encode_error, CallFlags, RpcErrorCode};
 use shardcx_shards::proto::wire::NO_DEADLINE_TTL;
@@ -668,12 +668,11 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>, shared: &Rc<ShardLocal>) {
     // arguments are read where UCX put them (16-byte aligned, as the envelope's prefix is 16
     // bytes): no copy.
     let _ = ctx.set_frame_handler_inline(FrameKind::RpcRequest, move |ctx, frame| {
-        let (from, header, arrived) = (frame.node(), *frame.header(), frame.arrived_at());
         on_request_frame(
             ctx,
             &on_request,
-            (from, &header, arrived),
-            InFrame(frame),
+            (frame.node(), frame.header(), frame.arrived_at()),
+            frame.payload(),
             ArgsLocation::Inline,
         );
     });
@@ -784,15 +783,6 @@ fn choose_args_buffer(
         refuse(ctx, rpc, from, header, f);
     }
     buf
-}
-
-/// A request frame's payload, read in place.
-struct InFrame(Frame);
-
-impl AsRef<[u8]> for InFrame {
-    fn as_ref(&self) -> &[u8] {
-        self.0.payload()
-    }
 }
 
 /// Rendezvous arguments received (or not) into the buffer [`choose_args_buffer`] picked.
