@@ -637,6 +637,21 @@ impl Drop for Lab {
                 let path = entry.unwrap().path();
                 if path.extension().is_some_and(|e| e == "err") {
                     let text = std::fs::read_to_string(&path).unwrap_or_default();
+                    // Stall reports first, wherever they are in the log: a shard whose driver
+                    // was not polled (and what its thread did meanwhile) explains a peer
+                    // declared dead or a late call, and its report is logged when the stall
+                    // ends, often before the last lines.
+                    let stalls: Vec<&str> = text
+                        .lines()
+                        .filter(|l| l.contains("was not polled for"))
+                        .take(10)
+                        .collect();
+                    if !stalls.is_empty() {
+                        eprintln!("--- {} (stall reports)", path.display());
+                        for l in &stalls {
+                            eprintln!("{l}");
+                        }
+                    }
                     let tail: Vec<&str> = text.lines().rev().take(20).collect();
                     if !tail.is_empty() {
                         eprintln!("--- {} (last lines)", path.display());
