@@ -386,7 +386,7 @@ fn target<F: RpcFunction>() -> Target {
     }
 }
 
-/// A request payload, written into `payload` (emptied): the envelope's prefix, then the
+/// A request payload, written into `payload` (empty): the envelope's prefix, then the
 /// arguments' archive written straight after it (16-byte aligned in the payload, since the
 /// prefix is 16 bytes). For calls, `payload` is the shard's spare request vector
 /// ([`ShardCtx::request_buffer`](shardcx_shards::ShardCtx::request_buffer)), which a short
@@ -397,8 +397,8 @@ fn encode_request<A: RpcType>(
     args: &A,
     mut payload: Vec<u8>,
 ) -> Result<Vec<u8>, RpcError> {
-    payload.clear();
-    // Room for small arguments without a reallocation while rkyv writes them.
+    // Room for small arguments without a reallocation while rkyv writes them (a spare vector
+    // from `request_buffer` comes empty, with the capacity a request before it left).
     payload.reserve(256);
     payload.extend_from_slice(&request_prefix(schema, flags));
     rkyv::api::high::to_bytes_in::<_, rancor::Error>(args, payload)

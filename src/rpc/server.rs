@@ -1020,7 +1020,7 @@ fn on_request_frame<P: AsRef<[u8]>>(
 /// arrival (the plain path then reads the clock once per batch, not once per call).
 fn finished_past(deadline: Instant, ttl_ns: u64) -> bool {
     let margin = 2 * shardcx_shards::PREEMPT_TIMER.as_nanos();
-    if u128::from(ttl_ns) > margin && !glommio::executor().need_preempt() {
+    if u128::from(ttl_ns) > margin && !shardcx_shards::net::preempt_due() {
         return false;
     }
     Instant::now() > deadline

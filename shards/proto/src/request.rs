@@ -466,9 +466,10 @@ impl<R> DedupWindow<R> {
     ) -> DedupWindow<R> {
         let max_entries = max_entries.max(1);
         // Sized for a full window from the start (up to PRESIZE_MAX entries): growing the
-        // table by rehashing every entry took 300 thousand instructions at a time on the path
-        // of one request (about 100 us at 16 Ki entries, seen in `scripts/count-instructions
-        // --test rpc-lat`). The buckets' pages are touched only as entries land in them.
+        // table by rehashing every entry took about 300 thousand instructions at a time on the
+        // path of one request, up to 16 Ki entries (`scripts/count-instructions --test rpc-lat
+        // --keep DIR`, `reserve_rehash` in its call tree). The buckets' pages are touched only
+        // as entries land in them.
         let presize = max_entries.min(PRESIZE_MAX);
         DedupWindow {
             max_entries,

@@ -456,8 +456,9 @@ fn dispatch_inline(
 }
 
 /// Whether the shard's executor wants the thread back for its timers and I/O (glommio's
-/// preempt timer, 1 ms here, has fired): a dispatch stops there and leaves the rest recorded.
-fn preempt_due() -> bool {
+/// preempt timer, [`crate::PREEMPT_TIMER`], has fired since this task queue started to run): a
+/// dispatch stops there and leaves the rest recorded. Called on a shard's thread.
+pub fn preempt_due() -> bool {
     glommio::executor().need_preempt()
 }
 

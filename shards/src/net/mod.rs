@@ -227,7 +227,7 @@ use crate::ucx::{AmIdRaw, EpOptions, ErrorMode, Worker};
 pub use crate::error::NetError;
 pub use bootstrap::Directory;
 pub use buffers::RecycledBuf;
-pub use inbound::{Frame, Payload, RndvBuf};
+pub use inbound::{preempt_due, Frame, Payload, RndvBuf};
 
 use inbound::{FrameHandler, Inbound, RndvHandler};
 use request::Pending;
@@ -425,8 +425,10 @@ pub struct NetStats {
     /// Dispatch rounds that stopped at the driver's budget with inputs left (a flood).
     pub dispatch_budget_hits: u64,
     /// Dispatches cut short because the shard's executor wanted the thread back for its
-    /// timers and I/O (glommio's preempt timer fired: slow handlers), with the rest of the
-    /// inputs left for the driver's next round.
+    /// timers and I/O (glommio's preempt timer fired: slow handlers): a driver round that
+    /// left inputs recorded for the next one, or a `progress` call whose later frames were
+    /// recorded instead of dispatched in UCX's callback (counted when the cut is made, also
+    /// if no frame came after it).
     pub dispatch_preempted: u64,
     /// Rendezvous data without a chosen buffer received into a block of the shard's pool.
     pub rndv_pooled: u64,

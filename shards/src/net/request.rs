@@ -236,9 +236,7 @@ async fn request_local(
     if payload.len() <= RECYCLED_REQUEST {
         // Sent in place (copied when UCX cannot take it at once), and the vector kept.
         let sent = send(ctx, (node, remote), spec, &[], Body::Borrowed(&payload));
-        if payload.capacity() <= 2 * RECYCLED_REQUEST {
-            net.spare_request.set(payload);
-        }
+        keep_spare(net, payload);
         sent?;
     } else {
         send(ctx, (node, remote), spec, &[], Body::Buf(payload.into()))?;
@@ -271,16 +269,26 @@ async fn request_local(
 /// ones are handed to the sender (not copied when UCX keeps them).
 const RECYCLED_REQUEST: usize = 1024;
 
+/// Keeps `v` as the shard's spare request vector when it has more room than the spare it has
+/// (a request forwarded from another shard, made as a small vector, does not displace the
+/// encoding buffer of this shard's own calls), up to twice [`RECYCLED_REQUEST`].
+fn keep_spare(net: &super::NetState, v: Vec<u8>) {
+    let spare = net.spare_request.take();
+    let keep = if v.capacity() <= 2 * RECYCLED_REQUEST && v.capacity() > spare.capacity() {
+        v
+    } else {
+        spare
+    };
+    net.spare_request.set(keep);
+}
+
 impl ShardCtx {
     /// An empty vector to encode a request's payload into, for [`ShardCtx::request`] and the
-    /// like on this shard: the one a short request sent here left, else a new one with room for
-    /// a small request. Requests of at most 1 KiB give their vector back once sent, so a
-    /// stream of calls allocates none.
+    /// like on this shard: the one a short request sent here left (with its capacity), else a
+    /// new one (no capacity: the encoder reserves what it needs). Requests of at most 1 KiB give
+    /// their vector back once sent, so a stream of calls allocates none.
     pub fn request_buffer(&self) -> Vec<u8> {
         let mut v = self.net().spare_request.take();
-        if v.capacity() == 0 {
-            v.reserve(256);
-        }
         v.clear();
         v
     }
