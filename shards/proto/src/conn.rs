@@ -89,6 +89,13 @@
 //! [`Connection::poll_timeout`] detects a silent peer no later than that. Each rail has its own
 //! heartbeats: a rail that dies does not take the others with it.
 //!
+//! Heartbeats are sent on a grid: at the multiples of the interval (counted from the
+//! timestamps' epoch) at least half an interval after the last one ([`heartbeat_tick`]), so
+//! every connection of a process with the same interval sends at the same instants. A shard
+//! holding many rails then wakes once per interval to send all their heartbeats, not once per
+//! rail; the gap between two heartbeats of a rail is one interval (between a half and one and
+//! a half for the first).
+//!
 //! # Incarnations
 //!
 //! Every frame header carries its sender's incarnation. Once connected, frames whose incarnation
@@ -133,6 +140,21 @@ use crate::wire::{encode_frame, FrameHeader, FrameKind, Limits, WireError};
 use std::collections::VecDeque;
 use std::time::Duration;
 use thiserror::Error;
+
+/// When the heartbeat after one sent at `now` is due: the first multiple of `interval` (from
+/// the timestamps' epoch) at least half an interval after `now` (see "Liveness" in the module
+/// docs). A zero interval gives `now`.
+pub fn heartbeat_tick(now: Timestamp, interval: Duration) -> Timestamp {
+    let i = crate::time::duration_to_nanos(interval);
+    if i == 0 {
+        return now;
+    }
+    let earliest = now.as_nanos().saturating_add(i / 2);
+    match earliest.div_ceil(i).checked_mul(i) {
+        Some(t) => Timestamp::from_nanos(t),
+        None => Timestamp::MAX,
+    }
+}
 
 /// Connection settings.
 #[derive(Clone, Debug)]
@@ -847,7 +869,7 @@ impl Connection {
                     };
                     self.transmits.push_back(Transmit::control(hb));
                     self.stats.heartbeats_sent += 1;
-                    self.next_heartbeat = now.saturating_add(interval);
+                    self.next_heartbeat = heartbeat_tick(now, interval);
                 }
             }
             State::Backoff => {
@@ -1145,7 +1167,7 @@ impl Connection {
         self.failures = 0;
         self.suspect = false;
         self.last_heard = now;
-        self.next_heartbeat = now.saturating_add(self.cfg.heartbeat_interval);
+        self.next_heartbeat = heartbeat_tick(now, self.cfg.heartbeat_interval);
         self.events.push_back(Event::Connected(peer));
     }
 
@@ -1413,6 +1435,60 @@ mod tests {
         assert_eq!(s.stats().delivered, 1);
         assert_eq!(s.stats().dropped_stale, 1);
         assert_eq!(s.stats().dropped_malformed, 1);
+    }
+
+    #[test]
+    fn heartbeats_fall_on_the_interval_grid() {
+        let ms = |n| Timestamp::ZERO + Duration::from_millis(n);
+        let i = Duration::from_millis(100);
+        // At least half an interval on, then the next multiple.
+        assert_eq!(heartbeat_tick(ms(0), i), ms(100));
+        assert_eq!(heartbeat_tick(ms(49), i), ms(100));
+        assert_eq!(heartbeat_tick(ms(50), i), ms(100));
+        assert_eq!(heartbeat_tick(ms(51), i), ms(200));
+        assert_eq!(heartbeat_tick(ms(100), i), ms(200));
+        // A timer that fires late keeps the grid.
+        assert_eq!(heartbeat_tick(ms(137), i), ms(200));
+        assert_eq!(heartbeat_tick(ms(151), i), ms(300));
+        assert_eq!(heartbeat_tick(ms(7), Duration::ZERO), ms(7));
+        assert_eq!(heartbeat_tick(Timestamp::MAX, i), Timestamp::MAX);
+        // Two connections made at different times send at the same instants from then on.
+        let pair = |now| {
+            let mut c = Connection::client(cfg(1), NodeId::new(2), ShardId::new(0), seeds(1));
+            let mut s = Connection::server(now, cfg(2), seeds(2));
+            c.connect(now).unwrap();
+            pump(now, &mut c, &mut s);
+            assert_eq!(c.state(), State::Ready);
+            (c, s)
+        };
+        let mut pairs = [pair(ms(0)), pair(ms(33))];
+        let mut sent: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        // Timers handled 300 us late, as a timer fires.
+        for t in (0..200_000)
+            .step_by(100)
+            .map(|us| Timestamp::ZERO + Duration::from_micros(us))
+        {
+            for (k, (c, s)) in pairs.iter_mut().enumerate() {
+                let before = c.stats().heartbeats_sent;
+                for x in [&mut *c, &mut *s] {
+                    if x.poll_timeout()
+                        .is_some_and(|due| t >= due + Duration::from_micros(300))
+                    {
+                        x.handle_timeout(t);
+                    }
+                }
+                pump(t, c, s);
+                if c.stats().heartbeats_sent > before {
+                    sent[k].push(t.as_nanos() / 1_000_000);
+                }
+            }
+        }
+        // Every 10 ms on the grid, the later connection's first at 40 (33 + 5, rounded up).
+        assert_eq!(sent[0], (1..20).map(|k| k * 10).collect::<Vec<_>>());
+        assert_eq!(sent[1], (4..20).map(|k| k * 10).collect::<Vec<_>>());
+        assert!(pairs
+            .iter()
+            .all(|(c, s)| c.state() == State::Ready && s.state() == State::Ready));
     }
 
     #[test]
