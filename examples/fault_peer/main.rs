@@ -61,7 +61,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::{Parser, Subcommand};
 use shardcx::proto::NodeId;
 use shardcx::rpc::{RpcConfig, RpcContext, RpcError};
-use shardcx::shards::{NetConfig, Placement};
+use shardcx::shards::{DriverConfig, NetConfig, Placement};
 use shardcx::ShardId;
 use shardcx::{rpc_function, Node};
 
@@ -177,6 +177,10 @@ struct ServeArgs {
     /// written to DIR/regions-SHARD.json at start and DIR/final-SHARD.json at the end.
     #[arg(long, value_name = "DIR")]
     rma: Option<PathBuf>,
+    /// The shards' spin window before they sleep, in microseconds (`DriverConfig::spin`;
+    /// default the runtime's).
+    #[arg(long, value_name = "US")]
+    spin_us: Option<u64>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -219,6 +223,10 @@ struct LoadArgs {
     /// rail to the server carries calls (default: the default rail only).
     #[arg(long, value_name = "N")]
     target_shards: Option<u16>,
+    /// The shards' spin window before they sleep, in microseconds (`DriverConfig::spin`;
+    /// default the runtime's).
+    #[arg(long, value_name = "US")]
+    spin_us: Option<u64>,
 }
 
 fn main() {
@@ -249,13 +257,27 @@ fn main() {
     }
 }
 
-/// The suite's node settings: tcp, unpinned, a small io memory, the suite's key.
-fn node() -> shardcx::NodeBuilder {
-    Node::builder()
+/// The suite's node settings: tcp, unpinned, a small io memory, the suite's key; the
+/// shards' spin window `spin_us` when given.
+fn node_with(spin_us: Option<u64>) -> shardcx::NodeBuilder {
+    let b = Node::builder()
         .placement(Placement::Unpinned)
         .transports("tcp")
         .io_memory(1 << 20)
-        .psk(b"the reliability suite's key, 16+ bytes")
+        .psk(b"the reliability suite's key, 16+ bytes");
+    match spin_us {
+        Some(us) => b.with_shards(|s| {
+            s.driver(DriverConfig {
+                spin: Duration::from_micros(us),
+            })
+        }),
+        None => b,
+    }
+}
+
+/// The suite's node settings with the runtime's spin window.
+fn node() -> shardcx::NodeBuilder {
+    node_with(None)
 }
 
 /// A flag set by SIGTERM or SIGINT.
@@ -299,7 +321,7 @@ fn serve(a: &ServeArgs) -> Result<(), String> {
     if let Some(max) = a.max_message {
         net.max_message_size = max as u64;
     }
-    let mut builder = node()
+    let mut builder = node_with(a.spin_us)
         .shards(a.shards)
         .node_id(NodeId::new(a.node_id))
         .listen(a.listen)
@@ -486,7 +508,7 @@ fn load(a: &LoadArgs) -> Result<(), String> {
     let start_unix_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let (shards, nodes, targets) = (a.shards, a.nodes, a.target_shards);
+    let (shards, nodes, targets, spin_us) = (a.shards, a.nodes, a.target_shards, a.spin_us);
     // One node of the process: its shards' tallies.
     let run_node = move |n: usize| -> Result<Vec<Result<Tally, String>>, String> {
         let (acked, stop) = (acked.clone(), stop.clone());
@@ -495,7 +517,7 @@ fn load(a: &LoadArgs) -> Result<(), String> {
         } else {
             src * 100
         };
-        node()
+        node_with(spin_us)
             .shards(shards)
             .run(move |node: Node| {
                 let (acked, stop) = (acked.clone(), stop.clone());

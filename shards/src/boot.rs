@@ -778,6 +778,13 @@ impl ShardCtx {
         self.driver.wake();
     }
 
+    /// As [`ShardCtx::wake_driver`], for an operation no application waits on (a heartbeat
+    /// or its ack): the driver progresses it but starts no spin window for it, so that a shard
+    /// with many idle connections sleeps between their heartbeats.
+    pub(crate) fn nudge_driver(&self) {
+        self.driver.nudge();
+    }
+
     /// Progress rounds the driver has run.
     pub fn progress_rounds(&self) -> u64 {
         self.stats.rounds.get()

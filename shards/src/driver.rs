@@ -114,6 +114,25 @@
 //! the gaps of an active exchange, and an idle shard still sleeps 1 ms after its last event.
 //! A shorter window saves CPU on bursty loads at the price of more wake-ups; measure with the
 //! `idle_wake` example and `DriverConfig::spin`.
+//!
+//! ## Liveness traffic does not keep a shard awake
+//!
+//! Every rail sends a heartbeat each interval (100 ms by default) and answers the peer's, so a
+//! shard holding many idle rails is woken often: the 16-shard server of the reliability
+//! suite's R8b holds 512 rails, some 10,000 heartbeats and acks in and as many out each
+//! second. When each of those wakes started a spin window, and an idle poll ran all of
+//! [`IDLE_ROUNDS`] over TCP (an `epoll_wait` each), that idle server and its clients asked
+//! for about five times the 2-core machine's CPU and starved each other (a server shard
+//! runnable for 1.9 s got 1 ms of CPU, and its peers declared it dead). Measured with one
+//! one-shard client node holding 16 rails to a 16-shard server, idle: the server used 64% of
+//! a core and the client 51%.
+//!
+//! So only what an application may wait on starts the spin window: frames other than
+//! heartbeats and their acks ([`Dispatched::app`]), the mesh's messages, a task's send
+//! ([`Driver::wake`]) and UCX events that came with no frame (a rendezvous under way). A wake-up
+//! by itself starts none, nor does a heartbeat's send ([`Driver::nudge`]): a shard woken for a
+//! heartbeat handles it, runs one idle poll and sleeps again. And an idle poll runs as many
+//! rounds as fit in [`IDLE_SPAN`] (measured on idle polls), not a fixed count.
 
 use std::cell::{Cell, OnceCell};
 use std::future::Future;
@@ -202,6 +221,11 @@ pub(crate) type DispatchHook = Rc<dyn Fn(usize, u64) -> Dispatched>;
 pub(crate) struct Dispatched {
     /// Inputs handled.
     pub(crate) handled: usize,
+    /// The round's frames (recorded, or dispatched inside UCX's callback) included more than
+    /// liveness frames (heartbeats and their acks): they start the driver's spin window. A
+    /// round that carried only liveness frames is work, but not a reason to keep spinning (see
+    /// "Liveness traffic does not keep a shard awake" in the module docs).
+    pub(crate) app: bool,
     /// Inputs left recorded: the next round dispatches them before calling `progress` again.
     pub(crate) backlog: bool,
     /// The clock reading taken for the round's frames (dispatched inside UCX's callbacks or
@@ -213,7 +237,7 @@ pub(crate) struct Dispatched {
 pub(crate) struct Driver {
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
-    kick: Rc<Cell<bool>>,
+    kick: Rc<Cell<Kick>>,
     hook: Rc<OnceCell<PollHook>>,
     dispatch: Rc<OnceCell<DispatchHook>>,
     waker: Option<JoinHandle<()>>,
@@ -242,9 +266,10 @@ pub(crate) struct DriverTask {
     stream: UnixStream,
     stop: Arc<AtomicBool>,
     sleeping: Rc<Cell<bool>>,
-    /// Set by [`Driver::wake`]: a task has work for UCX (a frame queued for a sender, a send
-    /// posted): the next poll runs one round and yields, instead of spinning on.
-    kick: Rc<Cell<bool>>,
+    /// Set by [`Driver::wake`] and [`Driver::nudge`]: a task has work for UCX (a frame queued
+    /// for a sender, a send posted): the next poll runs one round and yields, instead of
+    /// spinning on.
+    kick: Rc<Cell<Kick>>,
     hook: Rc<OnceCell<PollHook>>,
     dispatch: Rc<OnceCell<DispatchHook>>,
     stats: Rc<DriverStats>,
@@ -293,7 +318,7 @@ impl Driver {
         let _ = std::fs::remove_file(&path);
         let stream = connected?;
         let sleeping = Rc::new(Cell::new(false));
-        let kick = Rc::new(Cell::new(false));
+        let kick = Rc::new(Cell::new(Kick::None));
         let hook = Rc::new(OnceCell::new());
         let dispatch = Rc::new(OnceCell::new());
         Ok((
@@ -337,8 +362,23 @@ impl Driver {
     /// Wake the driver if it sleeps, so that it progresses the worker now; if it spins, its
     /// next poll runs one round and yields, so that a task made runnable by the caller (a
     /// sender with a queued frame) runs within a round instead of after [`IDLE_ROUNDS`].
+    /// What it wakes the driver for is application traffic: it starts the spin window.
     pub(crate) fn wake(&self) {
-        self.kick.set(true);
+        self.kick.set(Kick::App);
+        self.signal();
+    }
+
+    /// As [`Driver::wake`], for traffic of the connections' own that no application waits for
+    /// (heartbeats and their acks, sent by a rail's sender): the driver progresses it, and
+    /// goes back to sleep without a spin window unless something else came.
+    pub(crate) fn nudge(&self) {
+        if self.kick.get() == Kick::None {
+            self.kick.set(Kick::Liveness);
+        }
+        self.signal();
+    }
+
+    fn signal(&self) {
         if self.sleeping.get() {
             // A failed signal only delays progress until the next event.
             let _ = self.worker.signal();
@@ -397,20 +437,53 @@ impl Backstop {
     }
 }
 
+/// Why a task kicked the driver (see [`Driver::wake`] and [`Driver::nudge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kick {
+    None,
+    /// Liveness frames only: progress, but no spin window for them.
+    Liveness,
+    /// Application traffic: progress, and spin on.
+    App,
+}
+
 /// What one poll of the driver found (see [`spin`]).
 enum Found {
     /// Events, dispatched frames or mesh messages: handlers may have woken tasks. With the
-    /// dispatch's clock reading when it had one.
-    Work(Option<Instant>),
-    /// Nothing within the idle budget, or the executor wants the thread back.
-    Nothing,
+    /// dispatch's clock reading when it had one, and whether any of it was more than liveness
+    /// traffic (see [`Dispatched::app`]).
+    Work(Option<Instant>, bool),
+    /// Nothing within the idle budget (`true`: all of the poll's rounds ran), or the executor
+    /// wants the thread back (`false`).
+    Nothing(bool),
 }
 
-/// Progress rounds one poll of the driver runs while nothing happens, before it returns to
-/// look at the clock (spin window) and to yield. A round is a `progress`, a look at the recorded
-/// inputs and one at the mesh's doorbell: about 50 ns when idle, so 256 rounds is some
-/// 10-20 µs between clock reads.
+/// Most progress rounds one poll of the driver runs while nothing happens, before it returns
+/// to look at the clock (spin window) and to yield. A round is a `progress`, a look at the
+/// recorded inputs and one at the mesh's doorbell: about 50 ns when idle on shared memory, so
+/// 256 rounds is some 10-20 µs between clock reads. Where a round costs more (over TCP, UCX's
+/// progress is an `epoll_wait` system call, about 1 µs), the driver runs fewer: as many as fit
+/// in [`IDLE_SPAN`], measured on idle polls (see [`fit_idle_rounds`]), and at least
+/// [`MIN_IDLE_ROUNDS`].
 pub const IDLE_ROUNDS: u32 = 256;
+
+/// Fewest progress rounds of an idle poll (see [`IDLE_ROUNDS`]).
+pub const MIN_IDLE_ROUNDS: u32 = 8;
+
+/// About how long one idle poll of the driver runs its rounds (see [`IDLE_ROUNDS`]): what a
+/// shard woken by a heartbeat spends looking for more before it sleeps again, when its spin
+/// window does not keep it awake.
+pub const IDLE_SPAN: Duration = Duration::from_micros(20);
+
+/// The rounds an idle poll should run, from the last full idle poll's `rounds` and how long
+/// they took: as many as fit in [`IDLE_SPAN`], within [`MIN_IDLE_ROUNDS`]..=[`IDLE_ROUNDS`].
+/// A poll whose thread was descheduled looks slow and lowers the count; the next one
+/// measured raises it again.
+pub fn fit_idle_rounds(rounds: u32, took: Duration) -> u32 {
+    let per_round = took.as_nanos() / u128::from(rounds.max(1));
+    let fit = IDLE_SPAN.as_nanos() / per_round.max(1);
+    fit.clamp(u128::from(MIN_IDLE_ROUNDS), u128::from(IDLE_ROUNDS)) as u32
+}
 
 /// Recorded inputs dispatched per round at most, so that a flood on one connection cannot keep
 /// the driver from progressing UCX, taking the mesh's lanes and yielding to timers and tasks.
@@ -449,19 +522,34 @@ pub(crate) async fn run(mut task: DriverTask) {
     let waker = std::future::poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
     *lock(&task.watch.waker) = Some(waker);
     let mut polls = 0u64;
+    // Rounds of an idle poll, fitted to what a round costs (see `IDLE_ROUNDS`); measured on a
+    // poll that follows an idle one, so that a busy poll reads the clock no more.
+    let mut idle_rounds = IDLE_ROUNDS;
+    let mut was_idle = false;
     while !task.stop.load(Ordering::Acquire) {
         polls += 1;
         task.watch.polls.store(polls, Ordering::Relaxed);
-        let found = std::future::poll_fn(|_| Poll::Ready(spin(&task))).await;
+        let (found, began) = std::future::poll_fn(|_| {
+            let began = was_idle.then(Instant::now);
+            Poll::Ready((spin(&task, idle_rounds), began))
+        })
+        .await;
         // The mesh's lanes (see "The mesh's hook").
         let hook = task.hook.get();
         // One clock reading per poll: the dispatch's when it took one.
         let now = match found {
-            Found::Work(Some(at)) => at,
+            Found::Work(Some(at), _) => at,
             _ => Instant::now(),
         };
-        if matches!(found, Found::Work(_)) {
-            last_event = now;
+        was_idle = matches!(found, Found::Nothing(_));
+        if let (Found::Nothing(true), Some(began)) = (&found, began) {
+            idle_rounds = fit_idle_rounds(idle_rounds, now.saturating_duration_since(began));
+        }
+        if let Found::Work(_, app) = found {
+            // Liveness traffic alone does not start the spin window.
+            if app {
+                last_event = now;
+            }
         } else if now.duration_since(last_event) >= task.config.spin {
             // Say so before the last look at the lanes: a sender then either sees the driver
             // asleep (and wakes the mesh's inbox task), or its message is taken here.
@@ -476,9 +564,9 @@ pub(crate) async fn run(mut task: DriverTask) {
                 }
             }
             match task.worker.arm() {
-                Ok(Armed::Busy) => {
-                    last_event = now;
-                }
+                // Events came meanwhile: the next poll takes them, and what they are decides
+                // whether the driver spins on.
+                Ok(Armed::Busy) => {}
                 Ok(Armed::Armed) => {
                     // The sleep's own timeout wakes the driver, but glommio may consume that
                     // wake-up and then park (see the module docs): keep a later timer behind it.
@@ -497,10 +585,10 @@ pub(crate) async fn run(mut task: DriverTask) {
                     .await;
                     task.sleeping.set(false);
                     match woke {
-                        Ok(()) => {
-                            watching = false;
-                            last_event = Instant::now();
-                        }
+                        // The wake-up itself starts no spin window: the next poll looks, and
+                        // spins on only if it finds more than liveness traffic (a shard woken
+                        // by a heartbeat goes back to sleep after one idle poll).
+                        Ok(()) => watching = false,
                         // A bounded sleep ran out with no event: progress once and sleep
                         // again, without a spin window.
                         Err(glommio::GlommioError::TimedOut(_)) => {}
@@ -535,14 +623,15 @@ pub(crate) async fn run(mut task: DriverTask) {
     let _ = task.stream.shutdown(std::net::Shutdown::Both).await;
 }
 
-/// Rounds of progress, dispatch and the mesh's lanes, inside one poll (see [`run`]).
-fn spin(task: &DriverTask) -> Found {
+/// Rounds of progress, dispatch and the mesh's lanes, inside one poll (see [`run`]): at most
+/// `idle_rounds` of them while nothing happens.
+fn spin(task: &DriverTask, idle_rounds: u32) -> Found {
     let dispatch = task.dispatch.get();
     let hook = task.hook.get();
     let executor = glommio::executor();
     // Set by a task since the last poll (see `Driver::wake`): other tasks are runnable.
-    let kicked = task.kick.replace(false);
-    for _ in 0..IDLE_ROUNDS {
+    let kicked = task.kick.replace(Kick::None);
+    for _ in 0..idle_rounds {
         // See "Backlog" in `run`'s docs.
         let events = if task.backlog.get() {
             0
@@ -554,14 +643,19 @@ fn spin(task: &DriverTask) -> Found {
         task.backlog.set(done.backlog);
         let hooked = hook.is_some_and(|hook| hook.poll());
         task.stats.rounds.set(round + 1);
-        if events > 0 || done.handled > 0 || hooked || kicked {
-            return Found::Work(done.at);
+        if events > 0 || done.handled > 0 || hooked || kicked != Kick::None {
+            // More than liveness traffic: application frames, the mesh's messages, a task's
+            // application send, or UCX events with no frame handled (a rendezvous under way,
+            // completions): conservatively, all of these keep the driver spinning.
+            let app =
+                done.app || hooked || kicked == Kick::App || (events > 0 && done.handled == 0);
+            return Found::Work(done.at, app);
         }
         if executor.need_preempt() {
-            break;
+            return Found::Nothing(false);
         }
     }
-    Found::Nothing
+    Found::Nothing(true)
 }
 
 fn socket_path(shard: usize) -> PathBuf {

@@ -256,3 +256,95 @@ fn memlock_error_names_limit_and_need() {
         "{msg}"
     );
 }
+
+/// Heartbeats alone do not keep a shard awake. Two one-shard nodes over TCP, one rail between
+/// them heartbeating every 10 ms, each driver with a spin window of 20 ms, idle for 1 s: when a
+/// heartbeat (sent, received or acked) started a spin window, neither driver ever slept (a
+/// window outlasted the gap to the next heartbeat); now a shard woken for one handles it and
+/// sleeps again, so each sleeps about once per heartbeat it sends or receives.
+#[test]
+fn heartbeats_alone_do_not_keep_a_shard_awake() {
+    use shardcx_shards::net::NetConfig;
+    use shardcx_shards::proto::NodeId;
+    use shardcx_shards::DriverConfig;
+    use std::sync::atomic::{AtomicU8, Ordering};
+    use std::sync::mpsc;
+
+    const KEY: &[u8] = b"sixteen byte key, and some more";
+    const IDLE: Duration = Duration::from_secs(1);
+    let node = |id: u64| {
+        ShardsBuilder::new()
+            .shard_count(1)
+            .placement(Placement::Unpinned)
+            .transports("tcp")
+            .io_memory(1 << 20)
+            .node_id(NodeId::new(id))
+            .psk(KEY)
+            .driver(DriverConfig {
+                spin: Duration::from_millis(20),
+            })
+            .net(NetConfig {
+                heartbeat_interval: Duration::from_millis(10),
+                // Generous: a loaded machine may delay a heartbeat, and this test is not
+                // about detection.
+                suspect_after: 50,
+                dead_after: 100,
+                ..NetConfig::default()
+            })
+    };
+    // 0: connecting, 1: measuring, 2: done.
+    let phase = Arc::new(AtomicU8::new(0));
+    let (tx, rx) = mpsc::channel();
+    let b_phase = phase.clone();
+    // What one shard saw over the idle second: its driver's sleeps, and its rail's heartbeat
+    // misses.
+    let measure = |ctx: Rc<ShardCtx>, phase: Arc<AtomicU8>| async move {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while phase.load(Ordering::Acquire) == 0 && Instant::now() < deadline {
+            glommio::timer::sleep(Duration::from_millis(5)).await;
+        }
+        let before = ctx.driver_sleeps();
+        glommio::timer::sleep(IDLE).await;
+        (
+            ctx.driver_sleeps() - before,
+            ctx.net_stats().heartbeat_misses,
+        )
+    };
+    let b = std::thread::spawn(move || {
+        node(0xB0B)
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |ctx: Rc<ShardCtx>| {
+                let _ = tx.send(ctx.listen_addr());
+                measure(ctx, b_phase.clone())
+            })
+            .unwrap()
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap()
+        .expect("B listens");
+    let a_phase = phase.clone();
+    let a = node(0xA11CE)
+        .run(move |ctx: Rc<ShardCtx>| {
+            let phase = a_phase.clone();
+            async move {
+                ctx.connect(addr).await.expect("connect");
+                // Both sides' drivers settle first.
+                glommio::timer::sleep(Duration::from_millis(100)).await;
+                phase.store(1, Ordering::Release);
+                measure(ctx, phase).await
+            }
+        })
+        .unwrap();
+    let b = b.join().unwrap();
+    for (name, (sleeps, misses)) in [("A", a[0]), ("B", b[0])] {
+        eprintln!("{name}: {sleeps} sleeps in {IDLE:?}, {misses} heartbeat misses");
+        // About 100 heartbeats each way in the second (and their acks); 30 sleeps leaves room
+        // for a loaded machine, and a driver kept awake by them sleeps about never.
+        assert!(
+            sleeps >= 30,
+            "{name}'s driver slept {sleeps} times in {IDLE:?} of heartbeats only"
+        );
+        assert_eq!(misses, 0, "{name} missed heartbeats");
+    }
+}

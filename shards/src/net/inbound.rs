@@ -472,15 +472,22 @@ pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
         // No frame is being dispatched once `progress` has returned; the next `progress`
         // may dispatch a budget of them in UCX's callback again.
         net.dispatching.set(false);
+        // Frames dispatched inside the `progress` that just returned took from its budget.
+        let inline = net.inline_left.get() < budget;
         net.inline_left.set(budget);
         if net.inbox.borrow().is_empty() {
             return Dispatched {
                 at: net.batch_taken(round),
+                app: inline,
                 ..Dispatched::default()
             };
         }
         match weak.upgrade() {
-            Some(ctx) => drain(&ctx, budget, round),
+            Some(ctx) => {
+                let mut done = drain(&ctx, budget, round);
+                done.app |= inline;
+                done
+            }
             None => Dispatched::default(),
         }
     })
@@ -497,13 +504,14 @@ pub(crate) fn dispatch_hook(ctx: &Rc<ShardCtx>) -> DispatchHook {
 pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched {
     let net = ctx.net();
     let mut n = 0;
+    let mut liveness = 0;
     let mut backlog = false;
     let mut preempted = false;
     while n < budget {
         let item = net.inbox.borrow_mut().pop_front();
         let Some(item) = item else { break };
         n += 1;
-        handle(ctx, net, item, net.batch_now(round).0);
+        liveness += usize::from(handle(ctx, net, item, net.batch_now(round).0));
         // Slow handlers: at least two inputs per round, then the timers' turn when due (see
         // `preempt_due`).
         if n > 1 && preempt_due() {
@@ -522,6 +530,7 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
     }
     Dispatched {
         handled: n,
+        app: n > liveness,
         backlog,
         at: net.batch_taken(round),
     }
@@ -560,8 +569,8 @@ fn accepted(
     count_received(net, header, received)
 }
 
-/// Handles one recorded input.
-fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
+/// Handles one recorded input; true if it was a liveness frame (see `Dispatched::app`).
+fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) -> bool {
     match item {
         Inbound::Data {
             node,
@@ -589,7 +598,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
             node,
             addr_len,
             bytes,
-        } => handle_control(ctx, net, node, addr_len, &bytes, now),
+        } => return handle_control(ctx, net, node, addr_len, &bytes, now),
         Inbound::Service { node, remote } => session::service(net, node, remote),
         Inbound::Malformed => net.count(|s| s.dropped_malformed += 1),
         Inbound::TooLarge => net.count(|s| s.dropped_too_large += 1),
@@ -622,6 +631,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
             }
         }
     }
+    false
 }
 
 /// A [`FRAME_AM`] message: a control frame of a rail, or a `Hello` or `Join` that opens one
@@ -634,7 +644,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) {
 /// connection when it can take it (a server answers a new `Hello`; a join server a new
 /// `Join`), else it replaces it (a `Join` from a peer whose earlier rail this shard still holds
 /// as a primary; an opening from another incarnation than the rail's peer, whose answer must
-/// go to that incarnation's worker).
+/// go to that incarnation's worker). True if the frame was a heartbeat or an ack of one.
 fn handle_control(
     ctx: &Rc<ShardCtx>,
     net: &NetState,
@@ -642,18 +652,20 @@ fn handle_control(
     addr_len: usize,
     bytes: &[u8],
     now: Timestamp,
-) {
+) -> bool {
     let (Some(addr), Some(frame)) = (bytes.get(..addr_len), bytes.get(addr_len..)) else {
         net.count(|s| s.dropped_malformed += 1);
-        return;
+        return false;
     };
     let (header, payload) = match decode_frame(frame, &net.limits) {
         Ok(hp) => hp,
         Err(e) => {
             count_bad_frame(net, &e);
-            return;
+            return false;
         }
     };
+    // Heartbeats and their acks (see `Dispatched::app`).
+    let liveness = matches!(header.kind, FrameKind::Heartbeat | FrameKind::HeartbeatAck);
     let remote = header.src_shard;
     let opening_from = match header.kind {
         FrameKind::Hello | FrameKind::Join => opening_incarnation(header.kind, payload),
@@ -671,7 +683,7 @@ fn handle_control(
     });
     if let Some(generation) = pending {
         feed_pending(net, node, generation, (&header, payload), now);
-        return;
+        return liveness;
     }
     let fits = net
         .peers
@@ -702,7 +714,7 @@ fn handle_control(
         if fits.is_none() && !matches!(header.kind, FrameKind::Hello | FrameKind::Join) {
             net.count(|s| s.dropped_unauthenticated += 1);
         }
-        return;
+        return liveness;
     }
     let (received, ready) = match net
         .peers
@@ -714,7 +726,7 @@ fn handle_control(
             r.conn.handle_frame(now, &header, payload),
             r.conn.peer().copied(),
         ),
-        None => return,
+        None => return liveness,
     };
     if let (Received::Dropped(DropReason::Opening), Some(ready)) = (received, ready) {
         // Not a dropped frame: it is answered beside the rail, which goes on as it was.
@@ -723,13 +735,14 @@ fn handle_control(
         {
             feed_pending(net, node, generation, (&header, payload), now);
         }
-        return;
+        return liveness;
     }
     session::service(net, node, remote);
     if count_received(net, &header, received) {
         // Application frames travel as DATA_AM only.
         net.count(|s| s.dropped_malformed += 1);
     }
+    liveness
 }
 
 /// Hands a handshake frame to the pending opening of `node` whose sender has `generation`.

@@ -32,8 +32,10 @@ const STACK_USER: usize = 64;
 
 /// A frame for a connection's sender task.
 pub(super) enum Outbound {
-    /// A control frame ([`FRAME_AM`]): routing header and payload (address and frame).
-    Control([u8; AM_HEADER_LEN], Vec<u8>),
+    /// A control frame ([`FRAME_AM`]): routing header and payload (address and frame), and
+    /// whether it is a heartbeat or an ack of one (sent, it keeps no driver spinning: see
+    /// [`crate::ShardCtx::nudge_driver`]).
+    Control([u8; AM_HEADER_LEN], Vec<u8>, bool),
     /// An application frame ([`DATA_AM`]): its UCX AM header (routing, frame header, user
     /// header) and payload; by rendezvous when `rndv`.
     Data {
@@ -448,14 +450,17 @@ pub(super) async fn sender(
             Poll::Pending
         })
         .await;
-        let (mut send, rndv, posted, bytes) = match next {
-            Next::Frame(Some(Outbound::Control(header, payload))) => (
+        let (mut send, rndv, posted, bytes, liveness) = match next {
+            Next::Frame(Some(Outbound::Control(header, payload, liveness))) => (
                 ep.am_send(FRAME_AM, &header, SendBuf::Vec(payload), AmProto::Eager),
                 false,
                 false,
                 0,
+                liveness,
             ),
-            Next::Frame(Some(Outbound::Posted { send, rndv, bytes })) => (send, rndv, true, bytes),
+            Next::Frame(Some(Outbound::Posted { send, rndv, bytes })) => {
+                (send, rndv, true, bytes, false)
+            }
             Next::Frame(Some(Outbound::Data {
                 header,
                 payload,
@@ -472,6 +477,7 @@ pub(super) async fn sender(
                     rndv,
                     false,
                     bytes,
+                    false,
                 )
             }
             Next::Frame(Some(Outbound::Failed)) | Next::Failed => {
@@ -486,8 +492,10 @@ pub(super) async fn sender(
             None
         } else {
             let first = future::poll_once(&mut send).await;
-            if let Some(c) = ctx.upgrade() {
-                c.wake_driver();
+            match ctx.upgrade() {
+                Some(c) if liveness => c.nudge_driver(),
+                Some(c) => c.wake_driver(),
+                None => {}
             }
             first
         };

@@ -535,6 +535,10 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
     };
     while let Some(t) = r.conn.poll_transmit() {
         let frame = t.to_vec();
+        let liveness = matches!(
+            t.header.kind,
+            FrameKind::Heartbeat | FrameKind::HeartbeatAck
+        );
         let (header, payload) = if matches!(t.header.kind, FrameKind::Hello | FrameKind::Join) {
             let mut payload = net.my_address.clone();
             payload.extend_from_slice(&frame);
@@ -543,7 +547,7 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
         } else {
             (frame_am_header(net.settings.node_id, 0), frame)
         };
-        r.out.push(Outbound::Control(header, payload));
+        r.out.push(Outbound::Control(header, payload, liveness));
     }
     let (mut handshakes, mut joins, mut expired) = (0, 0, 0);
     let (mut suspect, mut dead, mut failed, mut restarted) = (0, 0, 0, 0);
@@ -665,6 +669,7 @@ pub(super) fn service_pending(net: &NetState, node: NodeId, generation: u64) {
         q.rail.out.push(Outbound::Control(
             frame_am_header(net.settings.node_id, 0),
             t.to_vec(),
+            false,
         ));
     }
     let mut outcome = None;
