@@ -90,6 +90,7 @@ pub mod net;
 pub mod pool;
 pub mod rma;
 pub mod rma_trusted;
+mod spare;
 pub mod stall;
 pub mod tag;
 
@@ -104,6 +105,7 @@ pub use net::{Directory, NetConfig, NetStats, RailStates, RemoteNode, Traffic};
 pub use pool::{PoolBuf, ShardPool};
 pub use rma::{RemoteRegion, RmaOpError, RmaStats};
 pub use shardcx_ucx::SendBuf;
+pub use spare::SpareVec;
 pub use tag::{TagConfig, TagStats};
 
 pub use shardcx_proto as proto;

@@ -24,7 +24,7 @@ use shardcx_shards::proto::{
     DedupKey, DedupVerdict, DedupWindow, FrameHeader, FrameKind, FunctionId, NodeId, ReqId,
     Timestamp, REQUEST_PREFIX_LEN,
 };
-use shardcx_shards::{NetError, ShardCtx};
+use shardcx_shards::{NetError, ShardCtx, SpareVec};
 
 use super::{Describe, Discover, NodeInfo, RpcFunction, RpcType, Signature};
 use crate::node::ShardLocal;
@@ -183,7 +183,7 @@ pub(crate) struct ShardRpc {
     /// The vector the next plain handler's reply is encoded into: the last reply's, once it
     /// was sent and, if small, copied into the dedup window (see [`CachedReply`]), so a call
     /// with a small reply allocates no archive of its own.
-    spare_reply: Cell<Vec<u8>>,
+    spare_reply: SpareVec,
     /// Calls of async handlers running, for cancel frames.
     running: RefCell<HashMap<DedupKey, Rc<CancelState>>>,
     /// Choosers of the buffer that rendezvous arguments land in, by function id
@@ -254,12 +254,12 @@ impl ShardRpc {
     /// A cleared vector for a reply's archive (the spare one, or a new one with room for a
     /// small archive: grown from empty, a 24-byte archive cost three reallocations).
     fn reply_vec(&self) -> Vec<u8> {
-        reply_vec(&self.spare_reply)
+        self.spare_reply.take()
     }
 
     /// Keeps `v` for the next reply, unless it is large.
     fn recycle(&self, v: Vec<u8>) {
-        recycle(&self.spare_reply, v)
+        self.spare_reply.give(v)
     }
 
     /// What the dedup window keeps of a reply sent (`bytes`): small ones copied, their vector
@@ -269,31 +269,14 @@ impl ShardRpc {
     }
 }
 
-/// See [`ShardRpc::reply_vec`].
-fn reply_vec(spare: &Cell<Vec<u8>>) -> Vec<u8> {
-    let mut v = spare.take();
-    if v.capacity() == 0 {
-        v.reserve(64);
-    }
-    v.clear();
-    v
-}
-
-/// See [`ShardRpc::recycle`].
-fn recycle(spare: &Cell<Vec<u8>>, v: Vec<u8>) {
-    if v.capacity() <= MAX_SPARE_REPLY {
-        spare.set(v);
-    }
-}
-
 /// See [`ShardRpc::keep_reply`].
-fn keep_reply(spare: &Cell<Vec<u8>>, bytes: Vec<u8>) -> ReplyBytes {
+fn keep_reply(spare: &SpareVec, bytes: Vec<u8>) -> ReplyBytes {
     if bytes.len() <= INLINE_REPLY {
         let mut a = [0u8; INLINE_REPLY];
         a[..bytes.len()].copy_from_slice(&bytes);
         // At most INLINE_REPLY (48): fits a u8.
         let n = bytes.len() as u8;
-        recycle(spare, bytes);
+        spare.give(bytes);
         ReplyBytes::Inline(a, n)
     } else {
         ReplyBytes::Heap(bytes)
@@ -457,7 +440,7 @@ impl RpcSetup {
             functions: RefCell::new(functions),
             signatures: Rc::new(signatures),
             dedup: RefCell::new(DedupWindow::new(c.dedup_entries, c.dedup_max_age)),
-            spare_reply: Cell::new(Vec::new()),
+            spare_reply: SpareVec::new(64, MAX_SPARE_REPLY),
             running: RefCell::new(HashMap::new()),
             choosers: RefCell::new(
                 self.choosers
@@ -1109,6 +1092,7 @@ fn finish(
         }
     };
     if one_way {
+        rpc.recycle(bytes);
         return;
     }
     answer(ctx, from, header, kind, &bytes);
@@ -1159,9 +1143,9 @@ mod tests {
 
     #[test]
     fn kept_replies_read_back_and_small_ones_give_their_vector_back() {
-        let spare = Cell::new(Vec::new());
+        let spare = SpareVec::new(64, MAX_SPARE_REPLY);
         for len in [0, 1, INLINE_REPLY - 1, INLINE_REPLY, INLINE_REPLY + 1, 4000] {
-            let mut v = reply_vec(&spare);
+            let mut v = spare.take();
             assert!(v.is_empty() && v.capacity() >= 64, "len {len}");
             v.extend((0..len).map(|i| (i * 7 + len) as u8));
             let expected = v.clone();
@@ -1172,9 +1156,9 @@ mod tests {
                 ReplyBytes::Inline(..) => {
                     assert!(len <= INLINE_REPLY);
                     // The same vector comes back for the next reply, cleared.
-                    let next = reply_vec(&spare);
+                    let next = spare.take();
                     assert_eq!((next.as_ptr(), next.len()), (ptr, 0), "len {len}");
-                    recycle(&spare, next);
+                    spare.give(next);
                 }
                 ReplyBytes::Heap(v) => {
                     assert!(len > INLINE_REPLY);
@@ -1183,7 +1167,8 @@ mod tests {
             }
         }
         // A large spare vector is not kept.
-        recycle(&spare, Vec::with_capacity(MAX_SPARE_REPLY + 1));
-        assert_eq!(spare.take().capacity(), 0);
+        let _ = spare.take();
+        spare.give(Vec::with_capacity(MAX_SPARE_REPLY + 1));
+        assert_eq!(spare.capacity(), 0);
     }
 }

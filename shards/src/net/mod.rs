@@ -770,7 +770,7 @@ pub(crate) struct NetState {
     inline_bytes: Cell<Option<Rc<Vec<u8>>>>,
     /// The vector of the last short request sent, for the next one's encoding
     /// ([`ShardCtx::request_buffer`]).
-    spare_request: Cell<Vec<u8>>,
+    spare_request: crate::SpareVec,
     /// The waiter of the last request answered on this shard, for the next one (`request`).
     spare_waiter: Cell<Option<Rc<Slot<request::Reply>>>>,
     /// The [`Bans`] generation this shard last closed rails for.
@@ -1008,7 +1008,7 @@ impl NetState {
             dispatching: Cell::new(false),
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
             inline_bytes: Cell::new(None),
-            spare_request: Cell::new(Vec::new()),
+            spare_request: crate::SpareVec::new(0, 2 * request::RECYCLED_REQUEST),
             spare_waiter: Cell::new(None),
             closed: Cell::new(false),
             max_am_header: worker.max_am_header(),

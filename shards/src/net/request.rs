@@ -236,7 +236,9 @@ async fn request_local(
     if payload.len() <= RECYCLED_REQUEST {
         // Sent in place (copied when UCX cannot take it at once), and the vector kept.
         let sent = send(ctx, (node, remote), spec, &[], Body::Borrowed(&payload));
-        keep_spare(net, payload);
+        // Kept unless it is smaller than the spare (a request forwarded from another shard,
+        // made as a small vector, does not displace this shard's encoding buffer).
+        net.spare_request.give(payload);
         sent?;
     } else {
         send(ctx, (node, remote), spec, &[], Body::Buf(payload.into()))?;
@@ -267,20 +269,7 @@ async fn request_local(
 /// Requests up to this long are sent from their vector in place, and the vector is kept for the
 /// next request's encoding ([`ShardCtx::request_buffer`]): no allocation per request. Longer
 /// ones are handed to the sender (not copied when UCX keeps them).
-const RECYCLED_REQUEST: usize = 1024;
-
-/// Keeps `v` as the shard's spare request vector when it has more room than the spare it has
-/// (a request forwarded from another shard, made as a small vector, does not displace the
-/// encoding buffer of this shard's own calls), up to twice [`RECYCLED_REQUEST`].
-fn keep_spare(net: &super::NetState, v: Vec<u8>) {
-    let spare = net.spare_request.take();
-    let keep = if v.capacity() <= 2 * RECYCLED_REQUEST && v.capacity() > spare.capacity() {
-        v
-    } else {
-        spare
-    };
-    net.spare_request.set(keep);
-}
+pub(super) const RECYCLED_REQUEST: usize = 1024;
 
 impl ShardCtx {
     /// An empty vector to encode a request's payload into, for [`ShardCtx::request`] and the
@@ -288,9 +277,7 @@ impl ShardCtx {
     /// new one (no capacity: the encoder reserves what it needs). Requests of at most 1 KiB give
     /// their vector back once sent, so a stream of calls allocates none.
     pub fn request_buffer(&self) -> Vec<u8> {
-        let mut v = self.net().spare_request.take();
-        v.clear();
-        v
+        self.net().spare_request.take()
     }
 
     /// Sends a request of `kind` ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`] or
