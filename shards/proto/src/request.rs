@@ -12,7 +12,7 @@
 use crate::ids::{Incarnation, NodeId, ReqId, ShardId};
 use crate::time::Timestamp;
 use std::cmp::Reverse;
-use std::collections::hash_map::{Entry, RandomState};
+use std::collections::hash_map::RandomState;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
@@ -81,15 +81,6 @@ pub struct DedupKey {
     pub req_id: ReqId,
 }
 
-/// What the window remembers of one sending node: its newest incarnation, and for that
-/// incarnation the floor of each of its shards.
-#[derive(Clone, Debug)]
-struct NodeFloors {
-    incarnation: Incarnation,
-    /// The largest request id evicted per sending shard (absent: none evicted yet).
-    floors: HashMap<ShardId, ReqId, DedupHasher>,
-}
-
 #[derive(Clone, Debug)]
 enum DedupState<R> {
     InProgress,
@@ -115,41 +106,53 @@ enum DedupState<R> {
 ///
 /// # Cost and hashing
 ///
-/// A fresh request costs one lookup of its key (which also inserts it), one of its node and
-/// one of its shard's floor in the node's small table; [`DedupWindow::complete`] one more; its
-/// eviction two more. The table is made with room for `max_entries` (up to 64 Ki), so that it
-/// never grows (rehashing every entry) on a request's path. Keys are hashed with a
-/// keyed multiply-fold hash ([`DedupHasher`]), several times cheaper than std's SipHash, whose
-/// key is drawn per window from std's [`RandomState`] (as `HashMap::new` does). Request ids and
-/// node ids come from the network, but a peer that does not know the key cannot choose ids
-/// that collide; and were it to, the work per operation is bounded by the window's size
-/// (`max_entries` keys at most, and one floor per peer node).
+/// Entries are kept per sending shard, in arrival order, with the largest request id that
+/// shard has sent (`top`). A sending shard's ids increase (its pending table allocates them
+/// in order, and one rail carries them in order), so a fresh request is recognised by one
+/// comparison with `top` and appended; [`DedupWindow::complete`] finds its request at the
+/// back; eviction pops the front of the oldest entry's shard. No hashing per request: the
+/// sending shard of the last request checked is remembered, and only a request from another
+/// one looks its shard up (one keyed hash of `(node, shard)`, [`DedupHasher`]) and its node's
+/// incarnation (one more). A request at or below `top` (a duplicate, or ids out of order,
+/// which only a misbehaving peer sends) is looked for from the back of its shard's entries:
+/// the work per operation is bounded by the window's size. The global arrival order is made
+/// with room for `max_entries` (up to 64 Ki); a shard's entries grow by doubling, once per
+/// size, and never shrink. The hasher's key is drawn per window from std's [`RandomState`]
+/// (as `HashMap::new` does): a peer that does not know it cannot choose node ids that collide,
+/// and the tables hold one key per peer shard and node, not per request.
 #[derive(Clone, Debug)]
 pub struct DedupWindow<R> {
     max_entries: usize,
     max_age: Duration,
-    entries: HashMap<DedupKey, DedupState<R>, DedupHasher>,
-    order: VecDeque<(Timestamp, DedupKey)>,
-    nodes: HashMap<NodeId, NodeFloors, DedupHasher>,
-    hasher: DedupHasher,
+    /// Every sending shard seen (in the newest incarnation of its node), with its entries;
+    /// the slots of a restarted node's shards are reused (`free`).
+    sources: Vec<Source<R>>,
+    free: Vec<u32>,
+    /// Where each sending shard is in `sources`.
+    index: HashMap<(NodeId, ShardId), u32, DedupHasher>,
+    /// The newest incarnation seen of each node.
+    nodes: HashMap<NodeId, Incarnation, DedupHasher>,
+    /// Every entry's arrival and sending shard, oldest first: the oldest entry is the front of
+    /// the front's shard's entries.
+    order: VecDeque<(Timestamp, u32)>,
+    len: usize,
     evicted: u64,
-    /// The sending shard of the last request checked: a stream of requests from one shard
-    /// looks its node and floor up once.
-    last: Option<LastSource>,
-    /// Floors to raise after a run of evictions, one entry per run of evictions from one
-    /// sending shard (see `evict_oldest`); kept for its capacity.
-    raised: Vec<DedupKey>,
+    /// The sending shard of the last request checked.
+    last: Option<u32>,
 }
 
-/// What [`DedupWindow`] knows of the sending shard of the request it checked last: its node's
-/// incarnation is the newest the window has seen, and its floor is `floor`. Kept up to date
-/// when that floor rises; replaced by the next request from another shard.
-#[derive(Clone, Copy, Debug)]
-struct LastSource {
+/// One sending shard's entries in a [`DedupWindow`].
+#[derive(Clone, Debug)]
+struct Source<R> {
     node: NodeId,
     incarnation: Incarnation,
     shard: ShardId,
+    /// The largest request id evicted (absent: none evicted yet).
     floor: Option<ReqId>,
+    /// The largest request id recorded (evicted or not).
+    top: ReqId,
+    /// Entries in arrival order.
+    entries: VecDeque<(ReqId, DedupState<R>)>,
 }
 
 /// The keyed hash of [`DedupWindow`]'s tables: each 64-bit word `x` of the key is folded into
@@ -465,22 +468,23 @@ impl<R> DedupWindow<R> {
         hasher: DedupHasher,
     ) -> DedupWindow<R> {
         let max_entries = max_entries.max(1);
-        // Sized for a full window from the start (up to PRESIZE_MAX entries): growing the
-        // table by rehashing every entry took about 300 thousand instructions at a time on the
-        // path of one request, up to 16 Ki entries (`scripts/count-instructions --test rpc-lat
-        // --keep DIR`, `reserve_rehash` in its call tree). The buckets' pages are touched only
-        // as entries land in them.
+        // Sized for a full window from the start (up to PRESIZE_MAX entries): growing it
+        // moves every entry at once, on the path of one request. (The hash table of every
+        // key this window once had took about 300 thousand instructions at a time to grow, up
+        // to 16 Ki entries: `scripts/count-instructions --test rpc-lat --keep DIR`,
+        // `reserve_rehash` in its call tree.) Pages are touched only as entries land.
         let presize = max_entries.min(PRESIZE_MAX);
         DedupWindow {
             max_entries,
             max_age,
-            entries: HashMap::with_capacity_and_hasher(presize, hasher.clone()),
+            sources: Vec::new(),
+            free: Vec::new(),
+            index: HashMap::with_hasher(hasher.clone()),
+            nodes: HashMap::with_hasher(hasher),
             order: VecDeque::with_capacity(presize),
-            nodes: HashMap::with_hasher(hasher.clone()),
-            hasher,
+            len: 0,
             evicted: 0,
             last: None,
-            raised: Vec::new(),
         }
     }
 
@@ -491,42 +495,62 @@ impl<R> DedupWindow<R> {
     /// the floor.
     pub fn check_and_insert(&mut self, now: Timestamp, key: DedupKey) -> DedupVerdict<'_, R> {
         self.expire(now);
-        if self.entries.len() >= self.max_entries {
+        if self.len >= self.max_entries {
             self.evict_batch();
         }
-        match self.last {
-            Some(l)
-                if l.node == key.node
-                    && l.incarnation == key.incarnation
-                    && l.shard == key.shard =>
-            {
-                if l.floor.is_some_and(|f| key.req_id <= f) {
-                    return DedupVerdict::TooOld;
-                }
-            }
-            _ => {
-                if self.too_old_source(key) {
-                    return DedupVerdict::TooOld;
-                }
-            }
+        let s = match self.last {
+            Some(s) if self.is_source(s, key) => s,
+            _ => match self.source_of(key) {
+                Some(s) => s,
+                None => return DedupVerdict::TooOld,
+            },
+        };
+        let Some(src) = self.sources.get_mut(s as usize) else {
+            return DedupVerdict::TooOld;
+        };
+        if src.floor.is_some_and(|f| key.req_id <= f) {
+            return DedupVerdict::TooOld;
         }
-        match self.entries.entry(key) {
-            Entry::Occupied(e) => match e.into_mut() {
+        if key.req_id > src.top {
+            // Above every id recorded: fresh, the common case.
+            src.top = key.req_id;
+        } else if let Some(at) = src.entries.iter().rposition(|(id, _)| *id == key.req_id) {
+            // A copy (looked for from the back).
+            return match &src.entries[at].1 {
                 DedupState::Done(r) => DedupVerdict::Done(r),
                 DedupState::InProgress => DedupVerdict::InProgress,
-            },
-            Entry::Vacant(e) => {
-                e.insert(DedupState::InProgress);
-                self.order.push_back((now, key));
-                DedupVerdict::Fresh
-            }
+            };
         }
+        src.entries.push_back((key.req_id, DedupState::InProgress));
+        self.order.push_back((now, s));
+        self.len += 1;
+        DedupVerdict::Fresh
     }
 
     /// Records the reply of a request that finished, for resending to duplicates. Returns
     /// `false` if the request is no longer in the window.
     pub fn complete(&mut self, key: DedupKey, reply: R) -> bool {
-        match self.entries.get_mut(&key) {
+        let s = match self.last {
+            Some(s) if self.is_source(s, key) => s,
+            _ => match self.index.get(&(key.node, key.shard)) {
+                Some(&s) if self.sources[s as usize].incarnation == key.incarnation => s,
+                _ => return false,
+            },
+        };
+        let Some(src) = self.sources.get_mut(s as usize) else {
+            return false;
+        };
+        // Usually the last one recorded; else looked for from the back.
+        let state = match src.entries.back_mut() {
+            Some((id, state)) if *id == key.req_id => Some(state),
+            _ => src
+                .entries
+                .iter_mut()
+                .rev()
+                .find(|(id, _)| *id == key.req_id)
+                .map(|(_, state)| state),
+        };
+        match state {
             Some(state) => {
                 *state = DedupState::Done(reply);
                 true
@@ -543,7 +567,6 @@ impl<R> DedupWindow<R> {
             }
             self.evict_oldest();
         }
-        self.raise_floors();
     }
 
     /// When the oldest entry ages out.
@@ -555,12 +578,12 @@ impl<R> DedupWindow<R> {
 
     /// Requests currently remembered.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     /// Whether nothing is remembered.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len == 0
     }
 
     /// Entries evicted so far (by age or count).
@@ -568,48 +591,75 @@ impl<R> DedupWindow<R> {
         self.evicted
     }
 
-    /// The incarnation and floor checks of `key` against its node's record (a request from
-    /// another sending shard than the last one): whether it is too old; if not, its node's
-    /// record is made or renewed, and its shard remembered as the last source.
-    fn too_old_source(&mut self, key: DedupKey) -> bool {
-        let floor = match self.nodes.get(&key.node) {
-            Some(n) if key.incarnation < n.incarnation => return true,
-            Some(n) if key.incarnation == n.incarnation => {
-                let floor = n.floors.get(&key.shard).copied();
-                if floor.is_some_and(|f| key.req_id <= f) {
-                    return true;
-                }
-                floor
-            }
-            Some(_) => {
-                // The node restarted: everything from its previous life is void. Drop it eagerly
-                // so old entries cannot crowd the window.
-                let node = key.node;
-                self.entries.retain(|k, _| k.node != node);
-                self.order.retain(|(_, k)| k.node != node);
-                self.nodes.insert(node, self.fresh_node(key.incarnation));
-                None
-            }
-            None => {
-                self.nodes
-                    .insert(key.node, self.fresh_node(key.incarnation));
-                None
-            }
-        };
-        self.last = Some(LastSource {
-            node: key.node,
-            incarnation: key.incarnation,
-            shard: key.shard,
-            floor,
-        });
-        false
+    /// Whether slot `s` holds `key`'s sending shard, in `key`'s incarnation.
+    fn is_source(&self, s: u32, key: DedupKey) -> bool {
+        self.sources.get(s as usize).is_some_and(|src| {
+            src.node == key.node && src.shard == key.shard && src.incarnation == key.incarnation
+        })
     }
 
-    fn fresh_node(&self, incarnation: Incarnation) -> NodeFloors {
-        NodeFloors {
-            incarnation,
-            floors: HashMap::with_hasher(self.hasher.clone()),
+    /// The slot of `key`'s sending shard (a request from another one than the last), made if
+    /// new, after the incarnation check: `None` if `key` comes from an older incarnation of
+    /// its node. A newer incarnation voids everything of the node's previous life. The slot
+    /// becomes the last source.
+    fn source_of(&mut self, key: DedupKey) -> Option<u32> {
+        match self.nodes.get(&key.node) {
+            Some(&inc) if key.incarnation < inc => return None,
+            Some(&inc) if key.incarnation > inc => {
+                self.forget_node(key.node);
+                self.nodes.insert(key.node, key.incarnation);
+            }
+            Some(_) => {}
+            None => {
+                self.nodes.insert(key.node, key.incarnation);
+            }
         }
+        let s = match self.index.get(&(key.node, key.shard)) {
+            Some(&s) => s,
+            None => {
+                let src = Source {
+                    node: key.node,
+                    incarnation: key.incarnation,
+                    shard: key.shard,
+                    floor: None,
+                    top: ReqId::NONE,
+                    entries: VecDeque::new(),
+                };
+                let s = match self.free.pop() {
+                    Some(s) => {
+                        self.sources[s as usize] = src;
+                        s
+                    }
+                    None => {
+                        // Slots are u32: a window sees far fewer peer shards than that.
+                        self.sources.push(src);
+                        (self.sources.len() - 1) as u32
+                    }
+                };
+                self.index.insert((key.node, key.shard), s);
+                s
+            }
+        };
+        self.last = Some(s);
+        Some(s)
+    }
+
+    /// Drops every entry and shard of `node` (it restarted): they cannot crowd the window.
+    fn forget_node(&mut self, node: NodeId) {
+        let mut gone = Vec::new();
+        for (s, src) in self.sources.iter_mut().enumerate() {
+            if src.node == node && !self.free.contains(&(s as u32)) {
+                self.len -= src.entries.len();
+                src.entries = VecDeque::new();
+                self.index.remove(&(node, src.shard));
+                gone.push(s as u32);
+            }
+        }
+        self.order.retain(|(_, s)| !gone.contains(s));
+        if self.last.is_some_and(|s| gone.contains(&s)) {
+            self.last = None;
+        }
+        self.free.extend(gone);
     }
 
     /// Evicts the oldest `max_entries / 16` entries (at least one).
@@ -620,49 +670,20 @@ impl<R> DedupWindow<R> {
                 break;
             }
         }
-        self.raise_floors();
     }
 
-    /// Evicts the oldest entry; its floor is raised by [`DedupWindow::raise_floors`], which
-    /// every run of evictions ends with (one look-up of the node and floor per run of
-    /// evictions from one sending shard, not one per eviction).
+    /// Evicts the oldest entry, raising its shard's floor.
     fn evict_oldest(&mut self) -> bool {
-        let Some((_, key)) = self.order.pop_front() else {
+        let Some((_, s)) = self.order.pop_front() else {
             return false;
         };
-        if self.entries.remove(&key).is_some() {
+        let src = &mut self.sources[s as usize];
+        if let Some((id, _)) = src.entries.pop_front() {
+            src.floor = Some(src.floor.map_or(id, |f| f.max(id)));
+            self.len -= 1;
             self.evicted += 1;
-            match self.raised.last_mut() {
-                Some(r)
-                    if r.node == key.node
-                        && r.incarnation == key.incarnation
-                        && r.shard == key.shard =>
-                {
-                    r.req_id = r.req_id.max(key.req_id);
-                }
-                _ => self.raised.push(key),
-            }
         }
         true
-    }
-
-    /// Raises the floors of the entries evicted since the last call (see `evict_oldest`).
-    fn raise_floors(&mut self) {
-        for key in self.raised.drain(..) {
-            let Some(n) = self.nodes.get_mut(&key.node) else {
-                continue;
-            };
-            if n.incarnation != key.incarnation {
-                continue;
-            }
-            let floor = n.floors.entry(key.shard).or_insert(ReqId::NONE);
-            *floor = (*floor).max(key.req_id);
-            if let Some(l) = &mut self.last {
-                if l.node == key.node && l.incarnation == key.incarnation && l.shard == key.shard {
-                    l.floor = Some(*floor);
-                }
-            }
-        }
     }
 }
 
@@ -831,16 +852,24 @@ mod tests {
     fn a_full_window_never_grows_its_tables() {
         const MAX: usize = 4096;
         let mut w: DedupWindow<u64> = DedupWindow::new(MAX, Duration::from_secs(3600));
-        let (entries, order) = (w.entries.capacity(), w.order.capacity());
-        assert!(entries >= MAX && order >= MAX, "{entries} {order}");
+        let order = w.order.capacity();
+        assert!(order >= MAX, "{order}");
+        let mut grown = 0;
         for req in 1..=(3 * MAX as u64) {
             let k = key(1, 1, req);
             assert_eq!(w.check_and_insert(t(req), k), DedupVerdict::Fresh);
             assert!(w.complete(k, req));
+            // The shard's entries reach their size within the first full window.
+            if req == MAX as u64 {
+                grown = w.sources[0].entries.capacity();
+            }
         }
         assert!(w.len() <= MAX && w.evicted() >= 2 * MAX as u64 - 1);
-        // Tombstones of evicted keys may lower what `capacity` reports; growing raises it.
-        assert!(w.entries.capacity() <= entries, "the key table grew");
+        assert_eq!(
+            w.sources[0].entries.capacity(),
+            grown,
+            "the shard's entries grew"
+        );
         assert_eq!(w.order.capacity(), order, "the age queue grew");
     }
 

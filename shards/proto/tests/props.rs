@@ -680,8 +680,9 @@ impl DedupModel {
 }
 
 proptest! {
-    /// The dedup window (with its cached last source and its floors raised once per run of
-    /// evictions) says what the plain model of its rules says, request by request: keys from
+    /// The dedup window (entries kept per sending shard in arrival order, the last source
+    /// remembered, fresh ids recognised by the largest one recorded) says what the plain model
+    /// of its rules says, request by request: keys from
     /// two nodes of three incarnations and two shards each, time moving on by up to 20 ms a
     /// step against a 50 ms window, windows of 1 to 24 entries.
     #[test]
