@@ -595,8 +595,15 @@ fn load(a: &LoadArgs) -> Result<(), String> {
                                     glommio::timer::sleep(Duration::from_millis(20)).await;
                                 }
                                 seq += window as u64;
-                                if !pause.is_zero() {
-                                    glommio::timer::sleep(pause).await;
+                                // A long pause ends with the load (`--for`) or a signal.
+                                let until = Instant::now() + pause;
+                                while start.elapsed() < load_for && !stop.load(Ordering::Acquire) {
+                                    let left = until.saturating_duration_since(Instant::now());
+                                    if left.is_zero() {
+                                        break;
+                                    }
+                                    glommio::timer::sleep(left.min(Duration::from_millis(100)))
+                                        .await;
                                 }
                             }
                         }));
