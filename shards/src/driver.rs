@@ -4,9 +4,9 @@
 //! (application frames with eager data are handled inside it, in UCX's callback), dispatching
 //! what UCX's callbacks recorded right after each call (handlers run inline; see "The hot path"
 //! at `run`) and yielding to the shard's other tasks once a round found work,
-//! while events keep coming and for a spin window ([`DriverConfig::spin`]) after the last one.
-//! When the window has passed with no event, it arms the worker and sleeps until the worker's
-//! event fd is readable.
+//! while events keep coming and for a spin window ([`DriverConfig::spin`]) after the last
+//! application event (liveness traffic starts none: see below). When the window has passed,
+//! it arms the worker and sleeps until the worker's event fd is readable.
 //!
 //! ## How a glommio task sleeps on a UCX fd without unsafe code
 //!
@@ -128,7 +128,9 @@
 //! So only what an application may wait on starts the spin window: frames other than
 //! heartbeats and their acks, the mesh's messages, a task's send
 //! ([`crate::ShardCtx::wake_driver`]) and UCX events that came with no frame (a rendezvous
-//! under way). A wake-up by itself starts none, nor does a heartbeat's send (a rail's sender
+//! under way; a round that also carried a heartbeat counts by its frames alone, so such an
+//! event arriving with a heartbeat may find the driver asleep after its next idle poll: a
+//! wake-up's latency, not a loss). A wake-up by itself starts none, nor does a heartbeat's send (a rail's sender
 //! nudges the driver instead of waking it): a shard woken for a heartbeat handles it, runs one
 //! idle poll and sleeps again. An idle poll runs as many rounds as fit in [`IDLE_SPAN`]
 //! (measured on idle polls), not a fixed count. And heartbeats go out on a grid (see
@@ -172,7 +174,8 @@ pub const BACKSTOP: Duration = Duration::from_millis(10);
 /// Settings of a shard's progress driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DriverConfig {
-    /// How long to keep calling `progress` after the last event before arming and sleeping.
+    /// How long to keep calling `progress` after the last application event (not heartbeats,
+    /// see the module docs) before arming and sleeping.
     pub spin: Duration,
 }
 
@@ -501,10 +504,12 @@ pub const DISPATCH_BUDGET: usize = 64;
 /// application frames with eager data: see "The hot path" in the net module), then the net
 /// layer's dispatch of what the callbacks recorded ([`DispatchHook`]: handlers run inline, on
 /// this stack), then the mesh's lanes, and returns as soon as a round found anything, so that tasks the handlers woke run
-/// next; or after [`IDLE_ROUNDS`] empty rounds, or when glommio's preempt timer says the
-/// executor should look at its timers and I/O (`need_preempt`). Idle rounds so cost no task
-/// switch and no clock read; the clock is read at most once per round that found frames, by
-/// the first frame that needs it, and that reading serves the poll. The driver runs in the shard's
+/// next; or after its idle rounds ([`IDLE_ROUNDS`] at most, fewer where a round costs more:
+/// [`fit_idle_rounds`]) came up empty, or when glommio's preempt timer says the executor
+/// should look at its timers and I/O (`need_preempt`). Idle rounds so cost no task switch;
+/// the clock is read at most once per round that found frames, by the first frame that needs
+/// it, and that reading serves the poll, and once more only by a poll that follows an idle
+/// one (to fit the idle rounds). The driver runs in the shard's
 /// default task queue, with the tasks it wakes, so that handing over to them is a plain
 /// `yield_now` (the next task of the same queue), not a switch of task queues, which in glommio
 /// 0.9 reads the clock twice.

@@ -292,7 +292,7 @@ fn heartbeats_alone_do_not_keep_a_shard_awake() {
                 ..NetConfig::default()
             })
     };
-    // 0: connecting, 1: measuring, 2: done.
+    // 0: connecting, 1: measuring.
     let phase = Arc::new(AtomicU8::new(0));
     let (tx, rx) = mpsc::channel();
     let b_phase = phase.clone();

@@ -149,7 +149,7 @@ pub fn heartbeat_tick(now: Timestamp, interval: Duration) -> Timestamp {
     if i == 0 {
         return now;
     }
-    let earliest = now.as_nanos().saturating_add(i / 2);
+    let earliest = now.as_nanos().saturating_add(i.div_ceil(2));
     match earliest.div_ceil(i).checked_mul(i) {
         Some(t) => Timestamp::from_nanos(t),
         None => Timestamp::MAX,

@@ -117,9 +117,10 @@ enum DedupState<R> {
 /// which only a misbehaving peer sends) is looked for from the back of its shard's entries:
 /// the work per operation is bounded by the window's size. The global arrival order is made
 /// with room for `max_entries` (up to 64 Ki); a shard's entries grow by doubling, once per
-/// size, and never shrink. The hasher's key is drawn per window from std's [`RandomState`]
-/// (as `HashMap::new` does): a peer that does not know it cannot choose node ids that collide,
-/// and the tables hold one key per peer shard and node, not per request.
+/// size, and are freed once all of them have left the window. The hasher's key is drawn per
+/// window from std's [`RandomState`] (as `HashMap::new` does): a peer that does not know it
+/// cannot choose node ids that collide, and the tables hold one key per peer shard and node,
+/// not per request.
 #[derive(Clone, Debug)]
 pub struct DedupWindow<R> {
     max_entries: usize,
@@ -455,6 +456,10 @@ impl<T> Default for PendingTable<T> {
 /// past it as requests arrive.
 const PRESIZE_MAX: usize = 64 * 1024;
 
+/// Entries of room a sending shard's queue in a [`DedupWindow`] keeps once it is empty; a
+/// larger queue is freed.
+const SOURCE_KEEP: usize = 64;
+
 impl<R> DedupWindow<R> {
     /// A window holding at most `max_entries` requests (at least 1) for at most `max_age` each.
     pub fn new(max_entries: usize, max_age: Duration) -> DedupWindow<R> {
@@ -683,6 +688,12 @@ impl<R> DedupWindow<R> {
             self.len -= 1;
             self.evicted += 1;
         }
+        // A shard whose entries have all gone (it went quiet, or was evicted by a busier one)
+        // gives its queue's memory back: what the window holds stays bounded by its entries,
+        // not by every peer shard's largest backlog.
+        if src.entries.is_empty() && src.entries.capacity() > SOURCE_KEEP {
+            src.entries = VecDeque::new();
+        }
         true
     }
 }
@@ -871,6 +882,21 @@ mod tests {
             "the shard's entries grew"
         );
         assert_eq!(w.order.capacity(), order, "the age queue grew");
+    }
+
+    #[test]
+    fn a_shard_whose_entries_all_left_gives_its_memory_back() {
+        let mut w: DedupWindow<u64> = DedupWindow::new(4096, Duration::from_millis(100));
+        for req in 1..=1000 {
+            assert_eq!(w.check_and_insert(t(1), key(1, 1, req)), DedupVerdict::Fresh);
+        }
+        assert!(w.sources[0].entries.capacity() >= 1000);
+        // All age out: the queue is freed, the floor kept.
+        w.expire(t(200));
+        assert_eq!((w.len(), w.evicted()), (0, 1000));
+        assert_eq!(w.sources[0].entries.capacity(), 0);
+        assert_eq!(w.check_and_insert(t(201), key(1, 1, 1000)), DedupVerdict::TooOld);
+        assert_eq!(w.check_and_insert(t(201), key(1, 1, 1001)), DedupVerdict::Fresh);
     }
 
     #[test]
