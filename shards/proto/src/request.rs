@@ -888,15 +888,24 @@ mod tests {
     fn a_shard_whose_entries_all_left_gives_its_memory_back() {
         let mut w: DedupWindow<u64> = DedupWindow::new(4096, Duration::from_millis(100));
         for req in 1..=1000 {
-            assert_eq!(w.check_and_insert(t(1), key(1, 1, req)), DedupVerdict::Fresh);
+            assert_eq!(
+                w.check_and_insert(t(1), key(1, 1, req)),
+                DedupVerdict::Fresh
+            );
         }
         assert!(w.sources[0].entries.capacity() >= 1000);
         // All age out: the queue is freed, the floor kept.
         w.expire(t(200));
         assert_eq!((w.len(), w.evicted()), (0, 1000));
         assert_eq!(w.sources[0].entries.capacity(), 0);
-        assert_eq!(w.check_and_insert(t(201), key(1, 1, 1000)), DedupVerdict::TooOld);
-        assert_eq!(w.check_and_insert(t(201), key(1, 1, 1001)), DedupVerdict::Fresh);
+        assert_eq!(
+            w.check_and_insert(t(201), key(1, 1, 1000)),
+            DedupVerdict::TooOld
+        );
+        assert_eq!(
+            w.check_and_insert(t(201), key(1, 1, 1001)),
+            DedupVerdict::Fresh
+        );
     }
 
     #[test]
