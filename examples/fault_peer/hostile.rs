@@ -19,7 +19,7 @@ use shardcx::shards::net::Dest;
 use shardcx::shards::NetConfig;
 use shardcx::{Node, Peer};
 
-use super::{cli, error_kind, node, FaultPut, FaultSlow, Put, Slow, LATE_SLACK};
+use super::{cli, error_kind, node_with, FaultPut, FaultSlow, Put, Slow, LATE_SLACK};
 
 /// Deterministic bytes and choices from a seed (xorshift64*), so that a run can be replayed.
 pub(crate) struct Rng(u64);
@@ -158,7 +158,7 @@ pub(crate) fn hostile(a: &HostileArgs) -> Result<(), String> {
     let mut net = NetConfig::default();
     // Ours above the server's, so that the oversized frames leave this node.
     net.max_message_size = (max_message as u64 + 1).max(net.max_message_size) * 2;
-    let out = node()
+    let out = node_with(None)
         .shards(1)
         .net(net)
         .run(move |node: Node| async move {
@@ -405,7 +405,7 @@ pub(crate) fn deadlines(a: &DeadlineArgs) -> Result<(), String> {
     let inc = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64);
-    let out = node()
+    let out = node_with(None)
         .shards(1)
         .run(move |node: Node| async move {
             let peer = node
@@ -637,7 +637,7 @@ pub(crate) fn probe(a: &ProbeArgs) -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(50));
     }
     let connect = a.connect;
-    let out = node()
+    let out = node_with(None)
         .shards(1)
         .run(move |node: Node| async move {
             let t0 = Instant::now();

@@ -276,10 +276,6 @@ fn node_with(spin_us: Option<u64>) -> shardcx::NodeBuilder {
 }
 
 /// The suite's node settings with the runtime's spin window.
-fn node() -> shardcx::NodeBuilder {
-    node_with(None)
-}
-
 /// A flag set by SIGTERM or SIGINT.
 fn stop_flag() -> Result<Arc<AtomicBool>, String> {
     let stop = Arc::new(AtomicBool::new(false));

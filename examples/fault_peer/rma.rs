@@ -18,7 +18,7 @@ use shardcx::shards::net::Dest;
 use shardcx::{Error, Node, NodeId, Peer};
 
 use super::hostile::Rng;
-use super::{cli, node};
+use super::{cli, node_with};
 
 /// Every region's length.
 pub(crate) const REGION_LEN: usize = 4096;
@@ -325,7 +325,7 @@ pub(crate) fn rma_attack(a: &RmaAttackArgs) -> Result<(), String> {
             .map(|r| r.descs.into_iter().collect::<Vec<_>>())
             .collect::<Vec<_>>(),
     );
-    let out = node()
+    let out = node_with(None)
         .shards(1)
         .run(move |node: Node| {
             let (regions, modes) = (regions.clone(), modes.clone());
@@ -699,7 +699,7 @@ pub(crate) fn rma_load(a: &RmaLoadArgs) -> Result<(), String> {
     let start_unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let out = node()
+    let out = node_with(None)
         .shards(1)
         .run(move |node: Node| {
             let (regions, stop) = (regions.clone(), stop.clone());

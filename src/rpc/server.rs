@@ -251,17 +251,6 @@ impl ReplyBytes {
 const MAX_SPARE_REPLY: usize = 4096;
 
 impl ShardRpc {
-    /// A cleared vector for a reply's archive (the spare one, or a new one with room for a
-    /// small archive: grown from empty, a 24-byte archive cost three reallocations).
-    fn reply_vec(&self) -> Vec<u8> {
-        self.spare_reply.take()
-    }
-
-    /// Keeps `v` for the next reply, unless it is large.
-    fn recycle(&self, v: Vec<u8>) {
-        self.spare_reply.give(v)
-    }
-
     /// What the dedup window keeps of a reply sent (`bytes`): small ones copied, their vector
     /// recycled.
     fn keep_reply(&self, bytes: Vec<u8>) -> ReplyBytes {
@@ -586,7 +575,7 @@ where
             // Nobody reads it: not encoded (nor allocated).
             return Ok(Vec::new());
         }
-        encode_reply(&reply, ctx.node.local().rpc.reply_vec())
+        encode_reply(&reply, ctx.node.local().rpc.spare_reply.take())
     }))
 }
 
@@ -1092,7 +1081,7 @@ fn finish(
         }
     };
     if one_way {
-        rpc.recycle(bytes);
+        rpc.spare_reply.give(bytes);
         return;
     }
     answer(ctx, from, header, kind, &bytes);
@@ -1102,7 +1091,7 @@ fn finish(
             payload: rpc.keep_reply(bytes),
         })
     } else {
-        rpc.recycle(bytes);
+        rpc.spare_reply.give(bytes);
         None
     };
     rpc.dedup.borrow_mut().complete(key, keep);

@@ -193,6 +193,12 @@ impl FrameKind {
     pub fn is_control(self) -> bool {
         (self as u8) < 16
     }
+
+    /// Whether this kind only keeps a connection alive (a heartbeat or its ack): nothing an
+    /// application waits on, so it starts no busy-polling window in a shard's driver.
+    pub fn is_liveness(self) -> bool {
+        matches!(self, FrameKind::Heartbeat | FrameKind::HeartbeatAck)
+    }
 }
 
 /// Frame flag bits (a `u16` bit set). Bits not named here are reserved and must be zero.

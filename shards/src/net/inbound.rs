@@ -665,7 +665,7 @@ fn handle_control(
         }
     };
     // Heartbeats and their acks (see `Dispatched::app`).
-    let liveness = matches!(header.kind, FrameKind::Heartbeat | FrameKind::HeartbeatAck);
+    let liveness = header.kind.is_liveness();
     let remote = header.src_shard;
     let opening_from = match header.kind {
         FrameKind::Hello | FrameKind::Join => opening_incarnation(header.kind, payload),

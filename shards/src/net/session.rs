@@ -535,10 +535,7 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
     };
     while let Some(t) = r.conn.poll_transmit() {
         let frame = t.to_vec();
-        let liveness = matches!(
-            t.header.kind,
-            FrameKind::Heartbeat | FrameKind::HeartbeatAck
-        );
+        let liveness = t.header.kind.is_liveness();
         let (header, payload) = if matches!(t.header.kind, FrameKind::Hello | FrameKind::Join) {
             let mut payload = net.my_address.clone();
             payload.extend_from_slice(&frame);
