@@ -13,7 +13,7 @@ pub mod tag;
 
 pub use error::Error;
 pub use node::{
-    AmMsg, Node, NodeBuilder, OwnedAmMsg, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID,
+    AmMsg, AmView, Node, NodeBuilder, OwnedAmMsg, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID,
     MAX_AM_HEADER,
 };
 pub use rma::{Region, RemoteRegion, TrustedDescriptor, TrustedRegion};

@@ -79,7 +79,7 @@ use std::time::{Duration, Instant};
 
 use futures_lite::FutureExt;
 use glommio::timer::sleep;
-use shardcx_shards::net::{Dest, Frame};
+use shardcx_shards::net::{Dest, Frame, FrameView};
 use shardcx_shards::proto::{AmId, Incarnation, NodeId, ShardId};
 use shardcx_shards::{NetConfig, NetError, Placement, RemoteNode, ShardCtx, ShardsBuilder};
 
@@ -104,7 +104,16 @@ pub use shardcx_shards::tag::FIRST_RESERVED_AM_ID;
 const END_POLL: Duration = Duration::from_millis(20);
 
 type Handler = Rc<dyn Fn(&Node, AmMsg)>;
-type Factory = Arc<dyn Fn() -> Handler + Send + Sync>;
+type ViewHandler = Rc<dyn Fn(&Node, &AmView<'_>)>;
+
+/// A shard's handler of one active-message id ([`NodeBuilder::on_am`] or
+/// [`NodeBuilder::on_am_view`]).
+enum AmHandlerFn {
+    Msg(Handler),
+    View(ViewHandler),
+}
+
+type Factory = Arc<dyn Fn() -> AmHandlerFn + Send + Sync>;
 
 /// Configures and runs a [`Node`]. `Send`: a recipe; the shards are built in their threads.
 #[derive(Clone)]
@@ -216,6 +225,17 @@ pub struct AmMsg {
     frame: Frame,
     /// The receiving shard: [`AmMsg::reply`] sends from it with no look-up of the current node.
     ctx: Rc<ShardCtx>,
+}
+
+/// An active message lent to its handler for the length of the call
+/// ([`NodeBuilder::on_am_view`]): header and payload read in place (a short message where UCX
+/// received it), nothing to release, nothing kept. It cannot outlive the call: copy what is to
+/// be kept ([`AmView::to_owned`]).
+pub struct AmView<'a> {
+    from: Peer,
+    id: AmId,
+    frame: FrameView<'a>,
+    ctx: &'a Rc<ShardCtx>,
 }
 
 /// An active message copied out of UCX's buffer ([`AmMsg::into_owned`]): `Send`.
@@ -542,7 +562,24 @@ impl NodeBuilder {
         H: Fn(&Node, AmMsg) + 'static,
     {
         self.handlers.retain(|(i, _)| *i != id);
-        let factory: Factory = Arc::new(move || Rc::new(factory()) as Handler);
+        let factory: Factory = Arc::new(move || AmHandlerFn::Msg(Rc::new(factory())));
+        self.handlers.push((id, factory));
+        self
+    }
+
+    /// [`NodeBuilder::on_am`] for a handler that reads each message in place, for the length
+    /// of the call ([`AmView`]): a short message is read where UCX received it, with no copy
+    /// and nothing built per message beyond the view, which makes this the cheapest way to
+    /// handle (and answer, [`AmView::reply`]) small messages. What the handler keeps beyond
+    /// the call it copies ([`AmView::to_owned`], or the slices it needs). Replaces an earlier
+    /// registration of `id`, of either kind; same reserved ids.
+    pub fn on_am_view<F, H>(mut self, id: AmId, factory: F) -> Self
+    where
+        F: Fn() -> H + Send + Sync + 'static,
+        H: Fn(&Node, &AmView<'_>) + 'static,
+    {
+        self.handlers.retain(|(i, _)| *i != id);
+        let factory: Factory = Arc::new(move || AmHandlerFn::View(Rc::new(factory())));
         self.handlers.push((id, factory));
         self
     }
@@ -736,29 +773,46 @@ fn install(ctx: &Rc<ShardCtx>, local: ShardLocal, tag: TagConfig, handlers: &[(A
     // Collectives: this shard's mailbox, its message handler and its loss hook.
     crate::collective::install(ctx);
     for (id, factory) in handlers {
-        let handler = factory();
         let id = *id;
         let shared = shared.clone();
-        ctx.set_frame_handler_am(id, move |ctx, frame| {
-            let node = Node {
-                ctx: ctx.clone(),
-                shared: shared.clone(),
-            };
-            let from = Peer {
-                node: frame.node(),
-                shard: Some(frame.header().src_shard),
-            };
-            let ctx = node.ctx.clone();
-            handler(
-                &node,
-                AmMsg {
-                    from,
+        match factory() {
+            AmHandlerFn::Msg(handler) => ctx.set_frame_handler_am(id, move |ctx, frame| {
+                let node = Node {
+                    ctx: ctx.clone(),
+                    shared: shared.clone(),
+                };
+                let from = Peer {
+                    node: frame.node(),
+                    shard: Some(frame.header().src_shard),
+                };
+                let ctx = node.ctx.clone();
+                handler(
+                    &node,
+                    AmMsg {
+                        from,
+                        id,
+                        frame,
+                        ctx,
+                    },
+                );
+            }),
+            AmHandlerFn::View(handler) => ctx.set_frame_view_handler_am(id, move |ctx, frame| {
+                let node = Node {
+                    ctx: ctx.clone(),
+                    shared: shared.clone(),
+                };
+                let msg = AmView {
+                    from: Peer {
+                        node: frame.node(),
+                        shard: Some(frame.header().src_shard),
+                    },
                     id,
-                    frame,
+                    frame: *frame,
                     ctx,
-                },
-            );
-        });
+                };
+                handler(&node, &msg);
+            }),
+        }
     }
 }
 
@@ -1071,6 +1125,56 @@ impl AmMsg {
             header: self.frame.user_header().to_vec(),
             payload: self.frame.into_vec(),
         }
+    }
+}
+
+impl<'a> AmView<'a> {
+    /// The sending peer, naming the shard it was sent from (see [`AmMsg::from`]).
+    pub fn from(&self) -> Peer {
+        self.from
+    }
+
+    /// The message's id.
+    pub fn id(&self) -> AmId {
+        self.id
+    }
+
+    /// The header, in place.
+    pub fn header(&self) -> &'a [u8] {
+        self.frame.user_header()
+    }
+
+    /// The payload, in place.
+    pub fn payload(&self) -> &'a [u8] {
+        self.frame.payload()
+    }
+
+    /// Answers at once, as [`AmMsg::reply`] does: on the rail the message came in on, with no
+    /// task and, when UCX takes it in place, no copy. `header` and `payload` may be the
+    /// message's own (an echo).
+    pub fn reply(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
+        send_now(self.ctx, self.from.dest(), id, header, payload)
+    }
+
+    /// A copy of the message (header and payload) that may be kept and cross threads.
+    pub fn to_owned(&self) -> OwnedAmMsg {
+        OwnedAmMsg {
+            from: self.from,
+            id: self.id,
+            header: self.header().to_vec(),
+            payload: self.payload().to_vec(),
+        }
+    }
+}
+
+impl std::fmt::Debug for AmView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmView")
+            .field("from", &self.from)
+            .field("id", &self.id)
+            .field("header", &self.header().len())
+            .field("payload", &self.payload().len())
+            .finish()
     }
 }
 

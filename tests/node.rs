@@ -957,3 +957,119 @@ async fn wait_go(rx: &Mutex<mpsc::Receiver<()>>) {
         sleep(Duration::from_millis(5)).await;
     }
 }
+
+const ECHO_VIEW: AmId = AmId::new(20);
+const ECHO_BACK: AmId = AmId::new(21);
+/// Payload sizes of the view test: in place (short), eager through a descriptor, rendezvous.
+const VIEW_SIZES: [usize; 5] = [0, 8, 1000, 6000, 100_000];
+
+thread_local! {
+    static KEPT: RefCell<Vec<shardcx::OwnedAmMsg>> = const { RefCell::new(Vec::new()) };
+    static ECHOED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Handlers that read messages in place ([`NodeBuilder::on_am_view`]) get every message
+/// intact whatever path it took (short and in place, an eager descriptor, rendezvous), answer
+/// inline with [`AmView::reply`] (the message's own bytes as the answer), and what they keep
+/// they copy ([`AmView::to_owned`]): the kept copies are still intact after every later
+/// message has reused UCX's buffers. Reserved ids are refused as for [`NodeBuilder::on_am`].
+#[test]
+fn view_handlers_read_in_place_answer_and_keep_copies() {
+    const ROUNDS: u32 = 200;
+    let _g = serial();
+    let (tx, rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let server = std::thread::spawn(move || {
+        node(40, KEY)
+            .listen("127.0.0.1:0".parse().unwrap())
+            .on_am_view(ECHO_VIEW, || {
+                |_: &Node, msg: &shardcx::AmView<'_>| {
+                    KEPT.with(|k| k.borrow_mut().push(msg.to_owned()));
+                    msg.reply(ECHO_BACK, msg.header(), msg.payload())
+                        .expect("an answer on the rail the message came in on");
+                }
+            })
+            .run(move |node: Node| {
+                let (tx, stop) = (tx.clone(), stop2.clone());
+                async move {
+                    if node.shard() == ShardId::new(0) {
+                        let _ = tx.send(node.listen_addr().unwrap());
+                    }
+                    let deadline = Instant::now() + LIMIT;
+                    while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
+                        sleep(Duration::from_millis(5)).await;
+                    }
+                    // Every kept copy is still the message it was made from.
+                    KEPT.with(|k| {
+                        let k = k.borrow();
+                        let bad = k
+                            .iter()
+                            .filter(|m| m.payload() != view_payload(m.header()))
+                            .count();
+                        (k.len(), bad)
+                    })
+                }
+            })
+            .unwrap()
+    });
+    let addr = rx.recv_timeout(LIMIT).expect("server did not start");
+    let echoed = within(move || {
+        node(41, KEY)
+            .on_am_view(ECHO_BACK, || {
+                |_: &Node, msg: &shardcx::AmView<'_>| {
+                    assert_eq!(msg.payload(), view_payload(msg.header()), "{msg:?}");
+                    ECHOED.with(|c| c.set(c.get() + 1));
+                }
+            })
+            .run(move |node: Node| async move {
+                let server = node.connect(addr).await.expect("connect");
+                let me = node.shard().get();
+                for round in 0..ROUNDS {
+                    for i in 0..VIEW_SIZES.len() {
+                        let header = [me.to_le_bytes(), (i as u16).to_le_bytes()].concat();
+                        let header = [header, round.to_le_bytes().to_vec()].concat();
+                        server
+                            .am_send(ECHO_VIEW, &header, &view_payload(&header))
+                            .await
+                            .expect("send");
+                    }
+                }
+                let want = u64::from(ROUNDS) * VIEW_SIZES.len() as u64;
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while ECHOED.with(Cell::get) < want && Instant::now() < deadline {
+                    sleep(Duration::from_millis(1)).await;
+                }
+                ECHOED.with(Cell::get)
+            })
+            .expect("client node")
+    });
+    stop.store(true, Ordering::Release);
+    let kept = within(move || server.join().expect("server panicked"));
+    let want = u64::from(ROUNDS) * VIEW_SIZES.len() as u64;
+    assert_eq!(echoed, vec![want; 2]);
+    let (n, bad): (usize, usize) = kept
+        .iter()
+        .fold((0, 0), |(n, b), (kn, kb)| (n + kn, b + kb));
+    assert_eq!((n as u64, bad), (2 * want, 0), "{kept:?}");
+    let id = AmId::new(shardcx::FIRST_RESERVED_AM_ID);
+    let r = Node::builder()
+        .shards(1)
+        .placement(Placement::Unpinned)
+        .on_am_view(id, || |_: &Node, _: &shardcx::AmView<'_>| {})
+        .run(|_node: Node| async {});
+    assert!(
+        matches!(r, Err(Error::ReservedAmId { id: got }) if got == id),
+        "{r:?}"
+    );
+}
+
+/// The payload of the view test's message with `header` (origin shard, size index, round).
+fn view_payload(header: &[u8]) -> Vec<u8> {
+    let size = VIEW_SIZES[usize::from(u16::from_le_bytes([header[2], header[3]]))];
+    let seed =
+        u32::from_le_bytes([header[4], header[5], header[6], header[7]]) ^ u32::from(header[0]);
+    (0..size)
+        .map(|i| (i as u32 ^ seed).wrapping_mul(2_654_435_761) as u8 >> 1)
+        .collect()
+}

@@ -19,7 +19,7 @@ use common::{
 };
 use futures_lite::future::yield_now;
 use glommio::timer::sleep;
-use shardcx_shards::net::{Dest, Frame, NetConfig};
+use shardcx_shards::net::{Dest, Frame, FrameView, NetConfig};
 use shardcx_shards::proto::{AmId, FrameKind, ReqId, ShardId};
 use shardcx_shards::{NetStats, ShardCtx};
 
@@ -86,15 +86,18 @@ async fn send_sequence(
 /// The handler of [`SEQ`] and of RPC request frames on a shard of B: each frame must be an
 /// intact canary, on this shard's own rail from A (client shard `i` to server shard `i`), with
 /// the next sequence number of that rail. `skip(seq)` says which sequence numbers never reach
-/// it; `panics(seq)` which it panics on (before taking the frame into account).
+/// it; `panics(seq)` which it panics on (before taking the frame into account). With `view`,
+/// the handlers read the frames in place ([`FrameView`]: short messages where UCX received
+/// them), else they own each [`Frame`].
 fn sequence_checker(
     ctx: &Rc<ShardCtx>,
     got: Arc<Vec<AtomicU64>>,
     problems: Problems,
     panics: fn(u64) -> bool,
+    view: bool,
 ) {
     let next = Rc::new(Cell::new(0u64));
-    let handler = move |ctx: &Rc<ShardCtx>, frame: Frame| {
+    let handler = move |ctx: &Rc<ShardCtx>, frame: &FrameView<'_>| {
         let me = ctx.id();
         let seq = match check_canary(frame.payload()) {
             Ok(seq) => seq,
@@ -131,8 +134,7 @@ fn sequence_checker(
     };
     let handler = Rc::new(handler);
     let h = handler.clone();
-    ctx.set_frame_handler_am(SEQ, move |c, f| h(c, f));
-    ctx.set_frame_handler_inline(FrameKind::RpcRequest, move |c, f: Frame| {
+    let request = move |c: &Rc<ShardCtx>, f: &FrameView<'_>| {
         // An RPC request with id 2 is the liveness probe: answered inline.
         if f.header().id == 2 {
             c.reply_now(f.node(), f.header(), FrameKind::RpcResponse, f.payload())
@@ -140,8 +142,18 @@ fn sequence_checker(
             return;
         }
         handler(c, f)
-    })
-    .unwrap();
+    };
+    if view {
+        ctx.set_frame_view_handler_am(SEQ, move |c, f| h(c, f));
+        ctx.set_frame_view_handler(FrameKind::RpcRequest, request)
+            .unwrap();
+    } else {
+        ctx.set_frame_handler_am(SEQ, move |c, f| h(c, &f.view()));
+        ctx.set_frame_handler_inline(FrameKind::RpcRequest, move |c, f: Frame| {
+            request(c, &f.view())
+        })
+        .unwrap();
+    }
 }
 
 /// 10 000 frames sent from each shard of A on its own rail arrive at the inline handlers of
@@ -149,6 +161,16 @@ fn sequence_checker(
 /// queued for the rail's sender, and whichever of two kinds (and handlers) they are.
 #[test]
 fn inline_handlers_get_a_rails_frames_in_send_order() {
+    frames_in_send_order(false);
+}
+
+/// The same for handlers that read the frames in place ([`FrameView`]).
+#[test]
+fn view_handlers_get_a_rails_frames_in_send_order() {
+    frames_in_send_order(true);
+}
+
+fn frames_in_send_order(view: bool) {
     const N: u64 = 10_000;
     let _g = serial();
     let got = counters(2);
@@ -157,7 +179,7 @@ fn inline_handlers_get_a_rails_frames_in_send_order() {
     let b = Server::start(
         node(B, 2)
             .listen("127.0.0.1:0".parse().unwrap())
-            .on_start(move |ctx| sequence_checker(ctx, g.clone(), p.clone(), |_| false)),
+            .on_start(move |ctx| sequence_checker(ctx, g.clone(), p.clone(), |_| false, view)),
     );
     let addr = b.addr;
     let t0 = Instant::now();
@@ -219,6 +241,16 @@ fn panics_at(seq: u64) -> bool {
 /// inline afterwards.
 #[test]
 fn a_panicking_handler_loses_only_its_own_frame() {
+    panicking_handler(false);
+}
+
+/// The same for handlers that read the frames in place ([`FrameView`]).
+#[test]
+fn a_panicking_view_handler_loses_only_its_own_frame() {
+    panicking_handler(true);
+}
+
+fn panicking_handler(view: bool) {
     const N: u64 = 3000;
     const MORE: u64 = 200;
     let _g = serial();
@@ -229,7 +261,7 @@ fn a_panicking_handler_loses_only_its_own_frame() {
     let b = Server::start(
         node(B, 2)
             .listen("127.0.0.1:0".parse().unwrap())
-            .on_start(move |ctx| sequence_checker(ctx, g.clone(), p.clone(), panics_at)),
+            .on_start(move |ctx| sequence_checker(ctx, g.clone(), p.clone(), panics_at, view)),
     );
     let addr = b.addr;
     let panicking = (0..N).filter(|&s| panics_at(s)).count() as u64;

@@ -41,7 +41,7 @@ use super::{
     FLAG_ACK, FLAG_TRUSTED, REGION, REGION_REPLY, SINK, TAG_START,
 };
 use crate::rma::TrustedDescriptor;
-use crate::{AmId, AmMsg, Node, OwnedAmMsg, Peer, TAG_MASK_EXACT};
+use crate::{AmId, AmView, Node, OwnedAmMsg, Peer, TAG_MASK_EXACT};
 
 /// Deadline of every operation and answer of a benchmark.
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -248,17 +248,17 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
         b = b.trusted_rma();
     }
     b = b
-        .on_am(ECHO_REPLY, || {
+        .on_am_view(ECHO_REPLY, || {
             let w = WAITS.with(Rc::clone);
-            move |node: &Node, msg: AmMsg| on_echo_reply(&w, node, msg)
+            move |node: &Node, msg: &AmView<'_>| on_echo_reply(&w, node, msg)
         })
-        .on_am(ACK, || {
+        .on_am_view(ACK, || {
             let w = WAITS.with(Rc::clone);
-            move |node: &Node, msg: AmMsg| on_ack(&w, node, msg)
+            move |node: &Node, msg: &AmView<'_>| on_ack(&w, node, msg)
         })
-        .on_am(REGION_REPLY, || {
+        .on_am_view(REGION_REPLY, || {
             let w = WAITS.with(Rc::clone);
-            move |node: &Node, msg: AmMsg| on_control(&w, node, msg)
+            move |node: &Node, msg: &AmView<'_>| on_control(&w, node, msg)
         });
     let shared = Arc::new((cfg.clone(), plan.clone()));
     let results = b.run(move |node: Node| {
@@ -326,7 +326,7 @@ fn mesh_taken(ctx: &ShardCtx) -> u64 {
 }
 
 /// The answer's origin shard, or why it is not this one's.
-fn for_this_shard(node: &Node, msg: &AmMsg) -> Result<u64, String> {
+fn for_this_shard(node: &Node, msg: &AmView<'_>) -> Result<u64, String> {
     match parse_header(msg.header()) {
         Some((origin, seq, _)) if origin == node.shard() => Ok(seq),
         Some((origin, _, _)) => Err(format!(
@@ -340,7 +340,7 @@ fn for_this_shard(node: &Node, msg: &AmMsg) -> Result<u64, String> {
 }
 
 /// The client's handler of [`ECHO_REPLY`]: the `am-lat` ping-pong, one round trip per call.
-fn on_echo_reply(w: &Waits, node: &Node, msg: AmMsg) {
+fn on_echo_reply(w: &Waits, node: &Node, msg: &AmView<'_>) {
     let now = Instant::now();
     w.answered.set(w.answered.get() + 1);
     let mut slot = w.pingpong.borrow_mut();
@@ -349,7 +349,7 @@ fn on_echo_reply(w: &Waits, node: &Node, msg: AmMsg) {
         w.fail("an echo that no ping-pong waits for".into());
         return;
     };
-    if let Err(e) = p.check(node, &msg) {
+    if let Err(e) = p.check(node, msg) {
         p.done = true;
         drop(slot);
         w.fail(e);
@@ -387,9 +387,9 @@ fn on_echo_reply(w: &Waits, node: &Node, msg: AmMsg) {
 }
 
 /// The client's handler of [`ACK`]: the acknowledgement of an `am-rate`/`am-bw` window.
-fn on_ack(w: &Waits, node: &Node, msg: AmMsg) {
+fn on_ack(w: &Waits, node: &Node, msg: &AmView<'_>) {
     w.answered.set(w.answered.get() + 1);
-    match for_this_shard(node, &msg) {
+    match for_this_shard(node, msg) {
         Ok(seq) => {
             w.acked.set(seq);
             w.wake();
@@ -399,11 +399,11 @@ fn on_ack(w: &Waits, node: &Node, msg: AmMsg) {
 }
 
 /// The client's handler of control answers ([`REGION_REPLY`]): queued for the task.
-fn on_control(w: &Waits, node: &Node, msg: AmMsg) {
+fn on_control(w: &Waits, node: &Node, msg: &AmView<'_>) {
     w.answered.set(w.answered.get() + 1);
-    match for_this_shard(node, &msg) {
+    match for_this_shard(node, msg) {
         Ok(_) => {
-            w.control.borrow_mut().push_back(msg.into_owned());
+            w.control.borrow_mut().push_back(msg.to_owned());
             w.wake();
         }
         Err(e) => w.fail(e),
@@ -590,7 +590,7 @@ impl Waits {
 
 impl PingPong {
     /// The length of every answer, and the content of every [`CONTENT_CHECK_EVERY`]-th.
-    fn check(&self, node: &Node, msg: &AmMsg) -> Result<(), String> {
+    fn check(&self, node: &Node, msg: &AmView<'_>) -> Result<(), String> {
         let seq = for_this_shard(node, msg)?;
         if seq != self.seq {
             return Err(format!("echo #{seq} when #{} was expected", self.seq));

@@ -3,7 +3,7 @@
 //! [`serve`] starts the node at the listen address, shard `j` pinned to the `j`-th server CPU.
 //! Every shard has the same handlers, and each answers on the rail the message came in on, so
 //! client shard `i` is served by server shard `i mod M` alone: echo ([`super::ECHO`], answered
-//! inline on the progress driver with [`AmMsg::reply`]), sink with acknowledgements
+//! inline on the progress driver with [`AmView::reply`]), sink with acknowledgements
 //! ([`super::SINK`], the acknowledgement inline too), tag ping-pong streams
 //! ([`super::TAG_START`]), one remote-memory region per shard, checked or trusted
 //! ([`super::REGION`]), and the plain RPC handlers of [`super::RpcEcho`] (the argument's bytes
@@ -25,7 +25,7 @@ use super::{
 };
 use crate::rma::{Permissions, TrustedRegion};
 use crate::rpc::RpcContext;
-use crate::{AmId, AmMsg, Error, Node, NodeBuilder, Peer, Region, Shutdown};
+use crate::{AmId, AmMsg, AmView, Error, Node, NodeBuilder, Peer, Region, Shutdown};
 
 /// Tag bits of a ping (see [`crate::bench::client`]): `PING | stream`.
 pub(crate) const TAG_PING: u64 = 1 << 12;
@@ -173,11 +173,12 @@ pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
     })
     // The echo and the acknowledgement go out inline, on the driver's stack, as
     // ucx_perftest's answers do.
-    .on_am(ECHO, || {
-        |_node: &Node, msg: AmMsg| answer_inline(msg, ECHO_REPLY, true)
+    // Both read the message in place ([`AmView`]): no copy, nothing built per message.
+    .on_am_view(ECHO, || {
+        |_node: &Node, msg: &AmView<'_>| answer_inline(msg, ECHO_REPLY, true)
     })
-    .on_am(SINK, || {
-        |_node: &Node, msg: AmMsg| {
+    .on_am_view(SINK, || {
+        |_node: &Node, msg: &AmView<'_>| {
             if parse_header(msg.header()).is_some_and(|(_, _, flags)| flags & FLAG_ACK != 0) {
                 answer_inline(msg, ACK, false);
             }
@@ -211,17 +212,18 @@ pub(crate) fn handlers(b: NodeBuilder) -> NodeBuilder {
 }
 
 /// Answers `msg` with active message `id` and its own header (and its payload when `echo`),
-/// at once from the handler ([`AmMsg::reply`]). Only when the reply fails in a way a later
-/// send can fix (the rail is not ready on this shard, or another shard holds it) is it sent
-/// from a task with [`Peer::am_send`]; otherwise the client has gone, and nothing is answered.
-fn answer_inline(msg: AmMsg, id: AmId, echo: bool) {
+/// at once from the handler ([`AmView::reply`]). Only when the reply fails in a way a later
+/// send can fix (the rail is not ready on this shard, or another shard holds it) is it sent,
+/// copied, from a task with [`Peer::am_send`]; otherwise the client has gone, and nothing is
+/// answered.
+fn answer_inline(msg: &AmView<'_>, id: AmId, echo: bool) {
     let payload: &[u8] = if echo { msg.payload() } else { &[] };
     if let Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) =
         msg.reply(id, msg.header(), payload)
     {
+        let (from, header, payload) = (msg.from(), msg.header().to_vec(), payload.to_vec());
         glommio::spawn_local(async move {
-            let payload: &[u8] = if echo { msg.payload() } else { &[] };
-            let _ = msg.from().am_send(id, msg.header(), payload).await;
+            let _ = from.am_send(id, &header, &payload).await;
         })
         .detach();
     }

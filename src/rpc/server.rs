@@ -588,10 +588,27 @@ pub(crate) fn with_archived<T: RpcType, R>(
     if (bytes.as_ptr() as usize) % ARCHIVE_ALIGN == 0 {
         Ok(f(rkyv::access::<Archived<T>, rancor::Error>(bytes)?))
     } else {
-        let copy = aligned_copy(bytes);
-        Ok(f(rkyv::access::<Archived<T>, rancor::Error>(&copy)?))
+        // A reused buffer of this thread's: no allocation per call once it has grown.
+        let mut copy = ALIGNED_SCRATCH.take().unwrap_or_default();
+        copy.clear();
+        copy.extend_from_slice(bytes);
+        let out = rkyv::access::<Archived<T>, rancor::Error>(&copy).map(f);
+        if copy.capacity() <= MAX_ALIGNED_SCRATCH {
+            ALIGNED_SCRATCH.set(Some(copy));
+        }
+        out
     }
 }
+
+thread_local! {
+    /// The aligned copy [`with_archived`] reads a misaligned archive from (taken while in use:
+    /// a nested call makes its own).
+    static ALIGNED_SCRATCH: std::cell::Cell<Option<AlignedVec<ARCHIVE_ALIGN>>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Aligned copies larger than this are not kept for the next call.
+const MAX_ALIGNED_SCRATCH: usize = 64 << 10;
 
 /// Alignment at which archives are read in place.
 pub(crate) const ARCHIVE_ALIGN: usize = 16;
@@ -639,7 +656,7 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>, shared: &Rc<ShardLocal>) {
     // Registering for these two kinds cannot fail (BadKind is for other kinds). The request's
     // arguments are read where UCX put them (16-byte aligned, as the envelope's prefix is 16
     // bytes): no copy.
-    let _ = ctx.set_frame_handler_inline(FrameKind::RpcRequest, move |ctx, frame| {
+    let _ = ctx.set_frame_view_handler(FrameKind::RpcRequest, move |ctx, frame| {
         on_request_frame(
             ctx,
             &on_request,

@@ -30,6 +30,16 @@ use crate::ucx::{AlignedBuf, AmData, AmIncoming, AmPayload, AmRndv, IoBufMut};
 
 /// A handler of application frames (an AM id's, or a request kind's).
 pub(super) type FrameHandler = Rc<dyn Fn(&Rc<ShardCtx>, Frame)>;
+/// A handler of an AM id's frames read in place, for the length of the call ([`FrameView`]).
+pub(super) type ViewHandler = Rc<dyn Fn(&Rc<ShardCtx>, &FrameView<'_>)>;
+
+/// The handler of an AM id or a request kind: one that owns each frame, or one that reads it
+/// in place.
+#[derive(Clone)]
+pub(super) enum AnyHandler {
+    Frame(FrameHandler),
+    View(ViewHandler),
+}
 /// A rendezvous handler: chooses the buffer, pulls, hands over (see [`rndv_handler`]).
 pub(super) type RndvHandler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, FrameHeader, AmRndv)>;
 
@@ -74,6 +84,62 @@ pub struct Frame {
     /// When the driver took the frame's batch, on the net layer's clock
     /// ([`super::timestamp_of`]).
     arrived: Timestamp,
+}
+
+/// An application frame lent to its handler for the length of the call
+/// ([`ShardCtx::set_frame_view_handler_am`]): header, user header and payload read where they
+/// are, which for a short message dispatched inside UCX's callback is UCX's own receive buffer
+/// (no copy, nothing to release). What the handler wants to keep, it copies.
+#[derive(Clone, Copy)]
+pub struct FrameView<'a> {
+    node: NodeId,
+    header: &'a FrameHeader,
+    user: &'a [u8],
+    payload: &'a [u8],
+    arrived: Timestamp,
+}
+
+impl<'a> FrameView<'a> {
+    /// The sending node.
+    pub fn node(&self) -> NodeId {
+        self.node
+    }
+
+    /// The frame header (kind, `id`, the sending shard...).
+    pub fn header(&self) -> &'a FrameHeader {
+        self.header
+    }
+
+    /// The application's user header.
+    pub fn user_header(&self) -> &'a [u8] {
+        self.user
+    }
+
+    /// The payload's bytes.
+    pub fn payload(&self) -> &'a [u8] {
+        self.payload
+    }
+
+    /// When the driver took the frame's batch (see [`Frame::arrived`]).
+    pub fn arrived(&self) -> Instant {
+        super::instant_of(self.arrived)
+    }
+
+    /// [`FrameView::arrived`] on the net layer's clock (see [`Frame::arrived_at`]).
+    pub fn arrived_at(&self) -> Timestamp {
+        self.arrived
+    }
+}
+
+impl std::fmt::Debug for FrameView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameView")
+            .field("node", &self.node)
+            .field("header", self.header)
+            .field("user_header", &self.user.len())
+            .field("payload", &self.payload.len())
+            .finish()
+    }
 }
 
 /// An input recorded for the driver's dispatch, in arrival order.
@@ -276,6 +342,17 @@ impl Frame {
     pub fn into_vec(self) -> Vec<u8> {
         self.payload.into_vec()
     }
+
+    /// The frame lent as a [`FrameView`].
+    pub fn view(&self) -> FrameView<'_> {
+        FrameView {
+            node: self.node,
+            header: &self.header,
+            user: self.user.as_slice(),
+            payload: self.payload.as_slice(),
+            arrived: self.arrived,
+        }
+    }
 }
 
 impl std::fmt::Debug for Frame {
@@ -380,18 +457,10 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
                         && net.inbox.borrow().is_empty();
                     match incoming {
                         AmIncoming::Bytes(b) if inline => {
-                            let payload = net.inline_payload(b);
-                            return dispatch_inline(&ctx, net, node, header, user, payload);
+                            return dispatch_inline(&ctx, net, node, header, user, Eager::Bytes(b));
                         }
                         AmIncoming::Data(d) if inline => {
-                            return dispatch_inline(
-                                &ctx,
-                                net,
-                                node,
-                                header,
-                                user,
-                                Payload::desc(d),
-                            );
+                            return dispatch_inline(&ctx, net, node, header, user, Eager::Desc(d));
                         }
                         // Rendezvous data, or a frame behind recorded ones: recorded (eager
                         // bytes copied out of UCX's buffer, descriptors kept).
@@ -422,7 +491,7 @@ fn dispatch_inline(
     node: NodeId,
     header: FrameHeader,
     user: &[u8],
-    payload: Payload,
+    eager: Eager<'_>,
 ) {
     // Cleared at the end, and by the driver's dispatch hook after every `progress` should this
     // end early (a panic outside the handler, caught further up in UCX's callback wrapper).
@@ -432,16 +501,51 @@ fn dispatch_inline(
     let (now, _) = net.batch_now(ctx.progress_rounds());
     if accepted(net, node, &header, now, true) {
         net.count(|s| s.dispatched_in_callback += 1);
-        dispatch(
-            ctx,
-            Frame {
-                node,
-                header,
-                user: UserHeader::copy(user),
-                payload,
-                arrived: now,
+        // A handler that reads frames in place gets UCX's bytes as they are.
+        let view = match header.kind {
+            FrameKind::Am => match net.handlers.borrow().get(&AmId::new(header.id)) {
+                Some(AnyHandler::View(h)) => Some(h.clone()),
+                _ => None,
             },
-        );
+            // Replies go to their pending requests; expired requests are dropped (`dispatch`).
+            k if is_reply_kind(k) || (is_request_kind(k) && header.ttl_ns == 0) => None,
+            k => match net.frame_handlers.borrow().get(&k) {
+                Some(AnyHandler::View(h)) => Some(h.clone()),
+                _ => None,
+            },
+        };
+        match view {
+            Some(h) => {
+                let payload = match &eager {
+                    Eager::Bytes(b) => b,
+                    Eager::Desc(d) => d.as_slice(),
+                };
+                let frame = FrameView {
+                    node,
+                    header: &header,
+                    user,
+                    payload,
+                    arrived: now,
+                };
+                call_view(ctx, &h, &frame);
+            }
+            None => {
+                let payload = match eager {
+                    Eager::Bytes(b) => net.inline_payload(b),
+                    Eager::Desc(d) => Payload::desc(d),
+                };
+                dispatch(
+                    ctx,
+                    Frame {
+                        node,
+                        header,
+                        user: UserHeader::copy(user),
+                        payload,
+                        arrived: now,
+                    },
+                );
+            }
+        }
     }
     // Handlers that take long must not keep the shard's timers and heartbeats waiting: once
     // glommio's preempt timer says so, the rest of this `progress` is recorded for the driver's
@@ -453,6 +557,13 @@ fn dispatch_inline(
         net.count(|s| s.dispatch_preempted += 1);
     }
     net.dispatching.set(false);
+}
+
+/// The eager data of a frame dispatched inside UCX's callback: a short message's bytes where
+/// the transport put them (valid during the callback only), or UCX's descriptor.
+enum Eager<'a> {
+    Bytes(&'a [u8]),
+    Desc(AmData),
 }
 
 /// Whether the shard's executor wants the thread back for its timers and I/O (glommio's
@@ -847,6 +958,19 @@ fn call(ctx: &Rc<ShardCtx>, handler: &FrameHandler, frame: Frame) {
     }
 }
 
+/// [`call`] for a handler that reads the frame in place.
+#[inline(always)]
+fn call_view(ctx: &Rc<ShardCtx>, handler: &ViewHandler, frame: &FrameView<'_>) {
+    let net = ctx.net();
+    net.count(|s| {
+        s.delivered += 1;
+        s.traffic(frame.header, true);
+    });
+    if std::panic::catch_unwind(AssertUnwindSafe(|| handler(ctx, frame))).is_err() {
+        net.count(|s| s.handler_panics += 1);
+    }
+}
+
 /// Hands an application frame (its whole payload here) to its handler or pending request.
 #[inline(always)]
 pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
@@ -856,7 +980,8 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
         FrameKind::Am => {
             let h = net.handlers.borrow().get(&AmId::new(header.id)).cloned();
             match h {
-                Some(h) => call(ctx, &h, frame),
+                Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
+                Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view()),
                 // None, or only a rendezvous handler: it cannot take eager data.
                 None => net.count(|s| s.dropped_no_handler += 1),
             }
@@ -891,7 +1016,8 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
             }
             let h = net.frame_handlers.borrow().get(&k).cloned();
             match h {
-                Some(h) => call(ctx, &h, frame),
+                Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
+                Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view()),
                 None => net.count(|s| s.dropped_no_handler += 1),
             }
         }
@@ -1116,7 +1242,22 @@ impl ShardCtx {
         self.net()
             .handlers
             .borrow_mut()
-            .insert(id, Rc::new(handler));
+            .insert(id, AnyHandler::Frame(Rc::new(handler)));
+    }
+
+    /// [`ShardCtx::set_frame_handler_am`] for a handler that reads each frame in place for the
+    /// length of the call ([`FrameView`], replacing any previous handler of `id`): a short
+    /// message dispatched inside UCX's callback is read in UCX's receive buffer, with no copy
+    /// and no [`Frame`] built. It runs where a frame handler would, under the same rules;
+    /// what it wants to keep beyond the call, it copies.
+    pub fn set_frame_view_handler_am<F>(&self, id: AmId, handler: F)
+    where
+        F: Fn(&Rc<ShardCtx>, &FrameView<'_>) + 'static,
+    {
+        self.net()
+            .handlers
+            .borrow_mut()
+            .insert(id, AnyHandler::View(Rc::new(handler)));
     }
 
     /// Registers, on this shard, the rendezvous handler of application frames with `id`: for
@@ -1183,6 +1324,19 @@ impl ShardCtx {
     where
         F: Fn(&Rc<ShardCtx>, Frame) + 'static,
     {
+        self.set_kind_handler(kind, AnyHandler::Frame(Rc::new(handler)))
+    }
+
+    /// [`ShardCtx::set_frame_handler_inline`] for a handler that reads each frame in place for
+    /// the length of the call ([`FrameView`]; see [`ShardCtx::set_frame_view_handler_am`]).
+    pub fn set_frame_view_handler<F>(&self, kind: FrameKind, handler: F) -> Result<(), NetError>
+    where
+        F: Fn(&Rc<ShardCtx>, &FrameView<'_>) + 'static,
+    {
+        self.set_kind_handler(kind, AnyHandler::View(Rc::new(handler)))
+    }
+
+    fn set_kind_handler(&self, kind: FrameKind, handler: AnyHandler) -> Result<(), NetError> {
         if !matches!(
             kind,
             FrameKind::RpcRequest | FrameKind::RpcCancel | FrameKind::RmaPut | FrameKind::RmaGet
@@ -1192,10 +1346,7 @@ impl ShardCtx {
                 op: "register a frame handler",
             });
         }
-        self.net()
-            .frame_handlers
-            .borrow_mut()
-            .insert(kind, Rc::new(handler));
+        self.net().frame_handlers.borrow_mut().insert(kind, handler);
         Ok(())
     }
 

@@ -227,9 +227,9 @@ use crate::ucx::{AmIdRaw, EpOptions, ErrorMode, Worker};
 pub use crate::error::NetError;
 pub use bootstrap::Directory;
 pub use buffers::RecycledBuf;
-pub use inbound::{preempt_due, Frame, Payload, RndvBuf};
+pub use inbound::{preempt_due, Frame, FrameView, Payload, RndvBuf};
 
-use inbound::{FrameHandler, Inbound, RndvHandler};
+use inbound::{AnyHandler, Inbound, RndvHandler};
 use request::Pending;
 use session::PeerRails;
 
@@ -726,9 +726,9 @@ pub(crate) struct NetState {
     peers: RefCell<HashMap<NodeId, PeerRails, DedupHasher>>,
     /// On shard 0: node pairs being established, with who waits for each (see `session`).
     establishing: RefCell<HashMap<NodeId, Vec<EstablishWaiter>>>,
-    handlers: RefCell<HashMap<AmId, FrameHandler, DedupHasher>>,
+    handlers: RefCell<HashMap<AmId, AnyHandler, DedupHasher>>,
     rndv_handlers: RefCell<HashMap<AmId, RndvHandler, DedupHasher>>,
-    frame_handlers: RefCell<HashMap<FrameKind, FrameHandler, DedupHasher>>,
+    frame_handlers: RefCell<HashMap<FrameKind, AnyHandler, DedupHasher>>,
     frame_rndv_handlers: RefCell<HashMap<FrameKind, RndvHandler, DedupHasher>>,
     pending: RefCell<PendingTable<Pending>>,
     limits: Limits,
