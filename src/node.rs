@@ -41,7 +41,8 @@
 //! shard's state. A message runs the handler on the shard it arrived on (the shard at the end
 //! of the rail it came on: from a peer's shard `i` by default, this node's shard `i mod N`),
 //! inline on that shard's progress driver right after UCX delivered it, with the header and
-//! the payload read in place ([`AmMsg`]). The handler must not block; it may answer at once
+//! the payload ([`AmMsg`], which may be kept; or [`AmView`] with [`NodeBuilder::on_am_view`],
+//! lent for the call and read where UCX put it). The handler must not block; it may answer at once
 //! ([`AmMsg::reply`], [`Peer::am_send_now`]: no task, no copy when UCX takes the frame in
 //! place), keep the message, or spawn local tasks (to answer with [`Peer::am_send`], or to
 //! forward work to another shard). A handler that panics loses that message only; the panic
@@ -216,8 +217,10 @@ pub struct Peer {
 }
 
 /// An active message received from a peer, handed to its handler on the progress driver right
-/// after it arrived. The payload is read in place from UCX's buffer (no copy); keeping the
-/// message keeps that buffer. `!Send`: the buffer belongs to this shard's worker;
+/// after it arrived. An eager payload in a UCX descriptor is read in place, and keeping the
+/// message keeps that descriptor; a short message UCX delivered in its receive buffer (valid
+/// during its callback only) is copied into a buffer the shard reuses ([`AmView`] reads it
+/// where it is, but cannot be kept). `!Send`: a descriptor belongs to this shard's worker;
 /// [`AmMsg::into_owned`] gives a copy that may go to another thread or shard.
 pub struct AmMsg {
     from: Peer,
