@@ -266,11 +266,13 @@ impl Rpc {
         }
         // Pinned where it is made: moving the exchange's state into the await (or into the
         // deadline race) copied some kilobytes per call.
+        // Whether this shard holds the rail (looked up once per call, not once more per send).
+        let here = self.node.owner_of(peer) == self.node.shard();
         let mut exchange =
-            std::pin::pin!(self.send_until_answered(peer, t, payload, flags, args, timeout));
+            std::pin::pin!(self.send_until_answered(peer, t, payload, flags, args, timeout, here));
         // On the owner shard the request's own deadline bounds everything; a forward may wait
         // for a lane permit first, so bound it as a whole.
-        let (header, bytes) = if self.node.owner_of(peer) == self.node.shard() {
+        let (header, bytes) = if here {
             exchange.as_mut().await?
         } else {
             within("rpc call", timeout, async { Ok(exchange.as_mut().await) })
@@ -289,7 +291,9 @@ impl Rpc {
     }
 
     /// Sends the request, connecting on first use, and again for an idempotent function whose
-    /// connection failed, while time is left.
+    /// connection failed, while time is left. `here`: whether this shard holds the rail for
+    /// `peer` (for the first send; looked up again for the next ones).
+    #[allow(clippy::too_many_arguments)] // One private call site, the call's own parts.
     async fn send_until_answered<A: RpcType>(
         &self,
         peer: Peer,
@@ -298,6 +302,7 @@ impl Rpc {
         flags: CallFlags,
         args: &A,
         timeout: Duration,
+        mut here: bool,
     ) -> Result<(FrameHeader, Payload), RpcError> {
         let start = Instant::now();
         let ctx = self.node.shard_ctx();
@@ -309,8 +314,9 @@ impl Rpc {
         let (mut connected, mut retries) = (false, 0);
         loop {
             // The first attempt has all the time (no clock reading on the common path).
-            let (left, p) = match payload.take() {
-                Some(p) => (timeout, p),
+            let (left, p, since) = match payload.take() {
+                // The first attempt counts its time from `start` (no clock reading of its own).
+                Some(p) => (timeout, p, Some(start)),
                 None => {
                     let left = timeout.saturating_sub(start.elapsed());
                     if left.is_zero() {
@@ -319,18 +325,20 @@ impl Rpc {
                     (
                         left,
                         encode_request(t.schema, flags, args, ctx.request_buffer())?,
+                        None,
                     )
                 }
             };
             // On a rail of this shard the reply is read where UCX put it; from another shard it
             // crosses as a vector.
-            let got = if self.node.owner_of(peer) == self.node.shard() {
-                ctx.request_here(
+            let got = if here {
+                ctx.request_here_since(
                     dest,
                     FrameKind::RpcRequest,
                     t.id.get(),
                     p,
                     (left, server_ttl(left)),
+                    since,
                 )
                 .await
             } else {
@@ -368,6 +376,8 @@ impl Rpc {
                 }
                 e => return Err(e),
             }
+            // The rails may have changed (a connect, a lost connection).
+            here = self.node.owner_of(peer) == self.node.shard();
         }
     }
 }
@@ -401,7 +411,7 @@ fn encode_request<A: RpcType>(
     // from `request_buffer` comes empty, with the capacity a request before it left).
     payload.reserve(256);
     payload.extend_from_slice(&request_prefix(schema, flags));
-    rkyv::api::high::to_bytes_in::<_, rancor::Error>(args, payload)
+    super::archive_into(args, payload)
         .map_err(|e| RpcError::BadRequest(format!("arguments not serialized: {e}")))
 }
 

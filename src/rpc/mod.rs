@@ -214,6 +214,35 @@ impl<T> RpcType for T where
 {
 }
 
+/// Archives `value` after the bytes already in `into` (rkyv's `to_bytes_in`), with this
+/// thread's serializer arena kept between calls: rkyv's own `to_bytes_in` takes a thread-local
+/// arena out and puts it back (shrunk) on every call, about 25 instructions per archive on
+/// each side of an 8-byte call (`scripts/count-instructions --test rpc-lat`). The arena is only
+/// scratch for the serializer; one that grew past [`MAX_KEPT_ARENA`] is shrunk after use.
+pub(crate) fn archive_into<T: RpcType>(value: &T, into: Vec<u8>) -> Result<Vec<u8>, rancor::Error> {
+    let mut arena = ARENA.take().unwrap_or_default();
+    let out = rkyv::api::high::to_bytes_in_with_alloc::<_, _, rancor::Error>(
+        value,
+        into,
+        arena.acquire(),
+    );
+    if arena.capacity() > MAX_KEPT_ARENA {
+        arena.shrink();
+    }
+    ARENA.set(Some(arena));
+    out
+}
+
+thread_local! {
+    /// The serializer arena of [`archive_into`] (taken while in use: a nested call makes its
+    /// own).
+    static ARENA: std::cell::Cell<Option<rkyv::ser::allocator::Arena>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// A serializer arena larger than this is shrunk after use.
+const MAX_KEPT_ARENA: usize = 64 << 10;
+
 /// A remote function, declared on a marker type (see [`rpc_function!`](crate::rpc_function)).
 pub trait RpcFunction: 'static {
     /// The argument.

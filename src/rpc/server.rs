@@ -622,7 +622,7 @@ pub(crate) fn aligned_copy(bytes: &[u8]) -> AlignedVec<ARCHIVE_ALIGN> {
 
 /// The archive of a reply, written into `into` (empty, with room for a small archive).
 fn encode_reply<T: RpcType>(reply: &T, into: Vec<u8>) -> Outcome {
-    rkyv::api::high::to_bytes_in::<_, rancor::Error>(reply, into)
+    super::archive_into(reply, into)
         .map_err(|e| Failure::new(RpcErrorCode::Failed, format!("reply not serialized: {e}")))
 }
 

@@ -36,7 +36,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_lite::future;
 use glommio::timer::sleep;
@@ -183,7 +183,8 @@ impl Drop for CancelOnDrop {
 }
 
 /// Sends a request on this shard's rail to `(node, remote)` and waits for the reply, at most
-/// `timeout`; the frame's `ttl_ns` is `ttl` (at most `timeout`).
+/// `timeout` from `start` (the caller's clock reading when it has one, else now); the frame's
+/// `ttl_ns` is `ttl` (at most `timeout`).
 ///
 /// The deadline has no timer of its own: the net task's timer, armed for the shard's earliest
 /// deadline, fails the request at its deadline, as precisely as a timer of its
@@ -195,6 +196,7 @@ async fn request_local(
     (kind, id): (FrameKind, u32),
     payload: Vec<u8>,
     (timeout, ttl): (Duration, Duration),
+    start: Option<Instant>,
 ) -> Reply {
     if !is_request_kind(kind) {
         return Err(NetError::BadKind {
@@ -204,7 +206,7 @@ async fn request_local(
     }
     let net = ctx.net();
     let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
-    let now = net.now();
+    let now = start.map_or_else(|| net.now(), super::timestamp_of);
     let deadline = now.saturating_add(timeout);
     // The last answered request's waiter when there is one: no allocation per request.
     let waiter = net.spare_waiter.take().unwrap_or_else(Slot::new);
@@ -331,11 +333,16 @@ impl ShardCtx {
         let dest = dest.into();
         let node = dest.node;
         match self.route(dest)? {
-            Route::Here(remote) => {
-                request_local(self, (node, remote), (kind, id), payload, (timeout, ttl))
-                    .await
-                    .map(|(h, p)| (h, p.into_vec()))
-            }
+            Route::Here(remote) => request_local(
+                self,
+                (node, remote),
+                (kind, id),
+                payload,
+                (timeout, ttl),
+                None,
+            )
+            .await
+            .map(|(h, p)| (h, p.into_vec())),
             Route::There(owner) => {
                 let cancel = Arc::new(ForwardCancel::default());
                 let mut on_drop = CancelOnDrop(Some(cancel.clone()));
@@ -352,6 +359,7 @@ impl ShardCtx {
                                     (kind, id),
                                     payload,
                                     (timeout, ttl),
+                                    None,
                                 )
                                 .await
                                 .map(|(h, p)| (h, p.into_vec()))
@@ -382,6 +390,21 @@ impl ShardCtx {
         payload: Vec<u8>,
         (timeout, ttl): (Duration, Duration),
     ) -> Result<(FrameHeader, Payload), NetError> {
+        self.request_here_since(dest, kind, id, payload, (timeout, ttl), None)
+            .await
+    }
+
+    /// [`ShardCtx::request_here`] whose `timeout` counts from `start`, a clock reading the
+    /// caller took anyway (the request then reads no clock of its own).
+    pub async fn request_here_since(
+        self: &Rc<Self>,
+        dest: impl Into<Dest>,
+        kind: FrameKind,
+        id: u32,
+        payload: Vec<u8>,
+        (timeout, ttl): (Duration, Duration),
+        start: Option<Instant>,
+    ) -> Result<(FrameHeader, Payload), NetError> {
         self.check_len(&payload)?;
         let dest = dest.into();
         match self.route(dest)? {
@@ -392,6 +415,7 @@ impl ShardCtx {
                     (kind, id),
                     payload,
                     (timeout, ttl),
+                    start,
                 )
                 .await
             }
