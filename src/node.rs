@@ -367,6 +367,19 @@ impl Node {
         Ok(self.ctx.cuda().device_to_host(src, dst).await?)
     }
 
+    /// The bytes of device buffer `src` in a new vector, copied through this shard's pinned
+    /// bounce buffers ([`Node::copy_from_device`]): what the device-memory sends
+    /// ([`Peer::am_send_device`], [`Peer::tag_send_device`],
+    /// [`Rpc::call_device`](crate::rpc::Rpc::call_device)) send, and what an RPC handler
+    /// returns to reply with a device buffer's bytes.
+    ///
+    /// Errors: [`Error::Cuda`] (no CUDA on this shard, and why; the driver's error).
+    pub async fn device_to_vec(&self, src: &mut crate::DeviceBuffer) -> Result<Vec<u8>, Error> {
+        let mut out = vec![0u8; src.len()];
+        self.copy_from_device(src, &mut out).await?;
+        Ok(out)
+    }
+
     /// Where the node serves its metrics ([`NodeBuilder::metrics`]), if it does.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.shared.metrics.as_ref().and_then(|b| b.addr())
@@ -889,11 +902,7 @@ impl Peer {
         buf: &mut crate::DeviceBuffer,
     ) -> Result<(), Error> {
         let node = Node::current().ok_or(Error::NotOnShard)?;
-        let mut staged = vec![0u8; buf.len()];
-        node.shard_ctx()
-            .cuda()
-            .device_to_host(buf, &mut staged)
-            .await?;
+        let staged = node.device_to_vec(buf).await?;
         let timeout = node.shared.deadline;
         self.send_on(&node, id, header, &staged, timeout).await
     }

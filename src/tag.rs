@@ -47,6 +47,37 @@ impl Peer {
         self.tag_send_on(&node, user_tag, data, timeout).await
     }
 
+    /// Sends the bytes of device buffer `buf` with `user_tag` to this peer, from any shard of a
+    /// running node whose CUDA mode is not off, within the default deadline: the bytes are
+    /// staged to host memory through the shard's pinned bounce buffers
+    /// ([`Node::device_to_vec`]), then sent as [`Peer::tag_send`] sends host bytes, so the
+    /// receiver sees the same message either way (and may land it in device memory with
+    /// [`Node::copy_to_device`]). UCX never sees the device pointer, in any mode. The deadline
+    /// counts from when the bytes are staged.
+    ///
+    /// Errors: [`Error::Cuda`] (no CUDA on this shard, and why; the driver's error), then
+    /// those of [`Peer::tag_send`].
+    pub async fn tag_send_device(
+        &self,
+        user_tag: u64,
+        buf: &mut crate::DeviceBuffer,
+    ) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        let timeout = node.default_deadline();
+        self.tag_send_device_on(&node, user_tag, buf, timeout).await
+    }
+
+    /// [`Peer::tag_send_device`] with its own deadline.
+    pub async fn tag_send_device_within(
+        &self,
+        user_tag: u64,
+        buf: &mut crate::DeviceBuffer,
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        let node = Node::current().ok_or(Error::NotOnShard)?;
+        self.tag_send_device_on(&node, user_tag, buf, timeout).await
+    }
+
     /// [`Peer::tag_send`] with its own deadline.
     pub async fn tag_send_within(
         &self,
@@ -103,6 +134,19 @@ impl Peer {
             }),
         )
         .await
+    }
+
+    async fn tag_send_device_on(
+        &self,
+        node: &Node,
+        user_tag: u64,
+        buf: &mut crate::DeviceBuffer,
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        // A bad tag is refused before anything is copied.
+        user(user_tag)?;
+        let staged = node.device_to_vec(buf).await?;
+        self.tag_send_on(node, user_tag, &staged, timeout).await
     }
 
     async fn tag_recv_on(

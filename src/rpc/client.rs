@@ -134,6 +134,63 @@ impl Rpc {
         ArchivedReply::new(bytes)
     }
 
+    /// Calls `F`, whose argument is bytes, with the bytes of device buffer `args`, within the
+    /// default deadline: the bytes are staged to host memory through the shard's pinned bounce
+    /// buffers ([`Node::device_to_vec`]), then sent as [`Rpc::call`] sends them, so the server
+    /// sees the same request either way. UCX never sees the device pointer, in any mode.
+    ///
+    /// Errors: [`RpcError::Net`] with [`Error::Cuda`] (no CUDA on this shard, and why; the
+    /// driver's error), then those of [`Rpc::call`].
+    pub async fn call_device<F>(
+        &self,
+        peer: Peer,
+        args: &mut crate::DeviceBuffer,
+    ) -> Result<F::Reply, RpcError>
+    where
+        F: RpcFunction<Args = Vec<u8>>,
+    {
+        self.call_device_within::<F>(peer, args, self.default_deadline())
+            .await
+    }
+
+    /// [`Rpc::call_device`] with its own deadline (counted from when the bytes are staged).
+    pub async fn call_device_within<F>(
+        &self,
+        peer: Peer,
+        args: &mut crate::DeviceBuffer,
+        timeout: Duration,
+    ) -> Result<F::Reply, RpcError>
+    where
+        F: RpcFunction<Args = Vec<u8>>,
+    {
+        let staged = self.node.device_to_vec(args).await?;
+        self.call_within::<F>(peer, &staged, timeout).await
+    }
+
+    /// Calls `F`, whose reply is bytes, within `timeout`, and lands the reply in the whole of
+    /// device buffer `reply`: the reply's archive is read in place and copied to the device
+    /// through the shard's pinned bounce buffers ([`Node::copy_to_device`]); resolves once the
+    /// device holds it. The deadline covers the call, not the copy.
+    ///
+    /// Errors: those of [`Rpc::call`], then [`RpcError::Net`] with [`Error::Cuda`] (no CUDA on
+    /// this shard, and why; a reply whose length is not the buffer's; the driver's error).
+    pub async fn call_into_device_within<F>(
+        &self,
+        peer: Peer,
+        args: &F::Args,
+        reply: &mut crate::DeviceBuffer,
+        timeout: Duration,
+    ) -> Result<(), RpcError>
+    where
+        F: RpcFunction<Reply = Vec<u8>>,
+    {
+        let got = self.call_archived_within::<F>(peer, args, timeout).await?;
+        self.node
+            .copy_to_device(got.get().as_slice(), reply)
+            .await?;
+        Ok(())
+    }
+
     /// Calls a function by its published signature (from [`Rpc::lookup`] or a registry), for a
     /// client built without the function's marker type. `A` and `R` must be the server's
     /// argument and reply types (or types with the same archived layout): the schema hash

@@ -5,7 +5,9 @@
  *
  * Built by shards/ucx/tests/cuda.rs with the system C compiler, as libcuda.so in a temporary
  * directory found first through LD_LIBRARY_PATH. FAKE_CUDA_DEVICES sets the device count
- * (default 1); FAKE_CUDA_INIT_ERROR makes cuInit fail with that code.
+ * (default 1); FAKE_CUDA_INIT_ERROR makes cuInit fail with that code; FAKE_CUDA_FAIL_COPY_LEN
+ * makes every asynchronous copy of exactly that many bytes fail with 999 (CUDA_ERROR_UNKNOWN)
+ * and copy nothing (a chunk of a staged transfer, say, for a copy failing mid-transfer).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -78,9 +80,13 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
 CUresult cuMemFree_v2(CUdeviceptr p) { free((void *)(uintptr_t)p); return 0; }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) { (void)flags; *p = malloc(n); return *p ? 0 : 2; }
 CUresult cuMemFreeHost(void *p) { free(p); return 0; }
+static int copy_fails(size_t n) {
+    const char *f = getenv("FAKE_CUDA_FAIL_COPY_LEN");
+    return f && strtoull(f, NULL, 10) == (unsigned long long)n;
+}
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, CUstream s) {
-    (void)s; memcpy((void *)(uintptr_t)d, h, n); return 0;
+    (void)s; if (copy_fails(n)) return 999; memcpy((void *)(uintptr_t)d, h, n); return 0;
 }
 CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, CUstream s) {
-    (void)s; memcpy(h, (const void *)(uintptr_t)d, n); return 0;
+    (void)s; if (copy_fails(n)) return 999; memcpy(h, (const void *)(uintptr_t)d, n); return 0;
 }

@@ -49,11 +49,22 @@ impl FakeDriver {
     /// Runs this test binary again against the fake driver, with `args` (e.g. `--skip` the
     /// caller), [`FAKE_ENV`] set and no mode override; its output.
     pub(crate) fn rerun(&self, args: &[&str], mode_env: &str) -> Output {
+        self.rerun_with(args, mode_env, &[])
+    }
+
+    /// [`FakeDriver::rerun`] with more environment variables (`FAKE_CUDA_FAIL_COPY_LEN`, say).
+    pub(crate) fn rerun_with(
+        &self,
+        args: &[&str],
+        mode_env: &str,
+        envs: &[(&str, &str)],
+    ) -> Output {
         Command::new(std::env::current_exe().expect("this test binary"))
             .args(args)
             .env("LD_LIBRARY_PATH", self.library_path())
             .env(FAKE_ENV, "1")
             .env_remove(mode_env)
+            .envs(envs.iter().copied())
             .output()
             .expect("run the tests again")
     }
