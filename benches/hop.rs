@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use shardcx::bench::client::ClientConfig;
 use shardcx::bench::server::ServeConfig;
-use shardcx::bench::{report, run_in_process, Test, Transport, DEFAULT_PSK};
+use shardcx::bench::{report, run_in_process, Memory, Test, Transport, DEFAULT_PSK};
 
 fn main() {
     let serve = ServeConfig {
@@ -32,6 +32,7 @@ fn main() {
         psk: DEFAULT_PSK.to_vec(),
         progress: true,
         io_memory: Some(1 << 20),
+        memory: Memory::Host,
     });
     match r {
         Ok(results) => print!("{}", report::table(&results)),

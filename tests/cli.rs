@@ -327,6 +327,125 @@ fn info_names_the_driver_and_devices_of_a_fake_driver() {
     );
 }
 
+/// `bench --memory cuda` with a CUDA driver and a device (the fake `libcuda` where there is no
+/// real one: device memory in host memory, so this checks the staging bookkeeping, not CUDA):
+/// the five device tests run at a size under one 2 MiB staging chunk and at one over it
+/// (several chunks), every device buffer checked by the bench itself, the table and the JSON
+/// say memory cuda and the mode, and a test that moves no device memory is skipped, saying so.
+#[test]
+fn a_cuda_bench_runs_with_device_buffers() {
+    let fake = match shardcx::cuda::driver() {
+        Ok(d) if !d.devices.is_empty() => None,
+        Ok(_) => {
+            eprintln!("skipped: a CUDA driver without a device");
+            return;
+        }
+        Err(_) => match FakeDriver::build("cli-bench") {
+            Some(f) => Some(f),
+            None => return,
+        },
+    };
+    let dir = std::env::temp_dir().join(format!("shardcx-cli-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("b.json");
+    let mut cmd = shardcx();
+    cmd.args(["bench", "--memory", "cuda", "--quiet"])
+        .args(["--test", "am-lat,am-bw,rpc-lat,put-bw,get-bw,tag-lat"])
+        .args([
+            "--size", "8,3m", "--iters", "12", "--warmup", "2", "--window", "4",
+        ])
+        .args(["--transport", "tcp", "--json"])
+        .arg(&json)
+        .env_remove(shardcx::cuda::CUDA_MODE_ENV);
+    if let Some(f) = &fake {
+        cmd.env("LD_LIBRARY_PATH", f.library_path());
+    }
+    let out = cmd.output_bounded();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mode = if fake.is_some() { "staging" } else { "" };
+    for test in ["am-lat", "am-bw", "rpc-lat", "put-bw", "get-bw"] {
+        let heading = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{test}: ")))
+            .unwrap_or_else(|| panic!("no {test} table in:\n{stdout}"));
+        assert!(
+            heading.contains(&format!("memory cuda (CUDA mode {mode}")),
+            "{heading}"
+        );
+    }
+    assert!(
+        stdout.contains("skipped: --memory cuda: only am-lat, am-bw, rpc-lat, put-bw and get-bw"),
+        "{stdout}"
+    );
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let all = j.as_array().unwrap();
+    // Five tests at two sizes; tag-lat, skipped, is not in the file.
+    assert_eq!(all.len(), 5 * 2, "{j}");
+    for m in all {
+        assert_eq!(m["memory"], "cuda", "{m}");
+        let got = m["cuda_mode"].as_str().unwrap();
+        assert!(got.starts_with(mode) && got != "off", "{m}");
+        assert!(m["msgs_per_s"].as_f64().unwrap() > 0.0, "{m}");
+    }
+    assert!(all.iter().any(|m| m["size"] == 3u64 << 20), "{j}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `bench --memory cuda` where CUDA is off fails at once, with status 1 and the reason (no
+/// driver here, or turned off where there is one; the fake driver with no device), no panic.
+#[test]
+fn a_cuda_bench_without_cuda_says_why() {
+    let run = |envs: &[(&str, &str)]| {
+        let mut cmd = shardcx();
+        cmd.args([
+            "bench", "--memory", "cuda", "--test", "am-lat", "--iters", "5",
+        ])
+        .args(["--transport", "tcp", "--quiet"])
+        .env_remove(shardcx::cuda::CUDA_MODE_ENV);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let started = Instant::now();
+        let out = cmd.output_bounded();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(started.elapsed() < Duration::from_secs(30), "{stderr}");
+        stderr
+    };
+    let (envs, reason) = match shardcx::cuda::driver() {
+        Err(reason) => (vec![], reason.to_string()),
+        Ok(_) => (
+            vec![(shardcx::cuda::CUDA_MODE_ENV, "off")],
+            "turned off (SHARDCX_CUDA=off)".to_string(),
+        ),
+    };
+    let stderr = run(&envs);
+    let want = format!("shardcx: error: --memory cuda: CUDA is off on this node: {reason}\n");
+    assert!(stderr.contains(&want), "{want:?} missing from:\n{stderr}");
+    if shardcx::cuda::driver().is_err() {
+        if let Some(fake) = FakeDriver::build("cli-bench-off") {
+            let path = fake.library_path();
+            let stderr = run(&[
+                ("LD_LIBRARY_PATH", path.as_str()),
+                ("FAKE_CUDA_DEVICES", "0"),
+            ]);
+            assert!(
+                stderr.contains(
+                    "shardcx: error: --memory cuda: CUDA is off on this node: no CUDA device\n"
+                ),
+                "{stderr}"
+            );
+        }
+    }
+}
+
 /// `bench --test allreduce` (and another collective) runs a world of two nodes in the process
 /// and prints, per size, the slowest rank's percentiles, the algorithm, bus bandwidth, and the
 /// allreduce cost-model fit from its two sizes; the JSON has one object per (collective, size).

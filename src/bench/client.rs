@@ -36,11 +36,14 @@ use shardcx_shards::{NetError, Placement, RemoteRegion, ShardCtx};
 
 use super::server::{TAG_PING, TAG_PONG, TAG_STOP, TAG_STREAM};
 use super::{
-    header, net_config, parse_header, pin_current, BenchError, Budget, Figures, Measurement, Route,
-    RpcEcho, RpcSink, ShardFigures, Test, Transport, ACK, CONTENT_CHECK_EVERY, ECHO, ECHO_REPLY,
-    FLAG_ACK, FLAG_TRUSTED, REGION, REGION_REPLY, SINK, TAG_START,
+    header, net_config, parse_header, pin_current, BenchError, Budget, Figures, Measurement,
+    Memory, Route, RpcEcho, RpcSink, ShardFigures, Test, Transport, ACK, CONTENT_CHECK_EVERY, ECHO,
+    ECHO_REPLY, FLAG_ACK, FLAG_TRUSTED, REGION, REGION_REPLY, SINK, TAG_START,
 };
+use crate::cuda::CudaMode;
 use crate::rma::TrustedDescriptor;
+
+mod device;
 use crate::{AmId, AmView, Node, OwnedAmMsg, Peer, TAG_MASK_EXACT};
 
 /// Deadline of every operation and answer of a benchmark.
@@ -93,6 +96,10 @@ pub struct ClientConfig {
     /// glommio io memory per client shard (`None`: sized to the memlock limit; set it when the
     /// server runs in the same process).
     pub io_memory: Option<u64>,
+    /// Where the client's buffers live: with [`Memory::Cuda`], the tests of
+    /// [`Memory::CUDA_TESTS`] send from and land into device buffers, and the others are
+    /// skipped (see the module docs of [`crate::bench`], "Device memory").
+    pub memory: Memory,
 }
 
 thread_local! {
@@ -113,6 +120,11 @@ struct Gate {
 struct Waits {
     /// Control answers ([`REGION_REPLY`]), copied out of UCX's buffer.
     control: RefCell<VecDeque<OwnedAmMsg>>,
+    /// Set while a device-memory `am-lat` runs: echoes are queued in `echoes` for its task
+    /// instead of driving the ping-pong.
+    device_echo: Cell<bool>,
+    /// Echoes kept for the device-memory `am-lat` task.
+    echoes: RefCell<VecDeque<OwnedAmMsg>>,
     /// The `am-lat` ping-pong, while it runs (and until the task takes its figures).
     pingpong: RefCell<Option<PingPong>>,
     /// Sequence number of the last acknowledged window.
@@ -207,7 +219,15 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
             (None, t) => t.default_sizes().to_vec(),
         };
         for size in sizes {
-            if test == Test::Hop && cfg.shards < 2 {
+            if !cfg.memory.runs(test) {
+                out.push(skipped(
+                    cfg,
+                    test,
+                    size,
+                    "--memory cuda: only am-lat, am-bw, rpc-lat, put-bw and get-bw move device \
+                     memory",
+                ));
+            } else if test == Test::Hop && cfg.shards < 2 {
                 out.push(skipped(cfg, test, size, "needs --shards 2 or more"));
             } else if test == Test::PutTrustedBw && cfg.transport == Transport::Tcp {
                 out.push(skipped(
@@ -277,9 +297,13 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
     })?;
     let mut per_shard: Vec<Vec<ShardFigures>> = Vec::with_capacity(cfg.shards);
     let mut first_err = None;
+    let mut cuda_mode = None;
     for r in results {
         match r {
-            Ok(v) => per_shard.push(v),
+            Ok((mode, v)) => {
+                cuda_mode = cuda_mode.or(mode);
+                per_shard.push(v);
+            }
             // A server that is gone explains the other shards' failures.
             Err(e @ BenchError::PeerGone { .. }) => first_err = Some(e),
             Err(e) => {
@@ -298,6 +322,8 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
             shards: cfg.shards,
             transport: cfg.transport,
             per_shard,
+            memory: cfg.memory,
+            cuda_mode,
             skipped: None,
             perftest: None,
         });
@@ -313,6 +339,8 @@ fn skipped(cfg: &ClientConfig, test: Test, size: usize, why: &str) -> Measuremen
         shards: cfg.shards,
         transport: cfg.transport,
         per_shard: Vec::new(),
+        memory: cfg.memory,
+        cuda_mode: None,
         skipped: Some(why.into()),
         perftest: None,
     }
@@ -343,6 +371,17 @@ fn for_this_shard(node: &Node, msg: &AmView<'_>) -> Result<u64, String> {
 fn on_echo_reply(w: &Waits, node: &Node, msg: &AmView<'_>) {
     let now = Instant::now();
     w.answered.set(w.answered.get() + 1);
+    if w.device_echo.get() {
+        // The device-memory `am-lat`: its task lands the payload (see `device`).
+        match for_this_shard(node, msg) {
+            Ok(_) => {
+                w.echoes.borrow_mut().push_back(msg.to_owned());
+                w.wake();
+            }
+            Err(e) => w.fail(e),
+        }
+        return;
+    }
     let mut slot = w.pingpong.borrow_mut();
     let Some(p) = slot.as_mut().filter(|p| !p.done) else {
         drop(slot);
@@ -410,15 +449,32 @@ fn on_control(w: &Waits, node: &Node, msg: &AmView<'_>) {
     }
 }
 
-/// One shard's whole run: set-up, then every planned test.
+/// One shard's whole run: set-up, then every planned test; with it, the shard's CUDA mode
+/// when the tests use device memory.
 async fn shard_main(
     node: Node,
     cfg: &ClientConfig,
     plan: &[(Test, usize)],
     gate: &Gate,
-) -> Result<Vec<ShardFigures>, BenchError> {
+) -> Result<(Option<CudaMode>, Vec<ShardFigures>), BenchError> {
     let waits = WAITS.with(Rc::clone);
     waits.reset();
+    let cuda_mode = match cfg.memory {
+        Memory::Host => None,
+        Memory::Cuda => {
+            let cuda = node.shard_ctx().cuda();
+            if cuda.mode() == CudaMode::Off {
+                return Err(BenchError::CudaOff {
+                    reason: cuda
+                        .probe()
+                        .off_reason
+                        .clone()
+                        .unwrap_or_else(|| "no reason given".into()),
+                });
+            }
+            Some(cuda.mode())
+        }
+    };
     let peer = node.connect_within(cfg.addr, DEADLINE).await?;
     // A server that dies (or is stopped) fails what waits on it at once: the answers awaited
     // here, and, through the shard's own failure of its requests, calls, receives and remote
@@ -434,7 +490,7 @@ async fn shard_main(
     // Whatever failed first, a server that is gone is the reason.
     match (r, waits.gone()) {
         (Err(_), Some(gone)) => Err(gone),
-        (r, _) => r,
+        (r, _) => r.map(|v| (cuda_mode, v)),
     }
 }
 
@@ -527,6 +583,8 @@ impl Waits {
     /// Back to the start (a shard thread may have served an earlier run).
     fn reset(&self) {
         self.control.borrow_mut().clear();
+        self.device_echo.set(false);
+        self.echoes.borrow_mut().clear();
         self.pingpong.borrow_mut().take();
         self.acked.set(0);
         self.error.borrow_mut().take();
@@ -677,6 +735,11 @@ impl Session {
             .unwrap_or_else(|| Budget::Iters(test.default_iters(size)));
         let warmup = cfg.warmup.unwrap_or(budget.default_warmup());
         let capped = cfg.window.min((BW_IN_FLIGHT / size.max(1)).max(1));
+        if cfg.memory == Memory::Cuda {
+            return self
+                .device_test(test, size, capped, budget, warmup, progress)
+                .await;
+        }
         match test {
             Test::AmLat => self.am_lat(size, budget, warmup, progress).await,
             Test::AmRate => {
@@ -779,20 +842,25 @@ impl Session {
                 self.target
                     .am_send_buf(SINK, &header(self.me, last, flags), payload.clone())?;
             }
-            self.waits
-                .until("acknowledgement", |w| w.acked.get() >= last)
-                .await?;
-            match self.waits.acked.get() {
-                a if a == last => Ok(()),
-                a => Err(BenchError::Protocol(format!(
-                    "acknowledgement #{a} for a window ending at #{last}"
-                ))),
-            }
+            self.acknowledged(last).await
         };
         let w = window as u64;
         // `Iters` counts messages: each measured window is `w` of them.
         self.measure(size, budget, warmup.div_ceil(w), w, progress, window_trip)
             .await
+    }
+
+    /// Waits for the acknowledgement of the window that ended with message `last`.
+    async fn acknowledged(&self, last: u64) -> Result<(), BenchError> {
+        self.waits
+            .until("acknowledgement", |w| w.acked.get() >= last)
+            .await?;
+        match self.waits.acked.get() {
+            a if a == last => Ok(()),
+            a => Err(BenchError::Protocol(format!(
+                "acknowledgement #{a} for a window ending at #{last}"
+            ))),
+        }
     }
 
     async fn tag_lat(
@@ -917,70 +985,88 @@ impl Session {
             RmaOp::PutTrusted => None,
         };
         let trusted = match kind {
-            RmaOp::PutTrusted => Some(Rc::new(self.trusted.clone().ok_or_else(missing)?)),
+            RmaOp::PutTrusted => Some(self.trusted.clone().ok_or_else(missing)?),
             RmaOp::Put | RmaOp::Get => None,
         };
         let peer = self.target;
-        let op = move |data: Rc<Vec<u8>>| {
-            let trusted = trusted.clone();
-            async move {
-                match (kind, checked, trusted) {
-                    (RmaOp::Put, Some(desc), _) => {
-                        peer.put_within(&desc, 0, &data, DEADLINE).await?;
-                    }
-                    (RmaOp::Get, Some(desc), _) => {
-                        let got = peer.get_within(&desc, 0, size as u64, DEADLINE).await?;
-                        if got.len() != size {
-                            return Err(BenchError::Protocol(format!(
-                                "get of {size} bytes returned {}",
-                                got.len()
-                            )));
-                        }
-                    }
-                    (RmaOp::PutTrusted, _, Some(desc)) => {
-                        peer.put_trusted_within(&desc, 0, &data, DEADLINE).await?;
-                    }
-                    _ => return Err(BenchError::Protocol("no region for the test".into())),
+        let data = pattern(size, 0x77);
+        let op = async move |_: &mut ()| {
+            match (kind, checked, trusted.as_ref()) {
+                (RmaOp::Put, Some(desc), _) => {
+                    peer.put_within(&desc, 0, &data, DEADLINE).await?;
                 }
-                Ok::<(), BenchError>(())
+                (RmaOp::Get, Some(desc), _) => {
+                    let got = peer.get_within(&desc, 0, size as u64, DEADLINE).await?;
+                    if got.len() != size {
+                        return Err(BenchError::Protocol(format!(
+                            "get of {size} bytes returned {}",
+                            got.len()
+                        )));
+                    }
+                }
+                (RmaOp::PutTrusted, _, Some(desc)) => {
+                    peer.put_trusted_within(desc, 0, &data, DEADLINE).await?;
+                }
+                _ => return Err(BenchError::Protocol("no region for the test".into())),
             }
+            Ok::<(), BenchError>(())
         };
-        let data = Rc::new(pattern(size, 0x77));
-        for _ in 0..warmup {
-            op(data.clone()).await?;
+        let (figures, _) = self
+            .windowed(size, budget, warmup, progress, vec![(); window], op)
+            .await?;
+        Ok(figures)
+    }
+
+    /// The windowed remote-memory tests: one task per element of `states` (the window), each
+    /// doing `op` on its own state, one operation at a time, after `warmup` operations on the
+    /// first state; the figures, and the states back.
+    async fn windowed<S: 'static>(
+        &self,
+        size: usize,
+        budget: Budget,
+        warmup: u64,
+        progress: &Rc<Progress>,
+        mut states: Vec<S>,
+        op: impl AsyncFn(&mut S) -> Result<(), BenchError> + 'static,
+    ) -> Result<(Figures, Vec<S>), BenchError> {
+        if let Some(first) = states.first_mut() {
+            for _ in 0..warmup {
+                op(first).await?;
+            }
         }
+        let op = Rc::new(op);
         // One histogram for every task (one thread), made before the clock starts.
         let figures = Rc::new(RefCell::new(Figures::new(size)));
         let done = Rc::new(Cell::new(0u64));
         self.mark();
         let t0 = Instant::now();
-        let tasks: Vec<_> = (0..window)
-            .map(|_| {
-                let (figures, done, data, op, progress) = (
-                    figures.clone(),
-                    done.clone(),
-                    data.clone(),
-                    op.clone(),
-                    progress.clone(),
-                );
+        let tasks: Vec<_> = states
+            .into_iter()
+            .map(|mut state| {
+                let (figures, done, op, progress) =
+                    (figures.clone(), done.clone(), op.clone(), progress.clone());
                 glommio::spawn_local(async move {
                     while more(budget, done.get(), t0) {
                         done.set(done.get() + 1);
                         let s = Instant::now();
-                        op(data.clone()).await?;
+                        op(&mut state).await?;
                         let mut f = figures.borrow_mut();
                         record(&mut f, s.elapsed());
                         f.msgs += 1;
                         progress.tick(budget, f.msgs, t0);
                     }
-                    Ok::<(), BenchError>(())
+                    Ok::<S, BenchError>(state)
                 })
             })
             .collect();
         let mut first_err = None;
+        let mut back = Vec::with_capacity(tasks.len());
         for t in tasks {
-            if let Err(e) = t.await {
-                first_err.get_or_insert(e);
+            match t.await {
+                Ok(state) => back.push(state),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
             }
         }
         let elapsed = t0.elapsed();
@@ -989,7 +1075,7 @@ impl Session {
         }
         let mut all = figures.borrow().clone();
         all.elapsed = elapsed;
-        Ok(all)
+        Ok((all, back))
     }
 
     /// `hop`: an empty job forwarded to the next shard, one at a time.
@@ -1013,19 +1099,15 @@ impl Session {
 
     /// Runs `step` `warmup` times, then measures it until `budget` is spent, at least once:
     /// one latency sample per step, each step counting `msgs` messages.
-    async fn measure<F, Fut>(
+    async fn measure(
         &self,
         size: usize,
         budget: Budget,
         warmup: u64,
         msgs: u64,
         progress: &Progress,
-        step: F,
-    ) -> Result<Figures, BenchError>
-    where
-        F: Fn() -> Fut,
-        Fut: Future<Output = Result<(), BenchError>>,
-    {
+        mut step: impl AsyncFnMut() -> Result<(), BenchError>,
+    ) -> Result<Figures, BenchError> {
         for _ in 0..warmup {
             step().await?;
         }

@@ -84,6 +84,23 @@
 //! `msgs/s × size / 10^6` (one direction). The merged row adds the shards' histograms and counts,
 //! over the longest shard's time.
 //!
+//! ## Device memory
+//!
+//! `--memory cuda` ([`Memory::Cuda`]) runs `am-lat`, `am-bw`, `rpc-lat`, `put-bw` and `get-bw`
+//! with the client's buffers in CUDA device memory, on each client shard's own device (the
+//! other tests are skipped, saying so). What is sent comes from a [`crate::DeviceBuffer`], and
+//! what comes back lands in one, inside the measured time: `am-lat` sends each ping with
+//! [`crate::Peer::am_send_device`] and lands each echo with [`crate::Node::copy_to_device`]
+//! (driven by the test task, since the copies are awaited); `am-bw` sends every message with
+//! `am_send_device`; `rpc-lat` stages its argument with [`crate::Node::copy_from_device`] and
+//! lands the reply; `put-bw` stages what it puts, `get-bw` lands what it got. Every device
+//! copy is staged through the shard's pinned bounce buffers, whatever the shard's CUDA mode
+//! (the zero-copy path is not built yet), and a shard's staged copies take turns (see
+//! `client::device`). The server answers from host memory as for `--memory host`: the frames on
+//! the wire are the same. Each test checks at its end that its device buffers hold what they
+//! should. A client whose CUDA mode is off fails the run with [`BenchError::CudaOff`], which
+//! says why (`--memory cuda: CUDA is off on this node: libcuda not found ...`).
+//!
 //! ## Transports
 //!
 //! `shm` runs UCX with `sm,tcp` (tcp is needed for listening and connecting by address in UCX
@@ -110,6 +127,9 @@
 //!   "size": 8,               // bytes per message (0 for hop)
 //!   "shards": 2,             // client shards
 //!   "transport": "shm",      // shm | tcp | auto
+//!   "memory": "host",        // host | cuda: where the client's buffers were (--memory)
+//!   "cuda_mode": "staging",  // only with "memory": "cuda": the client shards' CUDA mode
+//!                            // (staging | zero-copy; device data is staged in both today)
 //!   "iters": 40000,          // latency samples, all shards: iterations, or windows for
 //!                            // am-rate/am-bw/rpc-rate/rpc-notify (where --iters counts
 //!                            // messages or calls)
@@ -254,6 +274,13 @@ pub enum BenchError {
     /// Bad settings.
     #[error("{0}")]
     Config(String),
+    /// `--memory cuda` on a client node whose CUDA mode is off (no driver, no device, or
+    /// `SHARDCX_CUDA=off`).
+    #[error("--memory cuda: CUDA is off on this node: {reason}")]
+    CudaOff {
+        /// Why, as the shard's probe says it ([`crate::cuda::CudaProbe::off_reason`]).
+        reason: String,
+    },
     /// Starting or talking to the local peer process failed.
     #[error("{what}: {source}")]
     Io {
@@ -300,6 +327,17 @@ pub enum Transport {
     Tcp,
     /// UCX's choice.
     Auto,
+}
+
+/// Where the client's buffers live (`--memory`; see the module docs, "Device memory").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Memory {
+    /// Host memory (the default).
+    #[default]
+    Host,
+    /// CUDA device memory on the client: sends from a [`crate::DeviceBuffer`], received
+    /// payloads landed in one.
+    Cuda,
 }
 
 /// How long each test runs on each shard.
@@ -368,6 +406,10 @@ pub struct Measurement {
     pub transport: Transport,
     /// Per client shard, in shard order (empty when skipped).
     pub per_shard: Vec<ShardFigures>,
+    /// Where the client's buffers were.
+    pub memory: Memory,
+    /// The client shards' CUDA mode, with [`Memory::Cuda`] (`None` with host memory).
+    pub cuda_mode: Option<crate::cuda::CudaMode>,
     /// Why the combination was skipped, if it was.
     pub skipped: Option<String>,
     /// What `ucx_perftest` measured for the same (test, size, transport) (`--vs-perftest`,
@@ -484,6 +526,46 @@ impl Transport {
 }
 
 impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Memory {
+    /// The tests that run with [`Memory::Cuda`]; the others are skipped, saying so.
+    pub const CUDA_TESTS: [Test; 5] = [
+        Test::AmLat,
+        Test::AmBw,
+        Test::RpcLat,
+        Test::PutBw,
+        Test::GetBw,
+    ];
+
+    /// The memory's name on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Memory::Host => "host",
+            Memory::Cuda => "cuda",
+        }
+    }
+
+    /// The memory named `s`.
+    pub fn parse(s: &str) -> Option<Memory> {
+        [Memory::Host, Memory::Cuda]
+            .into_iter()
+            .find(|m| m.name() == s)
+    }
+
+    /// Whether `test` runs with this memory.
+    pub fn runs(self, test: Test) -> bool {
+        match self {
+            Memory::Host => true,
+            Memory::Cuda => Self::CUDA_TESTS.contains(&test),
+        }
+    }
+}
+
+impl fmt::Display for Memory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
@@ -708,5 +790,11 @@ mod tests {
         }
         assert_eq!(Transport::parse("shm"), Some(Transport::Shm));
         assert_eq!(Transport::parse("rdma"), None);
+        for m in [Memory::Host, Memory::Cuda] {
+            assert_eq!(Memory::parse(m.name()), Some(m));
+        }
+        assert_eq!(Memory::parse("gpu"), None);
+        assert!(Test::ALL.into_iter().all(|t| Memory::Host.runs(t)));
+        assert!(Memory::Cuda.runs(Test::GetBw) && !Memory::Cuda.runs(Test::TagLat));
     }
 }

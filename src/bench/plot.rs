@@ -363,7 +363,7 @@ fn panel<DB: DrawingBackend>(
 mod tests {
     use super::*;
     use crate::bench::perftest::Perftest;
-    use crate::bench::{Figures, Route, ShardFigures, Transport};
+    use crate::bench::{Figures, Memory, Route, ShardFigures, Transport};
     use shardcx_shards::proto::ShardId;
     use std::time::Duration;
 
@@ -383,6 +383,8 @@ mod tests {
                 route: Route::Rail,
                 figures: f,
             }],
+            memory: Memory::Host,
+            cuda_mode: None,
             skipped: None,
             perftest: None,
         }

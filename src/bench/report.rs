@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use super::perftest::{Metric, Perftest};
-use super::{format_size, Figures, Measurement, Test};
+use super::{format_size, Figures, Measurement, Memory, Test};
 
 /// The results as tables, one per test, in the order the tests first appear in `results`.
 pub fn table(results: &[Measurement]) -> String {
@@ -25,6 +25,13 @@ pub fn table(results: &[Measurement]) -> String {
             "\n{test}: latency in µs ({}), hdrhistogram",
             test.sample()
         );
+        // Device memory (`--memory cuda`), and the client shards' CUDA mode.
+        if let Some(m) = results
+            .iter()
+            .find(|m| m.test == test && m.memory == Memory::Cuda)
+        {
+            let _ = write!(out, ", {}", memory_note(m));
+        }
         let _ = match compared {
             Some(c) => writeln!(
                 out,
@@ -87,6 +94,18 @@ pub fn table(results: &[Measurement]) -> String {
     out
 }
 
+/// What the table says of a measurement's memory: `memory cuda (staging: ...)`.
+fn memory_note(m: &Measurement) -> String {
+    match (m.memory, m.cuda_mode) {
+        (Memory::Host, _) => "memory host".into(),
+        (Memory::Cuda, Some(mode)) => format!(
+            "memory cuda (CUDA mode {}; device data staged through pinned host buffers)",
+            mode.as_str()
+        ),
+        (Memory::Cuda, None) => "memory cuda".into(),
+    }
+}
+
 /// One row of figures, without its line end (perftest's cells may follow).
 fn row(out: &mut String, lead: &str, shard: &str, route: &str, f: &Figures) {
     let _ = write!(
@@ -143,14 +162,18 @@ pub fn json_objects(results: &[Measurement]) -> Vec<String> {
         let merged = m.merged();
         let _ = write!(
             out,
-            "  {{\"test\": \"{}\", \"size\": {}, \"shards\": {}, \"transport\": \"{}\", {}, \
-             \"per_shard\": [",
+            "  {{\"test\": \"{}\", \"size\": {}, \"shards\": {}, \"transport\": \"{}\", \
+             \"memory\": \"{}\", ",
             m.test.name(),
             m.size,
             m.shards,
             m.transport.name(),
-            fields(&merged)
+            m.memory.name(),
         );
+        if let Some(mode) = m.cuda_mode {
+            let _ = write!(out, "\"cuda_mode\": \"{}\", ", mode.as_str());
+        }
+        let _ = write!(out, "{}, \"per_shard\": [", fields(&merged));
         for (i, s) in m.per_shard.iter().enumerate() {
             let _ = write!(
                 out,
@@ -236,7 +259,7 @@ fn num(x: f64) -> String {
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
-    use crate::bench::{Route, ShardFigures, Transport};
+    use crate::bench::{Memory, Route, ShardFigures, Transport};
     use shardcx_shards::proto::ShardId;
     use std::time::Duration;
 
@@ -265,6 +288,8 @@ mod tests {
                         figures: f,
                     },
                 ],
+                memory: Memory::Host,
+                cuda_mode: None,
                 skipped: None,
                 perftest: None,
             },
@@ -274,6 +299,8 @@ mod tests {
                 shards: 1,
                 transport: Transport::Shm,
                 per_shard: vec![],
+                memory: Memory::Host,
+                cuda_mode: None,
                 skipped: Some("needs --shards 2 or more".into()),
                 perftest: None,
             },

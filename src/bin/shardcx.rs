@@ -15,7 +15,7 @@ use shardcx::bench::collective::{self, CollMeasurement, Collective, CollectiveCo
 use shardcx::bench::perftest::{self, Perftest};
 use shardcx::bench::server::{self, ServeConfig};
 use shardcx::bench::{
-    parse_size, plot, report, BenchError, Budget, Measurement, Test, Transport, DEFAULT_PSK,
+    parse_size, plot, report, BenchError, Budget, Measurement, Memory, Test, Transport, DEFAULT_PSK,
 };
 use shardcx::shards::boot::MEMLOCK_RESERVE;
 use shardcx::shards::{memlock_limit, ShardsBuilder};
@@ -132,6 +132,11 @@ struct BenchArgs {
     #[arg(long = "transport", value_delimiter = ',', default_value = "shm",
           value_parser = transport, value_name = "LIST")]
     transports: Vec<Transport>,
+    /// The client's buffers: host, or cuda (device buffers on each client shard's GPU, for
+    /// am-lat, am-bw, rpc-lat, put-bw and get-bw; staged through pinned host buffers; fails
+    /// when CUDA is off, saying why).
+    #[arg(long, default_value = "host", value_parser = memory, value_name = "M")]
+    memory: Memory,
     /// CPUs of the client shards [/ of the local peer's shards], e.g. 0/1 or 0,1/2,3
     /// (default: the peer on the last CPU, the client on the others first); for the
     /// collectives, of node 0's [/ node 1's] shards (default: rank r on CPU r mod CPUs).
@@ -596,6 +601,12 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
             })
             .collect()
     };
+    if o.memory == Memory::Cuda && o.vs_perftest {
+        usage_error(
+            "bench",
+            "--vs-perftest: compares host memory only (ucx_perftest -m cuda is not run yet)".into(),
+        );
+    }
     if !colls.is_empty() && o.connect.is_some() {
         usage_error(
             "bench",
@@ -648,7 +659,8 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
     };
     if !tests.is_empty() {
         println!(
-            "shardcx bench: UCX {}.{}.{}, {} CPU(s) {:?}, client shard i on CPU {:?}[i], {}",
+            "shardcx bench: UCX {}.{}.{}, {} CPU(s) {:?}, client shard i on CPU {:?}[i], {}, \
+             memory {}",
             v.loaded.0,
             v.loaded.1,
             v.loaded.2,
@@ -658,7 +670,8 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
             match o.connect {
                 Some(a) => format!("remote node {a}"),
                 None => format!("local peer shard j on CPU {server_cores:?}[j]"),
-            }
+            },
+            o.memory
         );
     }
     if o.connect.is_none() && !tests.is_empty() {
@@ -706,6 +719,7 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
                 psk: psk.clone(),
                 progress: !o.quiet,
                 io_memory: None,
+                memory: o.memory,
             };
             results.extend(client::run(&cfg)?);
         }
@@ -1018,6 +1032,10 @@ fn positive(s: &str) -> Result<u64, String> {
         Ok(_) => Err("must be at least 1".into()),
         Err(_) => Err(format!("cannot read {s:?} as a count")),
     }
+}
+
+fn memory(s: &str) -> Result<Memory, String> {
+    Memory::parse(s).ok_or_else(|| format!("unknown memory {s:?} (host, cuda)"))
 }
 
 fn transport(s: &str) -> Result<Transport, String> {
