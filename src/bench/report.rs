@@ -316,6 +316,40 @@ mod tests {
         assert!(t.contains("skipped: needs --shards 2 or more"));
     }
 
+    /// `--memory cuda`: the table's heading and the JSON say the memory and the CUDA mode;
+    /// host memory says `"memory": "host"` and no mode.
+    #[test]
+    fn device_memory_is_named_in_the_table_and_the_json() {
+        let host = sample();
+        let j = json(&host);
+        assert!(
+            j.contains("\"transport\": \"shm\", \"memory\": \"host\", \"iters\""),
+            "{j}"
+        );
+        assert!(!j.contains("cuda"), "{j}");
+        assert!(!table(&host).contains("memory"));
+        let mut cuda = host;
+        cuda[0].memory = Memory::Cuda;
+        cuda[0].cuda_mode = Some(crate::cuda::CudaMode::Staging);
+        let j = json(&cuda);
+        assert!(
+            j.contains("\"memory\": \"cuda\", \"cuda_mode\": \"staging\", \"iters\""),
+            "{j}"
+        );
+        let t = table(&cuda);
+        assert!(
+            t.contains(
+                "am-lat: latency in µs (round trip), hdrhistogram, memory cuda (CUDA mode staging;"
+            ),
+            "{t}"
+        );
+        // The skipped hop ran with host memory: its heading says nothing of memory.
+        assert!(
+            t.contains("hop: latency in µs (per hop), hdrhistogram\n"),
+            "{t}"
+        );
+    }
+
     /// `--vs-perftest`: the perftest and ratio columns on shard 0's row, why on a failed one,
     /// and the `perftest` object in the JSON.
     #[test]
