@@ -136,11 +136,11 @@ where
             .run(move |node: Node| {
                 let (addr, on_a, done) = (addr_a.clone(), on_a.clone(), a_done.clone());
                 async move {
+                    // B stops serving once A is done, or has failed (a panic drops this too).
+                    let _done = Done(done);
                     wait_for(|| addr.get().is_some()).await;
                     let b = node.connect(*addr.get().unwrap()).await.expect("connect");
-                    let r = on_a(node, b).await;
-                    done.store(true, Ordering::Release);
-                    r
+                    on_a(node, b).await
                 }
             })
             .expect("node A")
@@ -151,6 +151,15 @@ where
         from_a.into_iter().next().unwrap(),
         from_b.into_iter().next().unwrap(),
     )
+}
+
+/// Sets its flag when dropped: node A's end, however it ends.
+struct Done(Arc<AtomicBool>);
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
 }
 
 /// Without a device no device buffer can be made to send from: the allocation says why.

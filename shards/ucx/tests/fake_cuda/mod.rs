@@ -4,11 +4,17 @@
 
 #![allow(dead_code)] // Each test binary uses the parts it needs.
 
+use std::io::Read;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 /// Set in the child process that runs a test binary again against the fake driver.
 pub(crate) const FAKE_ENV: &str = "SHARDCX_TEST_FAKE_CUDA";
+
+/// Longest a run of the tests again may take: past it the child is killed (its output so far
+/// comes back with a failed status, so the caller's test fails instead of hanging).
+pub(crate) const RERUN_LIMIT: Duration = Duration::from_secs(300);
 
 /// A fresh directory holding the fake `libcuda.so`; removed on drop.
 pub(crate) struct FakeDriver {
@@ -59,14 +65,46 @@ impl FakeDriver {
         mode_env: &str,
         envs: &[(&str, &str)],
     ) -> Output {
-        Command::new(std::env::current_exe().expect("this test binary"))
+        let mut child = Command::new(std::env::current_exe().expect("this test binary"))
             .args(args)
             .env("LD_LIBRARY_PATH", self.library_path())
             .env(FAKE_ENV, "1")
             .env_remove(mode_env)
             .envs(envs.iter().copied())
-            .output()
-            .expect("run the tests again")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run the tests again");
+        // Both pipes are read meanwhile, so that a chatty child cannot block on a full one.
+        let drain = |pipe: Option<Box<dyn Read + Send>>| {
+            std::thread::spawn(move || {
+                let mut bytes = Vec::new();
+                if let Some(mut p) = pipe {
+                    let _ = p.read_to_end(&mut bytes);
+                }
+                bytes
+            })
+        };
+        let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+        let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for the tests") {
+                break status;
+            }
+            if start.elapsed() > RERUN_LIMIT {
+                eprintln!("the tests against the fake driver ran past {RERUN_LIMIT:?}: killed");
+                let _ = child.kill();
+                break child.wait().expect("wait for the killed tests");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Output {
+            status,
+            stdout: stdout.join().unwrap_or_default(),
+            stderr: stderr.join().unwrap_or_default(),
+        }
     }
 }
 
