@@ -132,7 +132,9 @@ pub(crate) fn within<T: Send + 'static>(
     });
     match rx.recv_timeout(limit) {
         Ok(v) => v,
-        Err(_) => {
+        // `f` panicked (its message is above): no hang to show stacks of.
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the test's thread panicked"),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
             eprintln!(
                 "still running after {limit:?}; the threads of this test process:\n{}",
                 stacks(std::process::id())
