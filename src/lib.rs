@@ -13,8 +13,8 @@ pub mod tag;
 
 pub use error::Error;
 pub use node::{
-    AmMsg, AmView, Node, NodeBuilder, OwnedAmMsg, Peer, DEFAULT_DEADLINE, FIRST_RESERVED_AM_ID,
-    MAX_AM_HEADER,
+    AmMsg, AmView, DeviceAmMsg, Node, NodeBuilder, OwnedAmMsg, Peer, DEFAULT_DEADLINE,
+    FIRST_RESERVED_AM_ID, MAX_AM_HEADER,
 };
 pub use rma::{Region, RemoteRegion, TrustedDescriptor, TrustedRegion};
 pub use rpc::{FunctionId, Rpc, RpcConfig, RpcContext, RpcError, RpcFunction, RpcStats};

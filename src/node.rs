@@ -241,6 +241,16 @@ pub struct AmView<'a> {
     ctx: &'a Rc<ShardCtx>,
 }
 
+/// An active message whose payload was landed in a device buffer the handler chose
+/// ([`AmMsg::into_device`]): the header copied out, the payload on the device. `Send`.
+#[derive(Debug)]
+pub struct DeviceAmMsg {
+    from: Peer,
+    id: AmId,
+    header: Vec<u8>,
+    payload: crate::DeviceBuffer,
+}
+
 /// An active message copied out of UCX's buffer ([`AmMsg::into_owned`]): `Send`.
 #[derive(Debug, Clone)]
 pub struct OwnedAmMsg {
@@ -1128,6 +1138,42 @@ impl AmMsg {
         send_now(&self.ctx, self.from.dest(), id, header, payload)
     }
 
+    /// Lands the payload in device buffer `dst`, which the handler chose (of the payload's
+    /// length, on the receiving shard's device), and returns the future of that landing: it
+    /// owns the message and `dst`, so the handler may spawn it
+    /// (`glommio::spawn_local(msg.into_device(dst))`), and resolves once the device holds the
+    /// payload, with the message's header and `dst` ([`DeviceAmMsg`]).
+    ///
+    /// Staged, in every CUDA mode: the payload stays where it arrived (a rendezvous payload in
+    /// a block of the shard's registered pool or its receive cache, an eager one in UCX's
+    /// buffer), held until the copy is done, and is copied to the device through the shard's
+    /// pinned bounce buffers on its stream ([`Node::copy_to_device`]), the copies' events
+    /// polled between yields, never waited on. UCX never sees the device pointer.
+    ///
+    /// Errors, with `dst` handed back: [`Error::Cuda`] (no CUDA on this shard, and why; a
+    /// buffer on another device; a length other than the payload's; the driver's error).
+    pub fn into_device(
+        self,
+        mut dst: crate::DeviceBuffer,
+    ) -> impl Future<Output = Result<DeviceAmMsg, (Error, crate::DeviceBuffer)>> + 'static {
+        async move {
+            let landed = self
+                .ctx
+                .cuda()
+                .host_to_device(self.frame.payload(), &mut dst)
+                .await;
+            match landed {
+                Ok(()) => Ok(DeviceAmMsg {
+                    from: self.from,
+                    id: self.id,
+                    header: self.frame.user_header().to_vec(),
+                    payload: dst,
+                }),
+                Err(e) => Err((e.into(), dst)),
+            }
+        }
+    }
+
     /// A copy that may cross threads (header and payload copied out of UCX's buffer, which is
     /// released).
     pub fn into_owned(self) -> OwnedAmMsg {
@@ -1198,6 +1244,33 @@ impl std::fmt::Debug for AmMsg {
             .field("header", &self.header().len())
             .field("payload", &self.payload().len())
             .finish()
+    }
+}
+
+impl DeviceAmMsg {
+    /// The sending peer (see [`AmMsg::from`]).
+    pub fn from(&self) -> Peer {
+        self.from
+    }
+
+    /// The message's id.
+    pub fn id(&self) -> AmId {
+        self.id
+    }
+
+    /// The header.
+    pub fn header(&self) -> &[u8] {
+        &self.header
+    }
+
+    /// The device buffer holding the payload.
+    pub fn payload(&mut self) -> &mut crate::DeviceBuffer {
+        &mut self.payload
+    }
+
+    /// The device buffer holding the payload, owned.
+    pub fn into_payload(self) -> crate::DeviceBuffer {
+        self.payload
     }
 }
 

@@ -17,13 +17,13 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
 use shardcx::cuda::{driver, CudaError, ModeRequest, StagingCopyError, Unavailable};
 use shardcx::rpc::{RpcContext, RpcError};
-use shardcx::{DeviceBuffer, Error, Node, NodeBuilder, NodeId, Peer, TAG_MASK_EXACT};
+use shardcx::{AmId, AmMsg, DeviceBuffer, Error, Node, NodeBuilder, NodeId, Peer, TAG_MASK_EXACT};
 
 mod common;
 #[path = "../shards/ucx/tests/fake_cuda/mod.rs"]
@@ -43,6 +43,12 @@ const LENS: [usize; 4] = [0, 1000, 2 << 20, (5 << 20) + 12345];
 /// [`gpu_branches_against_a_fake_driver`]): a transfer of `2 MiB + FAIL_LEN` bytes fails on its
 /// second chunk.
 const FAIL_LEN: usize = 4099;
+
+/// Active message whose payload node B's handler lands in a device buffer it chooses
+/// ([`AmMsg::into_device`]); the header's first byte says how (see [`land`]).
+const LAND: AmId = AmId::new(0x0C0D_0002);
+/// What [`land`] saw, in order: (header byte, "ok <len> <same bytes>" or "err <error> <len>").
+static LANDED: Mutex<Vec<(u8, String)>> = Mutex::new(Vec::new());
 
 shardcx::rpc_function!(
     /// Lands the argument in a device buffer of the server's shard and replies with that
@@ -117,6 +123,7 @@ where
                         .map_err(|e| e.to_string())
                 }
             })
+            .on_am(LAND, || land)
             .run(move |node: Node| {
                 let (addr, on_b, a_done) = (addr.clone(), on_b.clone(), a_done_b.clone());
                 async move {
@@ -151,6 +158,32 @@ where
         from_a.into_iter().next().unwrap(),
         from_b.into_iter().next().unwrap(),
     )
+}
+
+/// Node B's handler of [`LAND`]: chooses a device buffer for the payload (header byte 0: of
+/// its length; 1: one byte longer) and lands the payload there in a task, recording in
+/// [`LANDED`] whether the buffer then holds the payload's pattern, or the error and the length
+/// of the buffer handed back.
+fn land(node: &Node, msg: AmMsg) {
+    let len = msg.payload().len();
+    let how = msg.header().first().copied().unwrap_or(0);
+    let dst = node
+        .shard_ctx()
+        .cuda()
+        .alloc(len + usize::from(how == 1))
+        .expect("a device buffer");
+    glommio::spawn_local(async move {
+        let seen = match msg.into_device(dst).await {
+            Ok(mut m) => {
+                let same = m.payload().to_vec().unwrap() == pattern(len);
+                assert_eq!((m.id(), m.header()), (LAND, &[how][..]));
+                format!("ok {len} {same}")
+            }
+            Err((e, buf)) => format!("err {e} {}", buf.len()),
+        };
+        LANDED.lock().unwrap().push((how, seen));
+    })
+    .detach();
 }
 
 /// Sets its flag when dropped: node A's end, however it ends.
@@ -317,6 +350,67 @@ fn device_sends_fail_with_typed_errors() {
     assert_eq!(got, (0x901, true));
 }
 
+/// Active-message payloads landed in device buffers their handler chose, eager and by
+/// rendezvous (into the shard's pooled buffers first), byte for byte at every length of
+/// [`LENS`]; a buffer of another length, and (under the fake driver) a device copy failing
+/// mid-transfer, are typed errors that hand the buffer back.
+#[test]
+fn am_payloads_land_in_device_buffers_the_handler_chooses() {
+    if !has_device() {
+        return no_device_says_why();
+    }
+    LANDED.lock().unwrap().clear();
+    let failing = std::env::var_os("FAKE_CUDA_FAIL_COPY_LEN").is_some();
+    let mut sends: Vec<(u8, usize)> = LENS.iter().map(|&len| (0, len)).collect();
+    sends.push((1, 1000));
+    if failing {
+        sends.push((0, (2 << 20) + FAIL_LEN));
+    }
+    let expected = sends.len();
+    let to_send = sends.clone();
+    let ((), (landed, rendezvous)) = pair(
+        ModeRequest::Auto,
+        move |_: Node, b: Peer| {
+            let sends = to_send.clone();
+            async move {
+                for (how, len) in sends {
+                    b.am_send(LAND, &[how], &pattern(len)).await.unwrap();
+                }
+            }
+        },
+        move |node: Node, _: Peer| async move {
+            wait_for(|| LANDED.lock().unwrap().len() >= expected).await;
+            let landed = std::mem::take(&mut *LANDED.lock().unwrap());
+            (landed, node.shard_ctx().net_stats().rendezvous)
+        },
+    );
+    let mut want: Vec<(u8, String)> = LENS
+        .iter()
+        .map(|len| (0, format!("ok {len} true")))
+        .collect();
+    want.push((
+        1,
+        "err staging: 1000 host bytes for a device buffer of 1001 1001".into(),
+    ));
+    if failing {
+        want.push((
+            0,
+            format!(
+                "err cuda: cuMemcpyHtoDAsync failed: unknown error (CUresult 999) {}",
+                (2 << 20) + FAIL_LEN
+            ),
+        ));
+    }
+    // One connection, one shard each: the handler's tasks may end out of order (a longer
+    // copy yields more), so compare as sets.
+    let (mut landed, mut want) = (landed, want);
+    landed.sort();
+    want.sort();
+    assert_eq!(landed, want);
+    // The long payloads came by rendezvous.
+    assert!(rendezvous >= 2, "{rendezvous} rendezvous transfers");
+}
+
 /// Runs the other tests again against the fake driver (see the module docs).
 #[test]
 fn gpu_branches_against_a_fake_driver() {
@@ -337,5 +431,5 @@ fn gpu_branches_against_a_fake_driver() {
         "against the fake driver:\n{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(text.contains("test result: ok. 3 passed"), "{text}");
+    assert!(text.contains("test result: ok. 4 passed"), "{text}");
 }
