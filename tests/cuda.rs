@@ -88,8 +88,8 @@ async fn wait_for(mut cond: impl FnMut() -> bool) {
 }
 
 /// Runs node B (listening, serving [`DeviceEcho`]) and node A (connecting to it, CUDA mode
-/// `a_cuda`), one shard each: A runs `on_a(node, B)` and B runs `on_b(node, A)`, then serves
-/// until A is done. Returns their results; fails past `LIMIT`.
+/// `a_cuda`), one shard each: A runs `on_a(node, B)` and B runs `on_b(node, A)`, then each
+/// serves until the other is done. Returns their results; fails past `LIMIT`.
 fn pair<FA, FutA, RA, FB, FutB, RB>(a_cuda: ModeRequest, on_a: FA, on_b: FB) -> (RA, RB)
 where
     FA: Fn(Node, Peer) -> FutA + Send + Clone + 'static,
@@ -102,8 +102,14 @@ where
     let _g = serial();
     let addr: Arc<OnceLock<SocketAddr>> = Arc::default();
     let addr_a = addr.clone();
-    let a_done = Arc::new(AtomicBool::new(false));
-    let a_done_b = a_done.clone();
+    // Each node serves until both are done (A's large sends are pulled by B after A's send
+    // has returned, and B's replies reach A): each flag is set when its side ends, however it
+    // ends (a panic drops the guard too).
+    let (a_done, b_done) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (a_done_b, b_done_a) = (a_done.clone(), b_done.clone());
     let b = std::thread::spawn(move || {
         node(B, ModeRequest::Auto)
             .listen("127.0.0.1:0".parse().unwrap())
@@ -125,13 +131,16 @@ where
             })
             .on_am(LAND, || land)
             .run(move |node: Node| {
-                let (addr, on_b, a_done) = (addr.clone(), on_b.clone(), a_done_b.clone());
+                let (addr, on_b) = (addr.clone(), on_b.clone());
+                let (a_done, b_done) = (a_done_b.clone(), b_done.clone());
                 async move {
-                    if let Some(a) = node.listen_addr() {
-                        let _ = addr.set(a);
-                    }
-                    let r = on_b(node, Peer::new(A)).await;
-                    // Serving A's calls until it is done.
+                    let r = {
+                        let _done = Done(b_done);
+                        if let Some(a) = node.listen_addr() {
+                            let _ = addr.set(a);
+                        }
+                        on_b(node, Peer::new(A)).await
+                    };
                     wait_for(|| a_done.load(Ordering::Acquire)).await;
                     r
                 }
@@ -141,13 +150,17 @@ where
     let a = std::thread::spawn(move || {
         node(A, a_cuda)
             .run(move |node: Node| {
-                let (addr, on_a, done) = (addr_a.clone(), on_a.clone(), a_done.clone());
+                let (addr, on_a) = (addr_a.clone(), on_a.clone());
+                let (a_done, b_done) = (a_done.clone(), b_done_a.clone());
                 async move {
-                    // B stops serving once A is done, or has failed (a panic drops this too).
-                    let _done = Done(done);
-                    wait_for(|| addr.get().is_some()).await;
-                    let b = node.connect(*addr.get().unwrap()).await.expect("connect");
-                    on_a(node, b).await
+                    let r = {
+                        let _done = Done(a_done);
+                        wait_for(|| addr.get().is_some()).await;
+                        let b = node.connect(*addr.get().unwrap()).await.expect("connect");
+                        on_a(node, b).await
+                    };
+                    wait_for(|| b_done.load(Ordering::Acquire)).await;
+                    r
                 }
             })
             .expect("node A")
@@ -186,7 +199,7 @@ fn land(node: &Node, msg: AmMsg) {
     .detach();
 }
 
-/// Sets its flag when dropped: node A's end, however it ends.
+/// Sets its flag when dropped: one node's end of a [`pair`], however it ends.
 struct Done(Arc<AtomicBool>);
 
 impl Drop for Done {
