@@ -14,9 +14,10 @@
 //! **Staged through host memory, by the runtime.** The device buffer is sent with
 //! [`Peer::am_send_device`](shardcx::Peer::am_send_device), which stages its bytes to host
 //! memory through the shard's pinned bounce buffers (chunks of 2 MiB, the device copies' events
-//! polled, never waited on) and sends them as any active message; the reply's payload lands in
-//! a device buffer with [`Node::copy_to_device`] (the same pipeline the other way), and is read
-//! back with [`Node::copy_from_device`] to be checked. It is correct in every CUDA mode (UCX
+//! polled, never waited on) and sends them as any active message; the client's reply handler
+//! chooses a device buffer for the reply's payload and lands it there with
+//! [`AmMsg::into_device`] (the same pipeline the other way, from where the payload arrived),
+//! and the buffer is read back with [`Node::copy_from_device`] to be checked. It is correct in every CUDA mode (UCX
 //! never sees a device pointer); a zero-copy send, UCX reading device memory itself where its
 //! CUDA transports are loaded, is not there yet.
 //!
@@ -34,7 +35,7 @@ use std::time::{Duration, Instant};
 use glommio::channels::local_channel::{self, LocalSender};
 use glommio::timer::sleep;
 use shardcx::cuda::ModeRequest;
-use shardcx::{AmId, AmMsg, DeviceBuffer, Node, NodeId, OwnedAmMsg};
+use shardcx::{AmId, AmMsg, DeviceAmMsg, DeviceBuffer, Node, NodeId};
 
 #[path = "common/cli.rs"]
 mod cli;
@@ -108,8 +109,18 @@ fn serve(
 }
 
 thread_local! {
-    /// Replies for the client loop.
-    static REPLIES: RefCell<Option<LocalSender<OwnedAmMsg>>> = const { RefCell::new(None) };
+    /// Replies for the client loop, landed in device memory (or why they could not be).
+    static REPLIES: RefCell<Option<LocalSender<Result<DeviceAmMsg, String>>>> =
+        const { RefCell::new(None) };
+}
+
+/// Hands a reply to the client loop.
+fn send_reply(reply: Result<DeviceAmMsg, String>) {
+    REPLIES.with(|r| {
+        if let Some(tx) = r.borrow().as_ref() {
+            let _ = tx.try_send(reply);
+        }
+    });
 }
 
 /// Bytes that say where they are and which round they belong to.
@@ -124,13 +135,21 @@ fn client(args: &Args, addr: SocketAddr) -> Vec<String> {
     let (sizes, rounds) = (args.sizes.clone(), args.rounds);
     let mut out = node(&args.tls, 1)
         .on_am(REPLY, || {
-            |_node: &Node, msg: AmMsg| {
-                let msg = msg.into_owned();
-                REPLIES.with(|r| {
-                    if let Some(tx) = r.borrow().as_ref() {
-                        let _ = tx.try_send(msg);
+            |node: &Node, msg: AmMsg| {
+                // Device buffer back: the handler chooses where the reply's payload lands.
+                let landing = match node.shard_ctx().cuda().alloc(msg.payload().len()) {
+                    Ok(back) => Some(msg.into_device(back)),
+                    Err(e) => {
+                        send_reply(Err(format!("no device buffer for the reply: {e}")));
+                        None
                     }
-                });
+                };
+                if let Some(landing) = landing {
+                    glommio::spawn_local(async move {
+                        send_reply(landing.await.map_err(|(e, _)| e.to_string()));
+                    })
+                    .detach();
+                }
             }
         })
         .run(move |node: Node| {
@@ -166,14 +185,12 @@ fn client(args: &Args, addr: SocketAddr) -> Vec<String> {
                         })
                         .await
                         .expect("no reply within 10 s");
+                        let mut reply = reply.expect("the reply in device memory");
                         assert_eq!(reply.header(), &header[..], "reply header");
-                        // Device buffer back: the reply landed in a fresh buffer, read back.
-                        let mut back: DeviceBuffer = cuda.alloc(len).expect("device buffer");
-                        node.copy_to_device(reply.payload(), &mut back)
-                            .await
-                            .expect("reply to the device");
+                        // Device buffer back: the reply's payload, landed by the handler.
+                        let back: &mut DeviceBuffer = reply.payload();
                         let mut got = vec![0u8; len];
-                        node.copy_from_device(&mut back, &mut got)
+                        node.copy_from_device(back, &mut got)
                             .await
                             .expect("device to host");
                         assert!(got == want, "{len} B, round {round}: the echo differs");
