@@ -1139,8 +1139,8 @@ impl AmMsg {
     }
 
     /// Lands the payload in device buffer `dst`, which the handler chose (of the payload's
-    /// length, on the receiving shard's device), and returns the future of that landing: it
-    /// owns the message and `dst`, so the handler may spawn it
+    /// length, on the receiving shard's device). The future owns the message and `dst` (it is
+    /// `'static`), so the handler may spawn it
     /// (`glommio::spawn_local(msg.into_device(dst))`), and resolves once the device holds the
     /// payload, with the message's header and `dst` ([`DeviceAmMsg`]).
     ///
@@ -1152,25 +1152,23 @@ impl AmMsg {
     ///
     /// Errors, with `dst` handed back: [`Error::Cuda`] (no CUDA on this shard, and why; a
     /// buffer on another device; a length other than the payload's; the driver's error).
-    pub fn into_device(
+    pub async fn into_device(
         self,
         mut dst: crate::DeviceBuffer,
-    ) -> impl Future<Output = Result<DeviceAmMsg, (Error, crate::DeviceBuffer)>> + 'static {
-        async move {
-            let landed = self
-                .ctx
-                .cuda()
-                .host_to_device(self.frame.payload(), &mut dst)
-                .await;
-            match landed {
-                Ok(()) => Ok(DeviceAmMsg {
-                    from: self.from,
-                    id: self.id,
-                    header: self.frame.user_header().to_vec(),
-                    payload: dst,
-                }),
-                Err(e) => Err((e.into(), dst)),
-            }
+    ) -> Result<DeviceAmMsg, (Error, crate::DeviceBuffer)> {
+        let landed = self
+            .ctx
+            .cuda()
+            .host_to_device(self.frame.payload(), &mut dst)
+            .await;
+        match landed {
+            Ok(()) => Ok(DeviceAmMsg {
+                from: self.from,
+                id: self.id,
+                header: self.frame.user_header().to_vec(),
+                payload: dst,
+            }),
+            Err(e) => Err((e.into(), dst)),
         }
     }
 
