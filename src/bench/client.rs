@@ -120,10 +120,7 @@ struct Gate {
 struct Waits {
     /// Control answers ([`REGION_REPLY`]), copied out of UCX's buffer.
     control: RefCell<VecDeque<OwnedAmMsg>>,
-    /// Set while a device-memory `am-lat` runs: echoes are queued in `echoes` for its task
-    /// instead of driving the ping-pong.
-    device_echo: Cell<bool>,
-    /// Echoes kept for the device-memory `am-lat` task.
+    /// Echoes kept for the device-memory `am-lat` task (see `device::on_echo_reply`).
     echoes: RefCell<VecDeque<OwnedAmMsg>>,
     /// The `am-lat` ping-pong, while it runs (and until the task takes its figures).
     pingpong: RefCell<Option<PingPong>>,
@@ -267,10 +264,16 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
     if plan.iter().any(|(t, _)| *t == Test::PutTrustedBw) {
         b = b.trusted_rma();
     }
+    let memory = cfg.memory;
     b = b
-        .on_am_view(ECHO_REPLY, || {
+        .on_am_view(ECHO_REPLY, move || {
             let w = WAITS.with(Rc::clone);
-            move |node: &Node, msg: &AmView<'_>| on_echo_reply(&w, node, msg)
+            // With device memory, the `am-lat` task lands each echo (see `device`).
+            let on_echo = match memory {
+                Memory::Host => on_echo_reply,
+                Memory::Cuda => device::on_echo_reply,
+            };
+            move |node: &Node, msg: &AmView<'_>| on_echo(&w, node, msg)
         })
         .on_am_view(ACK, || {
             let w = WAITS.with(Rc::clone);
@@ -371,17 +374,6 @@ fn for_this_shard(node: &Node, msg: &AmView<'_>) -> Result<u64, String> {
 fn on_echo_reply(w: &Waits, node: &Node, msg: &AmView<'_>) {
     let now = Instant::now();
     w.answered.set(w.answered.get() + 1);
-    if w.device_echo.get() {
-        // The device-memory `am-lat`: its task lands the payload (see `device`).
-        match for_this_shard(node, msg) {
-            Ok(_) => {
-                w.echoes.borrow_mut().push_back(msg.to_owned());
-                w.wake();
-            }
-            Err(e) => w.fail(e),
-        }
-        return;
-    }
     let mut slot = w.pingpong.borrow_mut();
     let Some(p) = slot.as_mut().filter(|p| !p.done) else {
         drop(slot);
@@ -583,7 +575,6 @@ impl Waits {
     /// Back to the start (a shard thread may have served an earlier run).
     fn reset(&self) {
         self.control.borrow_mut().clear();
-        self.device_echo.set(false);
         self.echoes.borrow_mut().clear();
         self.pingpong.borrow_mut().take();
         self.acked.set(0);

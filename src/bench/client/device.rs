@@ -17,10 +17,10 @@ use glommio::sync::Semaphore;
 use shardcx_shards::RemoteRegion;
 
 use super::{
-    echoed, header, parse_header, pattern, BenchError, Budget, Figures, Progress, RmaOp, RpcEcho,
-    Session, Test, CONTENT_CHECK_EVERY, DEADLINE, ECHO, FLAG_ACK, SINK,
+    echoed, for_this_shard, header, parse_header, pattern, BenchError, Budget, Figures, Progress,
+    RmaOp, RpcEcho, Session, Test, Waits, CONTENT_CHECK_EVERY, DEADLINE, ECHO, FLAG_ACK, SINK,
 };
-use crate::{CudaError, DeviceBuffer, Node, Peer};
+use crate::{AmView, CudaError, DeviceBuffer, Node, Peer};
 
 /// The state of one task of a windowed device test: its device buffer and the host bytes
 /// staged from it (a put) or landed into it (a get).
@@ -91,7 +91,6 @@ impl Session {
         let mut src = self.device_source(&want)?;
         let mut dst = self.device_buffer(size)?;
         let waits = &self.waits;
-        waits.device_echo.set(true);
         let round_trip = async || {
             let seq = self.next_seq();
             self.target
@@ -126,7 +125,6 @@ impl Session {
         let r = self
             .measure(size, budget, warmup, 1, progress, round_trip)
             .await;
-        waits.device_echo.set(false);
         waits.echoes.borrow_mut().clear();
         let figures = r?;
         holds(&mut dst, &want, "the last echo")?;
@@ -295,6 +293,19 @@ fn holds(dev: &mut DeviceBuffer, want: &[u8], what: &str) -> Result<(), BenchErr
             got.len(),
             want.len()
         )))
+    }
+}
+
+/// The client's handler of [`ECHO_REPLY`](crate::bench::ECHO_REPLY) with device memory: the echo is kept for the
+/// `am-lat` task, which lands its payload ([`Session::device_am_lat`]).
+pub(super) fn on_echo_reply(w: &Waits, node: &Node, msg: &AmView<'_>) {
+    w.answered.set(w.answered.get() + 1);
+    match for_this_shard(node, msg) {
+        Ok(_) => {
+            w.echoes.borrow_mut().push_back(msg.to_owned());
+            w.wake();
+        }
+        Err(e) => w.fail(e),
     }
 }
 
