@@ -17,8 +17,10 @@
 //!
 //! [`ShardCuda::device_to_host`] and [`ShardCuda::host_to_device`] move a device buffer's bytes
 //! to or from host memory the way the staging path does: in chunks of
-//! [`StagingConfig::chunk`] through the shard's pinned bounce buffers (allocated once, on first
-//! use, and kept; copies that run at once get a set each), several chunks in flight, the device copies queued on the shard's stream and
+//! [`StagingConfig::chunk`] through the shard's pinned bounce buffers (allocated on first use
+//! and kept: a set of [`StagingConfig::bounce_buffers`]; a copy takes as many as it has chunks,
+//! up to a set, so that short copies running at once share the set, and a buffer is allocated
+//! only when the kept ones are all taken), several chunks in flight, the device copies queued on the shard's stream and
 //! their events polled between yields to the shard's other tasks (the progress driver among
 //! them), never waited on. They are what a device buffer sent as an active message
 //! (`Peer::am_send_device` in `shardcx`) and a payload landed in device memory go through, in
@@ -29,6 +31,7 @@ pub use crate::ucx::cuda::{
     DeviceInfo, DriverInfo, ModeRequest, PendingCopy, PinnedBuf, Unavailable, CUDA_MODE_ENV,
 };
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::proto::staging::{
@@ -45,6 +48,8 @@ pub struct ShardCuda {
     /// The staged copies' bounce buffers while no copy runs (see "Staged copies on a shard").
     /// A mutex (never contended: one shard's thread) keeps `ShardCuda` `Sync`.
     bounce: Mutex<Vec<PinnedBuf>>,
+    /// Bounce buffers allocated so far ([`ShardCuda::bounce_allocations`]).
+    bounce_allocations: AtomicU64,
 }
 
 /// The staging pipeline's [`CopyEngine`] on a GPU: copies between one [`DeviceBuffer`] and a set
@@ -209,6 +214,7 @@ impl ShardCuda {
             probe,
             device,
             bounce: Mutex::new(Vec::new()),
+            bounce_allocations: AtomicU64::new(0),
         })
     }
 
@@ -216,6 +222,12 @@ impl ShardCuda {
     /// bounce buffers: 8 MiB of pinned memory per shard, allocated on first use).
     pub fn staging_config(&self) -> StagingConfig {
         StagingConfig::default()
+    }
+
+    /// Pinned bounce buffers this shard has allocated so far (`cuMemHostAlloc` of a chunk
+    /// each): a set, once, while copies do not run at once (see "Staged copies on a shard").
+    pub fn bounce_allocations(&self) -> u64 {
+        self.bounce_allocations.load(Ordering::Relaxed)
     }
 
     /// Copies the whole of `src` into `dst` (of the same length) through the shard's bounce
@@ -267,8 +279,15 @@ impl ShardCuda {
         device: &mut DeviceBuffer,
         mut host: impl FnMut(crate::proto::staging::Chunk, &mut PinnedBuf),
     ) -> Result<(), StagingCopyError> {
-        let cfg = self.staging_config();
+        let set = self.staging_config();
         let len = device.len() as u64;
+        // No more chunks are in flight than the transfer has: it takes no more bounce buffers
+        // (at least one), and short copies running at once share the kept set.
+        let chunks = usize::try_from(len.div_ceil(set.chunk as u64)).unwrap_or(usize::MAX);
+        let cfg = StagingConfig {
+            bounce_buffers: set.bounce_buffers.min(chunks.max(1)),
+            ..set
+        };
         let bounce = self.take_bounce(device, cfg)?;
         let mut engine = CudaCopyEngine::new(device, bounce);
         let result = async {
@@ -318,12 +337,12 @@ impl ShardCuda {
             back.extend(engine.take(BufferId(i)));
         }
         drop(engine);
-        self.give_back(back, cfg);
+        self.give_back(back);
         result
     }
 
-    /// This shard's bounce buffers (allocated up to `cfg`'s count and size on first use), or
-    /// why there are none.
+    /// `cfg`'s count of this shard's bounce buffers (kept ones first, then new ones of `cfg`'s
+    /// chunk size), or why there are none.
     fn take_bounce(
         &self,
         device: &DeviceBuffer,
@@ -338,7 +357,8 @@ impl ShardCuda {
                 shard: shard_device.ordinal(),
             });
         }
-        // Copies running at once on this shard each get their own set: the cache holds one.
+        // Copies running at once on this shard each get buffers of their own: the cache holds
+        // one set.
         let mut bufs: Vec<PinnedBuf> = {
             let mut cache = self.cache();
             let n = cache.len().min(cfg.bounce_buffers);
@@ -346,9 +366,12 @@ impl ShardCuda {
         };
         while bufs.len() < cfg.bounce_buffers {
             match PinnedBuf::alloc(shard_device, cfg.chunk) {
-                Ok(b) => bufs.push(b),
+                Ok(b) => {
+                    self.bounce_allocations.fetch_add(1, Ordering::Relaxed);
+                    bufs.push(b);
+                }
                 Err(e) => {
-                    self.give_back(bufs, cfg);
+                    self.give_back(bufs);
                     return Err(e.into());
                 }
             }
@@ -363,10 +386,11 @@ impl ShardCuda {
     }
 
     /// Keeps bounce buffers for the next copy, up to one set; frees the rest.
-    fn give_back(&self, bufs: Vec<PinnedBuf>, cfg: StagingConfig) {
+    fn give_back(&self, bufs: Vec<PinnedBuf>) {
+        let keep = self.staging_config().bounce_buffers;
         let mut cache = self.cache();
         for b in bufs {
-            if cache.len() < cfg.bounce_buffers {
+            if cache.len() < keep {
                 cache.push(b);
             }
         }

@@ -226,6 +226,74 @@ fn staged_copies_on_a_shard() {
     }
 }
 
+/// Short staged copies running at once on a shard share its kept bounce buffers: each takes
+/// as many as it has chunks (one here), so after the first round no buffer is allocated again;
+/// a long copy (three chunks) takes three of the kept four; more copies at once than kept
+/// buffers allocate only what is missing, and the shard keeps one set. Every copy's bytes are
+/// checked. Needs a GPU (or the fake driver).
+#[test]
+fn short_copies_at_once_share_the_kept_bounce_buffers() {
+    if !driver().is_ok_and(|d| !d.devices.is_empty()) {
+        eprintln!("skipped: no CUDA device ({:?})", driver().err());
+        return;
+    }
+    let out = builder(ModeRequest::Staging)
+        .shard_count(1)
+        .run(|ctx: Rc<ShardCtx>| async move {
+            let cuda = ctx.cuda();
+            let set = cuda.staging_config().bounce_buffers as u64;
+            // `n` copies of `len` bytes at once, each checked; the allocations after them.
+            let at_once = |n: usize, len: usize| async move {
+                let mut bufs: Vec<DeviceBuffer> =
+                    (0..n).map(|_| cuda.alloc(len).unwrap()).collect();
+                let data: Vec<Vec<u8>> = (0..n).map(|k| vec![k as u8 ^ 0x5A; len]).collect();
+                let copies: Vec<_> = bufs
+                    .iter_mut()
+                    .zip(&data)
+                    .map(|(b, d)| Box::pin(cuda.host_to_device(d, b)))
+                    .collect();
+                for r in join(copies).await {
+                    r.unwrap();
+                }
+                for (b, d) in bufs.iter_mut().zip(&data) {
+                    assert!(b.to_vec().unwrap() == *d, "a copy of {len} bytes differs");
+                }
+                cuda.bounce_allocations()
+            };
+            let first = at_once(set as usize, 1000).await;
+            let again = at_once(set as usize, 1000).await;
+            let long = at_once(1, (5 << 20) + 1).await;
+            let more = at_once(2 * set as usize, 1000).await;
+            let after = at_once(set as usize, 1000).await;
+            (set, first, again, long, more, after)
+        })
+        .expect("the shard starts");
+    let (set, first, again, long, more, after) = out[0];
+    assert_eq!((first, again, long), (set, set, set), "{out:?}");
+    assert_eq!((more, after), (2 * set, 2 * set), "{out:?}");
+}
+
+/// Polls `futures` together on this task until every one is ready; their outputs in order.
+async fn join<F: std::future::Future + Unpin>(mut futures: Vec<F>) -> Vec<F::Output> {
+    let mut out: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        for (f, slot) in futures.iter_mut().zip(out.iter_mut()) {
+            if slot.is_none() {
+                if let std::task::Poll::Ready(v) = std::pin::Pin::new(f).poll(cx) {
+                    *slot = Some(v);
+                }
+            }
+        }
+        if out.iter().all(Option::is_some) {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
+}
+
 /// Runs the other tests again against the fake driver (see the module docs).
 #[test]
 fn gpu_branches_against_a_fake_driver() {
@@ -245,5 +313,5 @@ fn gpu_branches_against_a_fake_driver() {
         "against the fake driver:\n{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(text.contains("test result: ok. 4 passed"), "{text}");
+    assert!(text.contains("test result: ok. 5 passed"), "{text}");
 }
