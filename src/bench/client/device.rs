@@ -10,6 +10,7 @@
 //! tasks: they take turns on the copy, and their network operations overlap): the shard keeps
 //! one set of bounce buffers, and more copies at once than it has buffers would each allocate
 //! pinned memory of their own (slow on a GPU) and free it after.
+//!
 //! Every test checks at its end that the device buffers hold the bytes they should.
 
 use std::rc::Rc;
