@@ -586,6 +586,14 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         (&["bench", "--cores", "999"][..], "not available"),
         (&["bench", "--transport", "rdma"][..], "unknown transport"),
         (
+            &["bench", "--memory", "gpu"][..],
+            "unknown memory \"gpu\" (host, cuda)",
+        ),
+        (
+            &["bench", "--memory", "cuda", "--vs-perftest"][..],
+            "--vs-perftest: compares host memory only",
+        ),
+        (
             &["bench", "--test", "allreduce", "--connect", "127.0.0.1:1"][..],
             "run both of their nodes in this process",
         ),
