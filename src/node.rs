@@ -268,6 +268,12 @@ thread_local! {
         const { RefCell::new(None) };
 }
 
+/// The shard running on this thread, without its node state: one weak reference upgraded
+/// instead of [`Node::current`]'s two (the sends that need nothing else).
+fn current_ctx() -> Option<Rc<ShardCtx>> {
+    CURRENT.with(|c| c.borrow().as_ref()?.0.upgrade())
+}
+
 impl Node {
     /// A builder with the defaults of [`ShardsBuilder::new`] (one pinned shard per CPU) and
     /// [`DEFAULT_DEADLINE`].
@@ -938,8 +944,8 @@ impl Peer {
     /// peer, [`shardcx_shards::NetError::OtherShard`] when another local shard holds the rail
     /// to the shard this peer names).
     pub fn am_send_now(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
-        let node = Node::current().ok_or(Error::NotOnShard)?;
-        send_now(&node.ctx, self.dest(), id, header, payload)
+        let ctx = current_ctx().ok_or(Error::NotOnShard)?;
+        send_now(&ctx, self.dest(), id, header, payload)
     }
 
     /// Sends active message `id` at once from the calling shard, like [`Peer::am_send_now`],
@@ -954,11 +960,11 @@ impl Peer {
         header: &[u8],
         buf: impl Into<crate::SendBuf>,
     ) -> Result<(), Error> {
-        let node = Node::current().ok_or(Error::NotOnShard)?;
+        let ctx = current_ctx().ok_or(Error::NotOnShard)?;
         if header.len() > MAX_AM_HEADER {
             return Err(Error::HeaderTooLarge { len: header.len() });
         }
-        match node.ctx.send_am_buf_now(self.dest(), id, header, buf) {
+        match ctx.send_am_buf_now(self.dest(), id, header, buf) {
             Err(NetError::HeaderTooLarge { len, .. }) => Err(Error::HeaderTooLarge { len }),
             other => Ok(other?),
         }

@@ -406,10 +406,9 @@ fn on_echo_reply(w: &Waits, node: &Node, msg: &AmView<'_>) {
     }
     p.seq += 1;
     p.sent = now;
-    if let Err(e) = p
-        .target
-        .am_send_now(ECHO, &header(p.me, p.seq, 0), &p.payload)
-    {
+    // The next ping goes back on the rail the echo came in on (the target's), as an answer
+    // from the handler: no look-up of the current shard.
+    if let Err(e) = msg.reply(ECHO, &header(p.me, p.seq, 0), &p.payload) {
         p.done = true;
         let e = format!("echo ping #{}: {e}", p.seq);
         drop(slot);
@@ -643,6 +642,19 @@ impl PingPong {
         let seq = for_this_shard(node, msg)?;
         if seq != self.seq {
             return Err(format!("echo #{seq} when #{} was expected", self.seq));
+        }
+        // The next ping answers this echo on its rail: it must be the target's.
+        let from = msg.from();
+        if from.node_id() != self.target.node_id()
+            || self
+                .target
+                .target_shard()
+                .is_some_and(|j| from.target_shard() != Some(j))
+        {
+            return Err(format!(
+                "echo #{seq} from {from:?}, pinged {:?}",
+                self.target
+            ));
         }
         let got = msg.payload();
         if got.len() != self.payload.len() {
