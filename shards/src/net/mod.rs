@@ -740,6 +740,9 @@ pub(crate) struct NetState {
     /// The listener's accept loop (shard 0 of a listening node), until it stops accepting.
     acceptor: RefCell<Option<Task<()>>>,
     live_senders: Rc<Cell<usize>>,
+    /// Rendezvous sends whose data the peer has not pulled yet (counted by the rail's sender
+    /// while it awaits their completion): a shutdown closes no rail under them.
+    rndv_in_flight: Rc<Cell<usize>>,
     /// When the net task's timer fires ([`Timestamp::MAX`]: no timer armed). A deadline due
     /// earlier wakes the net task to re-arm it ([`NetState::rearm`]).
     timer_at: Cell<Timestamp>,
@@ -915,6 +918,11 @@ impl<T> Queue<T> {
         !self.closed.get() && self.items.borrow().is_empty()
     }
 
+    /// Whether the queue holds items (open or closed).
+    pub(crate) fn has_items(&self) -> bool {
+        !self.items.borrow().is_empty()
+    }
+
     pub(crate) fn try_next(&self) -> Option<T> {
         self.items.borrow_mut().pop_front()
     }
@@ -999,6 +1007,7 @@ impl NetState {
             acceptor: RefCell::new(None),
             lost_hooks: RefCell::new(Vec::new()),
             live_senders: Rc::new(Cell::new(0)),
+            rndv_in_flight: Rc::new(Cell::new(0)),
             timer_at: Cell::new(Timestamp::MAX),
             timer_waker: RefCell::new(None),
             rearm_asked: Cell::new(false),
@@ -1082,15 +1091,18 @@ pub(crate) async fn listen(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
     bootstrap::listen(ctx).await
 }
 
-/// Stops accepting, waits (at most `drain`) for the requests this shard sent to be answered,
-/// then closes every connection (sending `Close` where a session is up), fails what is still
-/// pending with [`NetError::ShuttingDown`], lets the sender tasks flush within the linger time,
-/// and stops the net task.
+/// Stops accepting, waits (at most `drain`) for the requests this shard sent to be answered
+/// and for the data of its rendezvous sends to be pulled (a `Close` behind a rendezvous frame
+/// reached the peer before it had pulled the data, which was then lost: a node that ended right
+/// after a large send lost about one such send in thirty over shared memory), then closes every
+/// connection (sending `Close` where a session is up), fails what is still pending with
+/// [`NetError::ShuttingDown`], lets the sender tasks flush within the linger time, and stops
+/// the net task.
 pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>, drain: Duration) {
     ctx.stop_accepting().await;
     let net = ctx.net();
     let until = Instant::now() + drain;
-    while !net.pending.borrow().is_empty() && Instant::now() < until {
+    while (!net.pending.borrow().is_empty() || sends_unfinished(net)) && Instant::now() < until {
         sleep(DRAIN_POLL).await;
     }
     let unanswered = net.pending.borrow().len();
@@ -1119,6 +1131,17 @@ pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>, drain: Duration) {
     for t in tasks {
         t.cancel().await;
     }
+}
+
+/// Whether a rendezvous send of this shard's is still waiting for its data to be pulled, or a
+/// rail of its still holds frames queued for its sender (which may be rendezvous ones).
+fn sends_unfinished(net: &NetState) -> bool {
+    net.rndv_in_flight.get() > 0
+        || net
+            .peers
+            .borrow()
+            .values()
+            .any(|p| p.rails.iter().any(|r| r.out.has_items()))
 }
 
 impl ShardCtx {

@@ -512,6 +512,11 @@ pub(super) async fn sender(
                 let live = live.clone();
                 let backlog = backlog.clone();
                 live.set(live.get() + 1);
+                // Counted until the peer has pulled the data (see `super::shutdown`).
+                let pulling = ctx.upgrade().map(|c| c.net().rndv_in_flight.clone());
+                if let Some(n) = &pulling {
+                    n.set(n.get() + 1);
+                }
                 glommio::spawn_local(async move {
                     // Dropping the send on timeout cancels it; UCX keeps the buffer parked
                     // until it lets go of it.
@@ -533,6 +538,9 @@ pub(super) async fn sender(
                                 });
                             c.wake_driver();
                         }
+                    }
+                    if let Some(n) = pulling {
+                        n.set(n.get() - 1);
                     }
                     live.set(live.get() - 1);
                 })
