@@ -918,6 +918,10 @@ impl Peer {
         buf: &mut crate::DeviceBuffer,
     ) -> Result<(), Error> {
         let node = Node::current().ok_or(Error::NotOnShard)?;
+        // Refused before anything is staged.
+        if header.len() > MAX_AM_HEADER {
+            return Err(Error::HeaderTooLarge { len: header.len() });
+        }
         let staged = node.device_to_vec(buf).await?;
         let timeout = node.shared.deadline;
         self.send_on(&node, id, header, &staged, timeout).await
@@ -1152,7 +1156,8 @@ impl AmMsg {
     ///
     /// Staged, in every CUDA mode: the payload stays where it arrived (a rendezvous payload in
     /// a block of the shard's registered pool or its receive cache, an eager one in UCX's
-    /// buffer), held until the copy is done, and is copied to the device through the shard's
+    /// descriptor or, for a short message, in the shard's reused inline buffer), held until
+    /// the copy is done, and is copied to the device through the shard's
     /// pinned bounce buffers on its stream ([`Node::copy_to_device`]), the copies' events
     /// polled between yields, never waited on. UCX never sees the device pointer.
     ///

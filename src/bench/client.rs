@@ -264,17 +264,19 @@ pub fn run(cfg: &ClientConfig) -> Result<Vec<Measurement>, BenchError> {
     if plan.iter().any(|(t, _)| *t == Test::PutTrustedBw) {
         b = b.trusted_rma();
     }
-    let memory = cfg.memory;
-    b = b
-        .on_am_view(ECHO_REPLY, move || {
+    // Chosen here, not per echo: the host handler is the measured loop of `am-lat`. With
+    // device memory, the `am-lat` task lands each echo (see `device`).
+    b = match cfg.memory {
+        Memory::Host => b.on_am_view(ECHO_REPLY, || {
             let w = WAITS.with(Rc::clone);
-            // With device memory, the `am-lat` task lands each echo (see `device`).
-            let on_echo = match memory {
-                Memory::Host => on_echo_reply,
-                Memory::Cuda => device::on_echo_reply,
-            };
-            move |node: &Node, msg: &AmView<'_>| on_echo(&w, node, msg)
-        })
+            move |node: &Node, msg: &AmView<'_>| on_echo_reply(&w, node, msg)
+        }),
+        Memory::Cuda => b.on_am_view(ECHO_REPLY, || {
+            let w = WAITS.with(Rc::clone);
+            move |node: &Node, msg: &AmView<'_>| device::on_echo_reply(&w, node, msg)
+        }),
+    };
+    b = b
         .on_am_view(ACK, || {
             let w = WAITS.with(Rc::clone);
             move |node: &Node, msg: &AmView<'_>| on_ack(&w, node, msg)
