@@ -72,7 +72,20 @@ fn garbage_tcp_connections_leak_no_fds() {
         start.elapsed()
     );
     assert!(back, "fds {before} before, {after} 10 s after the garbage");
-    let dir = fetch_directory_blocking(node.addr, Duration::from_secs(5)).expect("directory");
+    // Garbage connections still in the listener's backlog (not accepted yet, so not in the fd
+    // count) take half-open places from this address when accepted: a directory fetch from
+    // the same address in between is refused by the per-address cap (by design), so it is
+    // tried again while the last of them are served (seen once in a full run: reset at once).
+    let until = Instant::now() + Duration::from_secs(5);
+    let dir = loop {
+        match fetch_directory_blocking(node.addr, Duration::from_secs(5)) {
+            Err(e) if Instant::now() < until => {
+                eprintln!("directory fetch refused ({e}), trying again");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            other => break other.expect("directory"),
+        }
+    };
     assert_eq!(dir.shard_count(), 2);
     // Some leaks show only once the connections are gone for a while.
     std::thread::sleep(Duration::from_millis(500));
