@@ -7,9 +7,10 @@
 //! same either way.
 //!
 //! The staged copies of one shard run one at a time (`put-bw` and `get-bw` have a window of
-//! tasks: they take turns on the copy, and their network operations overlap): the shard keeps
-//! one set of bounce buffers, and more copies at once than it has buffers would each allocate
-//! pinned memory of their own (slow on a GPU) and free it after.
+//! tasks: they take turns on the copy, and their network operations overlap): a copy takes as
+//! many of the shard's kept bounce buffers as it has chunks, and copies at once that need more
+//! than the kept set would allocate pinned memory beyond it (slow on a GPU) and free it after;
+//! with a window wider than the kept set, taking turns avoids that.
 //!
 //! Every test checks at its end that the device buffers hold the bytes they should.
 
