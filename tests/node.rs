@@ -958,6 +958,37 @@ async fn wait_go(rx: &Mutex<mpsc::Receiver<()>>) {
     }
 }
 
+/// Runs `builder` (a listening node) in a thread of its own until the returned flag is set,
+/// each shard then returning `report()`. Returns its address, the flag and the thread.
+fn serve_in_thread<R: Send + 'static>(
+    builder: NodeBuilder,
+    report: fn() -> R,
+) -> (SocketAddr, Arc<AtomicBool>, std::thread::JoinHandle<Vec<R>>) {
+    let (tx, rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let server = std::thread::spawn(move || {
+        builder
+            .listen("127.0.0.1:0".parse().unwrap())
+            .run(move |node: Node| {
+                let (tx, stop) = (tx.clone(), stop2.clone());
+                async move {
+                    if node.shard() == ShardId::new(0) {
+                        let _ = tx.send(node.listen_addr().unwrap());
+                    }
+                    let deadline = Instant::now() + LIMIT;
+                    while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
+                        sleep(Duration::from_millis(5)).await;
+                    }
+                    report()
+                }
+            })
+            .unwrap()
+    });
+    let addr = rx.recv_timeout(LIMIT).expect("server did not start");
+    (addr, stop, server)
+}
+
 const ECHO_VIEW: AmId = AmId::new(20);
 const ECHO_BACK: AmId = AmId::new(21);
 /// Payload sizes of the view test: in place (short), eager through a descriptor, rendezvous.
@@ -977,43 +1008,26 @@ thread_local! {
 fn view_handlers_read_in_place_answer_and_keep_copies() {
     const ROUNDS: u32 = 200;
     let _g = serial();
-    let (tx, rx) = mpsc::channel();
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = stop.clone();
-    let server = std::thread::spawn(move || {
-        node(40, KEY)
-            .listen("127.0.0.1:0".parse().unwrap())
-            .on_am_view(ECHO_VIEW, || {
-                |_: &Node, msg: &shardcx::AmView<'_>| {
-                    KEPT.with(|k| k.borrow_mut().push(msg.to_owned()));
-                    msg.reply(ECHO_BACK, msg.header(), msg.payload())
-                        .expect("an answer on the rail the message came in on");
-                }
+    let (addr, stop, server) = serve_in_thread(
+        node(40, KEY).on_am_view(ECHO_VIEW, || {
+            |_: &Node, msg: &shardcx::AmView<'_>| {
+                KEPT.with(|k| k.borrow_mut().push(msg.to_owned()));
+                msg.reply(ECHO_BACK, msg.header(), msg.payload())
+                    .expect("an answer on the rail the message came in on");
+            }
+        }),
+        // Every kept copy is still the message it was made from.
+        || {
+            KEPT.with(|k| {
+                let k = k.borrow();
+                let bad = k
+                    .iter()
+                    .filter(|m| m.payload() != view_payload(m.header()))
+                    .count();
+                (k.len(), bad)
             })
-            .run(move |node: Node| {
-                let (tx, stop) = (tx.clone(), stop2.clone());
-                async move {
-                    if node.shard() == ShardId::new(0) {
-                        let _ = tx.send(node.listen_addr().unwrap());
-                    }
-                    let deadline = Instant::now() + LIMIT;
-                    while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
-                        sleep(Duration::from_millis(5)).await;
-                    }
-                    // Every kept copy is still the message it was made from.
-                    KEPT.with(|k| {
-                        let k = k.borrow();
-                        let bad = k
-                            .iter()
-                            .filter(|m| m.payload() != view_payload(m.header()))
-                            .count();
-                        (k.len(), bad)
-                    })
-                }
-            })
-            .unwrap()
-    });
-    let addr = rx.recv_timeout(LIMIT).expect("server did not start");
+        },
+    );
     let echoed = within(move || {
         node(41, KEY)
             .on_am_view(ECHO_BACK, || {
@@ -1091,37 +1105,17 @@ thread_local! {
 fn a_node_that_ends_right_after_a_rendezvous_send_still_delivers_it() {
     const NODES: u64 = 60;
     let _g = serial();
-    let (tx, rx) = mpsc::channel();
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = stop.clone();
-    let server = std::thread::spawn(move || {
-        node(50, KEY)
-            .transports("sm,tcp")
-            .listen("127.0.0.1:0".parse().unwrap())
-            .on_am(LAST_WORDS, || {
-                |_: &Node, msg: AmMsg| {
-                    let p = msg.payload();
-                    if p.len() == LAST_SIZE && p.iter().enumerate().all(|(i, &b)| b == i as u8) {
-                        LAST_GOT.with(|c| c.set(c.get() + 1));
-                    }
+    let (addr, stop, server) = serve_in_thread(
+        node(50, KEY).transports("sm,tcp").on_am(LAST_WORDS, || {
+            |_: &Node, msg: AmMsg| {
+                let p = msg.payload();
+                if p.len() == LAST_SIZE && p.iter().enumerate().all(|(i, &b)| b == i as u8) {
+                    LAST_GOT.with(|c| c.set(c.get() + 1));
                 }
-            })
-            .run(move |node: Node| {
-                let (tx, stop) = (tx.clone(), stop2.clone());
-                async move {
-                    if node.shard() == ShardId::new(0) {
-                        let _ = tx.send(node.listen_addr().unwrap());
-                    }
-                    let deadline = Instant::now() + LIMIT;
-                    while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
-                        sleep(Duration::from_millis(5)).await;
-                    }
-                    LAST_GOT.with(Cell::get)
-                }
-            })
-            .unwrap()
-    });
-    let addr = rx.recv_timeout(LIMIT).expect("server did not start");
+            }
+        }),
+        || LAST_GOT.with(Cell::get),
+    );
     let payload: Arc<Vec<u8>> = Arc::new((0..LAST_SIZE).map(|i| i as u8).collect());
     for n in 0..NODES {
         let payload = payload.clone();
