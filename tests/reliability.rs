@@ -1783,8 +1783,9 @@ fn r12_remote_memory_attacks_are_refused_and_leave_memory_unchanged() {
 }
 
 /// R13: a 60 s soak at 1 % loss with the server killed (-9) and restarted every 15 s, eager and
-/// rendezvous load. The clients' fds and memory stay flat after warm-up, nothing is late,
-/// lost or duplicated, and the last server is back to baseline once the clients leave.
+/// rendezvous load. The clients' fds and memory stay flat after warm-up (the least of the
+/// samples over the last 7 s against a sample at 11 s), nothing is late, lost or duplicated,
+/// and the last server is back to baseline once the clients leave.
 #[test]
 fn r13_a_soak_with_restarts_and_loss_stays_flat() {
     let _g = serial();
@@ -1824,8 +1825,19 @@ fn r13_a_soak_with_restarts_and_loss_stays_flat() {
         std::thread::sleep(Duration::from_millis(300));
         server = lab.start_server();
     }
-    std::thread::sleep(Duration::from_secs(57).saturating_sub(start.elapsed()));
-    let (warm, end) = (warm.unwrap(), sample(&lab));
+    // The end figure is the least of samples taken every 250 ms from 50 s to 57 s: a leak stays
+    // in every one of them, while a rail the 1 % loss had declared dead and that is being
+    // connected again holds a few fds for a moment (CI: h2 at 22 -> 28 in one sample, taken as
+    // the server declared it dead at 57.4 s).
+    std::thread::sleep(Duration::from_secs(50).saturating_sub(start.elapsed()));
+    let mut end = sample(&lab);
+    while start.elapsed() < Duration::from_secs(57) {
+        std::thread::sleep(Duration::from_millis(250));
+        for (least, now) in end.iter_mut().zip(sample(&lab)) {
+            *least = ((least.0).min(now.0), (least.1).min(now.1));
+        }
+    }
+    let warm = warm.unwrap();
     lab.loss(0);
     for (k, (name, &i)) in ["h1", "h2"].iter().zip(&loads).enumerate() {
         let s = lab.summary(i, Duration::from_secs(60));
@@ -1849,6 +1861,7 @@ fn r13_a_soak_with_restarts_and_loss_stays_flat() {
             "{name}: {gap} ms without an answer (restarts are 300 ms): {}",
             s.0
         );
+        assert!(end[k].0 > 0, "{name} ended before its 60 s: {}", s.0);
         assert!(
             end[k].0 <= warm[k].0 + 2,
             "{name}: fds grew {} -> {}",
