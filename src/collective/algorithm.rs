@@ -453,14 +453,14 @@ async fn reduce_tree<T: Element, O: Operator<T> + ?Sized>(
 }
 
 /// All-reduce: hierarchical when the ranks span several nodes and some node has several of
-/// them (see [`node_blocks`] and the module docs), flat otherwise.
+/// them (see [`Group::node_blocks`] and the module docs), flat otherwise.
 pub(crate) async fn all_reduce<T: Element, O: Operator<T> + ?Sized>(
     g: &Group<'_>,
     data: Cow<'_, [T]>,
     o: &O,
 ) -> Result<Vec<T>, CollectiveError> {
     let (p, n) = (g.size(), data.len());
-    let blocks = node_blocks(g);
+    let blocks = g.node_blocks();
     let (nodes, k) = (blocks.len(), blocks[0].len());
     let contiguous = blocks.iter().flatten().copied().eq(0..p);
     if g.tuning().hierarchical() && nodes > 1 && nodes < p && (o.is_commutative() || contiguous) {
@@ -476,19 +476,6 @@ pub(crate) async fn all_reduce<T: Element, O: Operator<T> + ?Sized>(
         }
     }
     flat_all_reduce(g, data, o).await
-}
-
-/// The group's ranks by node (group ranks, ascending), nodes in the order of their lowest rank.
-fn node_blocks(g: &Group<'_>) -> Vec<Vec<usize>> {
-    let mut blocks: Vec<(shardcx_shards::proto::NodeId, Vec<usize>)> = Vec::new();
-    for i in 0..g.size() {
-        let node = g.node_of(i);
-        match blocks.iter_mut().find(|(n, _)| *n == node) {
-            Some((_, b)) => b.push(i),
-            None => blocks.push((node, vec![i])),
-        }
-    }
-    blocks.into_iter().map(|(_, b)| b).collect()
 }
 
 /// Hierarchical all-reduce through the leaders: each node's ranks reduce to the lowest of them

@@ -3,14 +3,17 @@
 
 use std::cell::Cell;
 use std::future::{poll_fn, Future};
+use std::pin::Pin;
 use std::rc::Rc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
 use shardcx_shards::proto::{NodeId, Rails, ShardId};
+use shardcx_shards::NetError;
 
 use super::algorithm::{Algorithm, Tuning};
+use super::deadline::Armed;
 use super::element::{decode_in_turns, encode_in_turns, encode_into_in_turns, Element};
 use super::error::{AbortCause, CollectiveError};
 use super::state::{self, Blocked, Bytes, Data, ShardState};
@@ -47,6 +50,8 @@ pub struct Communicator {
     state: Rc<ShardState>,
     id: u64,
     members: Rc<[Member]>,
+    /// Its ranks by node, made once (see [`NodeBlocks`]).
+    blocks: Rc<NodeBlocks>,
     rank: usize,
     next_seq: u64,
     tuning: Tuning,
@@ -66,6 +71,7 @@ pub(crate) struct Op {
     state: Rc<ShardState>,
     comm: u64,
     members: Rc<[Member]>,
+    blocks: Rc<NodeBlocks>,
     rank: usize,
     pub(crate) name: &'static str,
     seq: u64,
@@ -83,10 +89,37 @@ pub(crate) struct Op {
 /// operation never take each other's messages.
 pub(crate) struct Group<'a> {
     op: &'a Op,
-    ranks: Vec<usize>,
+    /// The operation ranks of the group's, in its order; `None` for all of them in rank order
+    /// ([`Group::all`], which every operation starts from: no vector to make).
+    ranks: Option<Vec<usize>>,
     me: usize,
     phase: u32,
 }
+
+/// Ranks `0..p` by node: each node's ranks ascending, nodes in the order of their lowest rank.
+/// A communicator's are made once, when it is, and lent to its operations: an 8-byte
+/// all-reduce spent a seventh of its instructions making them again per call.
+#[derive(Debug)]
+pub(crate) struct NodeBlocks(pub(crate) Vec<Vec<usize>>);
+
+impl NodeBlocks {
+    /// The blocks of the `p` ranks whose nodes `node_of` gives.
+    pub(crate) fn of(p: usize, node_of: impl Fn(usize) -> NodeId) -> NodeBlocks {
+        let mut blocks: Vec<(NodeId, Vec<usize>)> = Vec::new();
+        for i in 0..p {
+            let node = node_of(i);
+            match blocks.iter_mut().find(|(n, _)| *n == node) {
+                Some((_, b)) => b.push(i),
+                None => blocks.push((node, vec![i])),
+            }
+        }
+        NodeBlocks(blocks.into_iter().map(|(_, b)| b).collect())
+    }
+}
+
+/// Most bytes of a message [`Op::send_elems`] encodes on the stack (an 8-byte all-reduce's,
+/// a barrier's, a small vector's).
+const SMALL_SEND: usize = 256;
 
 /// Step bits below a group's phase.
 const GROUP_SHIFT: u32 = 28;
@@ -410,7 +443,9 @@ impl Communicator {
             OP,
         )?;
         let op = agree.begin(OP, timeout);
-        let (by, survivors) = op.run(agree_on_survivors(&op, self.born)).await?;
+        let (by, survivors) = op
+            .run(std::pin::pin!(agree_on_survivors(&op, self.born)))
+            .await?;
         drop(op);
         drop(agree);
         let rank =
@@ -503,11 +538,13 @@ impl Communicator {
             });
         }
         let born = state.epoch();
+        let blocks = Rc::new(NodeBlocks::of(members.len(), |i| members[i].node));
         Ok(Communicator {
             node,
             state,
             id,
             members,
+            blocks,
             rank,
             next_seq: 0,
             tuning: Tuning::default(),
@@ -527,6 +564,7 @@ impl Communicator {
             state: self.state.clone(),
             comm: self.id,
             members: self.members.clone(),
+            blocks: self.blocks.clone(),
             rank: self.rank,
             name,
             seq,
@@ -610,9 +648,13 @@ impl Op {
     /// Runs the operation's body within its deadline (at once `Aborted` or `Revoked` when
     /// another rank's abort is already here); on a failure of its own, revokes the
     /// communicator here and tells the other ranks.
+    ///
+    /// The body is lent pinned where the caller made it: taken by value, it would be moved
+    /// into this future and held twice in its state (the argument and the pinned local), and
+    /// a body's state is copied whole on every move.
     pub(crate) async fn run<T>(
         &self,
-        body: impl Future<Output = Result<T, CollectiveError>>,
+        body: Pin<&mut impl Future<Output = Result<T, CollectiveError>>>,
     ) -> Result<T, CollectiveError> {
         let aborted = self.state.aborted(self.comm, self.seq);
         let out = match (aborted, self.state.revoked(self.comm)) {
@@ -620,17 +662,31 @@ impl Op {
             (Some((by, cause)), _) => Err(self.aborted(by, cause)),
             (None, Some((by, cause))) => Err(self.revoked(by, cause)),
             (None, None) => {
-                // Pinned where it is: `or` then holds a reference, not a second copy of the
-                // body's (large) state.
-                let body = std::pin::pin!(body);
-                futures_lite::future::or(body, async {
-                    sleep(self.timeout).await;
-                    Err(CollectiveError::TimedOut {
-                        op: self.name,
-                        rank: self.rank,
-                        waiting_for: self.waiting_for.get(),
-                        after: self.timeout,
-                    })
+                // The deadline is registered when the body first waits (see `deadline`); a
+                // timeout too long for the clock is none.
+                let mut body = body;
+                let mut armed = None;
+                poll_fn(|cx| {
+                    if let Poll::Ready(out) = body.as_mut().poll(cx) {
+                        return Poll::Ready(out);
+                    }
+                    match &armed {
+                        Some(a) if Armed::expired(a, cx.waker()) => {
+                            return Poll::Ready(Err(CollectiveError::TimedOut {
+                                op: self.name,
+                                rank: self.rank,
+                                waiting_for: self.waiting_for.get(),
+                                after: self.timeout,
+                            }))
+                        }
+                        Some(_) => {}
+                        None => {
+                            armed = Instant::now()
+                                .checked_add(self.timeout)
+                                .map(|at| self.state.deadlines.arm(at, cx.waker()));
+                        }
+                    }
+                    Poll::Pending
                 })
                 .await
             }
@@ -768,6 +824,22 @@ impl Op {
     ) -> Result<(), CollectiveError> {
         let len = xs.len() * T::SIZE;
         let m = self.members[to];
+        if m.node != self.node.id() && len <= SMALL_SEND {
+            // Encoded on the stack and handed to UCX at once on this shard's rail (copied and
+            // queued behind the rail's frames when UCX cannot take it): no vector to allocate
+            // and free, no rail looked up twice. Another shard's rail, or one not up yet,
+            // takes the general path below.
+            let mut bytes = [0u8; SMALL_SEND];
+            T::write_all_le(xs, &mut bytes[..len]);
+            let h = self.header(Kind::Data, step, len);
+            match m
+                .peer()
+                .am_send_now(COLLECTIVE_AM, &h.encode(), &bytes[..len])
+            {
+                Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {}
+                sent => return sent.map_err(|e| self.failed(to, e)),
+            }
+        }
         let direct = m.node != self.node.id()
             && len > RNDV_OVER
             && len <= SEGMENT
@@ -811,7 +883,7 @@ impl<'a> Group<'a> {
     pub(crate) fn all(op: &'a Op) -> Group<'a> {
         Group {
             op,
-            ranks: (0..op.size()).collect(),
+            ranks: None,
             me: op.rank(),
             phase: 0,
         }
@@ -824,7 +896,7 @@ impl<'a> Group<'a> {
         let me = ranks.iter().position(|&r| r == op.rank())?;
         Some(Group {
             op,
-            ranks,
+            ranks: Some(ranks),
             me,
             phase,
         })
@@ -835,7 +907,21 @@ impl<'a> Group<'a> {
     }
 
     pub(crate) fn size(&self) -> usize {
-        self.ranks.len()
+        self.ranks.as_ref().map_or(self.op.size(), Vec::len)
+    }
+
+    /// The operation rank of group rank `i`.
+    fn op_rank(&self, i: usize) -> usize {
+        self.ranks.as_ref().map_or(i, |r| r[i])
+    }
+
+    /// The group's ranks by node (group ranks): the communicator's, made once, for the whole
+    /// operation; made here for a group of some of its ranks.
+    pub(crate) fn node_blocks(&self) -> std::borrow::Cow<'_, [Vec<usize>]> {
+        match &self.ranks {
+            None => std::borrow::Cow::Borrowed(&self.op.blocks.0),
+            Some(r) => std::borrow::Cow::Owned(NodeBlocks::of(r.len(), |i| self.node_of(i)).0),
+        }
     }
 
     /// The operation's thresholds.
@@ -850,7 +936,7 @@ impl<'a> Group<'a> {
 
     /// The node of group rank `i`.
     pub(crate) fn node_of(&self, i: usize) -> NodeId {
-        self.op.members()[self.ranks[i]].node
+        self.op.members()[self.op_rank(i)].node
     }
 
     /// The group of this group's ranks `ranks` (group ranks, in the new group's order), with
@@ -858,13 +944,13 @@ impl<'a> Group<'a> {
     /// from the whole operation only); `None` when this rank is not among them.
     pub(crate) fn sub(&self, ranks: Vec<usize>, phase: u32) -> Option<Group<'a>> {
         debug_assert!(self.phase == 0 && (1..16).contains(&phase));
-        let ranks: Vec<usize> = ranks.into_iter().map(|i| self.ranks[i]).collect();
+        let ranks: Vec<usize> = ranks.into_iter().map(|i| self.op_rank(i)).collect();
         Group::of(self.op, ranks, phase)
     }
 
     /// A message of the wrong shape from group rank `other`.
     pub(crate) fn mismatch(&self, other: usize, what: impl ToString) -> CollectiveError {
-        self.op.mismatch(self.ranks[other], what)
+        self.op.mismatch(self.op_rank(other), what)
     }
 
     /// This rank's result, `bytes`, as elements (a length that is not a whole number of them
@@ -893,12 +979,12 @@ impl<'a> Group<'a> {
         step: u32,
         data: Vec<u8>,
     ) -> Result<(), CollectiveError> {
-        self.op.send(self.ranks[to], self.step(step), data).await
+        self.op.send(self.op_rank(to), self.step(step), data).await
     }
 
     /// [`Op::recv`] from group rank `from`.
     pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Bytes, CollectiveError> {
-        self.op.recv(self.ranks[from], self.step(step)).await
+        self.op.recv(self.op_rank(from), self.step(step)).await
     }
 
     /// [`Op::send_elems`] to group rank `to`.
@@ -909,7 +995,7 @@ impl<'a> Group<'a> {
         xs: &[T],
     ) -> Result<(), CollectiveError> {
         self.op
-            .send_elems(self.ranks[to], self.step(step), xs)
+            .send_elems(self.op_rank(to), self.step(step), xs)
             .await
     }
 }
@@ -1061,12 +1147,37 @@ const ABORT_DEADLINE: Duration = Duration::from_secs(1);
 /// Sends message `h` with `data` to member `to` (see [`Op::send`]).
 async fn deliver_to(node: &Node, to: Member, h: Header, data: Vec<u8>) -> Result<(), Error> {
     let me = node.id();
-    if to.node == me {
-        let from = me;
-        if to.shard == node.shard() {
-            state::of(node.shard_ctx()).deliver(from, h, Data::Owned(data));
-            return Ok(());
+    if to.node == me && to.shard == node.shard() {
+        state::of(node.shard_ctx()).deliver(me, h, Data::Owned(data));
+        return Ok(());
+    }
+    if to.node != me && data.len() <= SEGMENT {
+        let peer = to.peer();
+        let here = node.shard_ctx().rail(to.node, to.shard).is_some();
+        if here && data.len() > RNDV_OVER {
+            // This shard holds the rail: the vector is moved to UCX, which sends it from where
+            // it is (by rendezvous), instead of copied into a buffer of the rail's.
+            return peer.am_send_buf(COLLECTIVE_AM, &h.encode(), data);
         }
+        // This shard's rail, UCX taking the frame at once (or it is queued behind the rail's
+        // earlier frames): nothing to wait for.
+        match peer.am_send_now(COLLECTIVE_AM, &h.encode(), &data) {
+            Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {}
+            done => return done,
+        }
+    }
+    // Boxed: the state of a send that may wait (a forward through the mesh, a connection, a
+    // deadline) is many times that of the rest of an operation, and would otherwise be part
+    // of every operation's future, copied whole each time it is moved.
+    Box::pin(deliver_waiting(node, to, h, data)).await
+}
+
+/// [`deliver_to`] by the paths that may wait: a shard of this node through the mesh, another
+/// node's shard on a rail this shard does not hold or that is not up yet, and messages of more
+/// than one part.
+async fn deliver_waiting(node: &Node, to: Member, h: Header, data: Vec<u8>) -> Result<(), Error> {
+    if to.node == node.id() {
+        let from = node.id();
         node.shard_ctx()
             .forward(to.shard, move |ctx| async move {
                 state::of(&ctx).deliver(from, h, Data::Owned(data));
@@ -1075,14 +1186,6 @@ async fn deliver_to(node: &Node, to: Member, h: Header, data: Vec<u8>) -> Result
         return Ok(());
     }
     let peer = to.peer();
-    if data.len() > RNDV_OVER
-        && data.len() <= SEGMENT
-        && node.shard_ctx().rail(to.node, to.shard).is_some()
-    {
-        // This shard holds the rail: the vector is moved to UCX, which sends it from where it
-        // is (by rendezvous), instead of copied into a buffer of the rail's.
-        return peer.am_send_buf(COLLECTIVE_AM, &h.encode(), data);
-    }
     let timeout = if matches!(h.kind, Kind::Abort(_)) {
         ABORT_DEADLINE
     } else {

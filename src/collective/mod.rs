@@ -118,6 +118,7 @@
 
 pub mod algorithm;
 mod comm;
+mod deadline;
 mod element;
 mod error;
 mod ops;

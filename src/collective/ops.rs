@@ -483,7 +483,7 @@ impl Communicator {
         body: impl AsyncFnOnce(&Op) -> Result<R, CollectiveError>,
     ) -> Result<R, CollectiveError> {
         let op = self.begin(name, timeout);
-        let out = op.run(body(&op)).await;
+        let out = op.run(std::pin::pin!(body(&op))).await;
         self.finish(&op);
         out
     }

@@ -184,6 +184,13 @@ impl DedupHasher {
     }
 }
 
+/// [`DedupHasher::random`].
+impl Default for DedupHasher {
+    fn default() -> DedupHasher {
+        DedupHasher::random()
+    }
+}
+
 impl std::fmt::Debug for DedupHasher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // The key stays secret.
