@@ -8,6 +8,7 @@
 //! (communicator, sequence number) is woken.
 
 use std::cell::RefCell;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ops::Deref;
 use std::rc::Rc;
@@ -84,7 +85,13 @@ pub(crate) enum Bytes {
     Vec(Vec<u8>),
     /// A frame's payload, in place.
     Payload(Payload),
+    /// A whole message of at most [`INLINE`] bytes, held in the slot itself (an 8-byte
+    /// all-reduce's: no allocation to make and free per message).
+    Inline([u8; INLINE], u8),
 }
+
+/// Most bytes of a message kept in its slot ([`Bytes::Inline`]).
+const INLINE: usize = 64;
 
 impl Bytes {
     /// The bytes as a vector: moved when they are one, copied out of a payload otherwise.
@@ -92,6 +99,7 @@ impl Bytes {
         match self {
             Bytes::Vec(v) => v,
             Bytes::Payload(p) => p.as_slice().to_vec(),
+            Bytes::Inline(b, n) => b[..usize::from(n)].to_vec(),
         }
     }
 }
@@ -103,6 +111,7 @@ impl Deref for Bytes {
         match self {
             Bytes::Vec(v) => v,
             Bytes::Payload(p) => p.as_slice(),
+            Bytes::Inline(b, n) => &b[..usize::from(*n)],
         }
     }
 }
@@ -225,11 +234,10 @@ impl ShardState {
     /// The complete message `key`, with the node it came from, if it is here.
     pub(crate) fn take(&self, key: Key) -> Option<(NodeId, Bytes)> {
         let mut s = self.inner.borrow_mut();
-        match s.slots.get(&key) {
-            Some(slot) if slot.got == slot.buf.len() => {}
+        let slot = match s.slots.entry(key) {
+            Entry::Occupied(e) if e.get().got == e.get().buf.len() => e.remove(),
             _ => return None,
-        }
-        let slot = s.slots.remove(&key)?;
+        };
         s.buffered -= slot.buf.len();
         Some((slot.node, slot.buf))
     }
@@ -338,7 +346,7 @@ impl ShardState {
             self.abort(h, cause);
             return;
         }
-        let waker = {
+        {
             let mut s = self.inner.borrow_mut();
             if let Some(entry) = s.comms.get(&h.comm) {
                 let stale = match entry {
@@ -358,10 +366,11 @@ impl ShardState {
                     }
                 }
             }
-            s.waiters.get(&(h.comm, h.seq)).cloned()
-        };
-        if let Some(w) = waker {
-            w.wake();
+            // Woken by reference, the state still borrowed: a glommio wake only queues the
+            // task (no clone of the waker to make and drop per message).
+            if let Some(w) = s.waiters.get(&(h.comm, h.seq)) {
+                w.wake_by_ref();
+            }
         }
     }
 
@@ -502,31 +511,36 @@ impl Inner {
             self.stats.dropped_malformed += 1;
             return false;
         }
-        if !self.slots.contains_key(&key) {
-            if self.buffered.saturating_add(total) > MAX_BUFFERED_BYTES {
+        // One look at the table for a message that arrives whole (the usual case).
+        let over_cap = self.buffered.saturating_add(total) > MAX_BUFFERED_BYTES;
+        if let Entry::Vacant(vacant) = self.slots.entry(key) {
+            if over_cap {
                 self.stats.dropped_over_cap += 1;
                 return false;
             }
             self.buffered += total;
-            if len == total && !matches!(data, Data::Borrowed(_)) {
-                // The whole message, moved in (a vector) or kept where it landed (a payload).
+            if len == total && (len <= INLINE || !matches!(data, Data::Borrowed(_))) {
+                // The whole message: moved in (a vector), kept where it landed (a payload),
+                // or copied into the slot (a short one read in place).
                 let buf = match data {
                     Data::Owned(v) => Bytes::Vec(v),
                     Data::Payload(p) => Bytes::Payload(p),
-                    Data::Borrowed(b) => Bytes::Vec(b.to_vec()),
+                    Data::Borrowed(b) => {
+                        let mut inline = [0u8; INLINE];
+                        inline[..len].copy_from_slice(b);
+                        // `len <= INLINE` (64) fits a byte.
+                        Bytes::Inline(inline, len as u8)
+                    }
                 };
-                self.slots.insert(
-                    key,
-                    Slot {
-                        node,
-                        buf,
-                        got: total,
-                    },
-                );
+                vacant.insert(Slot {
+                    node,
+                    buf,
+                    got: total,
+                });
                 self.stats.arrived += 1;
                 return true;
             }
-            self.slots.insert(key, Slot::empty(node, total));
+            vacant.insert(Slot::empty(node, total));
         }
         self.copy_part(key, node, total, offset, data.as_slice())
     }
@@ -589,9 +603,10 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>) {
             // pool or receive cache), read in place by the operation and given back when it
             // is done with it.
             st.deliver(node, h, Data::Payload(frame.into_payload()));
-        } else if h.offset == 0 && len as u64 == h.total && len > 0 {
+        } else if h.offset == 0 && len as u64 == h.total && len > INLINE {
             // A short whole message: copied once out of UCX's descriptor (or the shard's
-            // inline buffer), which is released at once.
+            // inline buffer), which is released at once; one of at most `INLINE` bytes is
+            // copied into its slot (below).
             st.deliver(node, h, Data::Owned(frame.into_vec()));
         } else {
             st.deliver(node, h, Data::Borrowed(frame.payload()));
