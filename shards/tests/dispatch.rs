@@ -19,7 +19,7 @@ use common::{
 };
 use futures_lite::future::yield_now;
 use glommio::timer::sleep;
-use shardcx_shards::net::{Dest, Frame, FrameView, NetConfig};
+use shardcx_shards::net::{Dest, Frame, FrameView, Incoming, NetConfig};
 use shardcx_shards::proto::{AmId, FrameKind, ReqId, ShardId};
 use shardcx_shards::{NetStats, ShardCtx};
 
@@ -86,15 +86,17 @@ async fn send_sequence(
 /// The handler of [`SEQ`] and of RPC request frames on a shard of B: each frame must be an
 /// intact canary, on this shard's own rail from A (client shard `i` to server shard `i`), with
 /// the next sequence number of that rail. `skip(seq)` says which sequence numbers never reach
-/// it; `panics(seq)` which it panics on (before taking the frame into account). With `view`,
-/// the handlers read the frames in place ([`FrameView`]: short messages where UCX received
-/// them), else they own each [`Frame`].
+/// it; `panics(seq)` which it panics on (before taking the frame into account). `handlers`
+/// says how the handlers take the frames: each [`Frame`] owned, read in place ([`FrameView`]:
+/// short messages where UCX received them), or either ([`Incoming`], for the AM id; the RPC
+/// request kind has no such handler), in which case `lent` counts the frames that came lent.
 fn sequence_checker(
     ctx: &Rc<ShardCtx>,
     got: Arc<Vec<AtomicU64>>,
     problems: Problems,
     panics: fn(u64) -> bool,
-    view: bool,
+    handlers: Handlers,
+    lent: Arc<AtomicU64>,
 ) {
     let next = Rc::new(Cell::new(0u64));
     let handler = move |ctx: &Rc<ShardCtx>, frame: &FrameView<'_>| {
@@ -143,17 +145,38 @@ fn sequence_checker(
         }
         handler(c, f)
     };
-    if view {
-        ctx.set_frame_view_handler_am(SEQ, move |c, f| h(c, f));
-        ctx.set_frame_view_handler(FrameKind::RpcRequest, request)
+    match handlers {
+        Handlers::View => {
+            ctx.set_frame_view_handler_am(SEQ, move |c, f| h(c, f));
+            ctx.set_frame_view_handler(FrameKind::RpcRequest, request)
+                .unwrap();
+        }
+        Handlers::Owned | Handlers::Either => {
+            if handlers == Handlers::Either {
+                ctx.set_frame_either_handler_am(SEQ, move |c, f| match f {
+                    Incoming::Lent(v) => {
+                        lent.fetch_add(1, Ordering::AcqRel);
+                        h(c, v)
+                    }
+                    Incoming::Owned(f) => h(c, &f.view()),
+                });
+            } else {
+                ctx.set_frame_handler_am(SEQ, move |c, f| h(c, &f.view()));
+            }
+            ctx.set_frame_handler_inline(FrameKind::RpcRequest, move |c, f: Frame| {
+                request(c, &f.view())
+            })
             .unwrap();
-    } else {
-        ctx.set_frame_handler_am(SEQ, move |c, f| h(c, &f.view()));
-        ctx.set_frame_handler_inline(FrameKind::RpcRequest, move |c, f: Frame| {
-            request(c, &f.view())
-        })
-        .unwrap();
+        }
     }
+}
+
+/// How [`sequence_checker`]'s handlers take their frames.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Handlers {
+    Owned,
+    View,
+    Either,
 }
 
 /// 10 000 frames sent from each shard of A on its own rail arrive at the inline handlers of
@@ -161,25 +184,35 @@ fn sequence_checker(
 /// queued for the rail's sender, and whichever of two kinds (and handlers) they are.
 #[test]
 fn inline_handlers_get_a_rails_frames_in_send_order() {
-    frames_in_send_order(false);
+    frames_in_send_order(Handlers::Owned);
 }
 
 /// The same for handlers that read the frames in place ([`FrameView`]).
 #[test]
 fn view_handlers_get_a_rails_frames_in_send_order() {
-    frames_in_send_order(true);
+    frames_in_send_order(Handlers::View);
 }
 
-fn frames_in_send_order(view: bool) {
+/// The same for AM handlers that take frames lent or owned ([`Incoming`]): some come lent
+/// (read in UCX's callback), and the order holds across the two ways.
+#[test]
+fn either_handlers_get_a_rails_frames_in_send_order() {
+    frames_in_send_order(Handlers::Either);
+}
+
+fn frames_in_send_order(handlers: Handlers) {
     const N: u64 = 10_000;
     let _g = serial();
     let got = counters(2);
     let problems: Problems = Arc::default();
-    let (g, p) = (got.clone(), problems.clone());
+    let lent = Arc::new(AtomicU64::new(0));
+    let (g, p, l) = (got.clone(), problems.clone(), lent.clone());
     let b = Server::start(
         node(B, 2)
             .listen("127.0.0.1:0".parse().unwrap())
-            .on_start(move |ctx| sequence_checker(ctx, g.clone(), p.clone(), |_| false, view)),
+            .on_start(move |ctx| {
+                sequence_checker(ctx, g.clone(), p.clone(), |_| false, handlers, l.clone())
+            }),
     );
     let addr = b.addr;
     let t0 = Instant::now();
@@ -228,7 +261,11 @@ fn frames_in_send_order(view: bool) {
         assert_eq!(r.stats.handler_panics, 0, "{:?}", r.stats);
         assert_eq!(dropped(&r.stats), 0, "{:?}", r.stats);
     }
-    eprintln!("2 × {N} frames in {took:?} (with node start-up)");
+    let lent = lent.load(Ordering::Acquire);
+    if handlers == Handlers::Either {
+        assert!(lent > 0, "no frame came lent");
+    }
+    eprintln!("2 × {N} frames in {took:?} (with node start-up), {lent} lent");
 }
 
 fn panics_at(seq: u64) -> bool {
@@ -241,16 +278,22 @@ fn panics_at(seq: u64) -> bool {
 /// inline afterwards.
 #[test]
 fn a_panicking_handler_loses_only_its_own_frame() {
-    panicking_handler(false);
+    panicking_handler(Handlers::Owned);
 }
 
 /// The same for handlers that read the frames in place ([`FrameView`]).
 #[test]
 fn a_panicking_view_handler_loses_only_its_own_frame() {
-    panicking_handler(true);
+    panicking_handler(Handlers::View);
 }
 
-fn panicking_handler(view: bool) {
+/// The same for AM handlers that take frames lent or owned ([`Incoming`]).
+#[test]
+fn a_panicking_either_handler_loses_only_its_own_frame() {
+    panicking_handler(Handlers::Either);
+}
+
+fn panicking_handler(handlers: Handlers) {
     const N: u64 = 3000;
     const MORE: u64 = 200;
     let _g = serial();
@@ -261,7 +304,16 @@ fn panicking_handler(view: bool) {
     let b = Server::start(
         node(B, 2)
             .listen("127.0.0.1:0".parse().unwrap())
-            .on_start(move |ctx| sequence_checker(ctx, g.clone(), p.clone(), panics_at, view)),
+            .on_start(move |ctx| {
+                sequence_checker(
+                    ctx,
+                    g.clone(),
+                    p.clone(),
+                    panics_at,
+                    handlers,
+                    Arc::default(),
+                )
+            }),
     );
     let addr = b.addr;
     let panicking = (0..N).filter(|&s| panics_at(s)).count() as u64;

@@ -14,7 +14,7 @@ use std::ops::Deref;
 use std::rc::Rc;
 use std::task::Waker;
 
-use shardcx_shards::net::{Frame, Payload};
+use shardcx_shards::net::{Incoming, Payload};
 use shardcx_shards::proto::request::DedupHasher;
 use shardcx_shards::proto::NodeId;
 use shardcx_shards::{NetError, ShardCtx};
@@ -519,18 +519,19 @@ impl Inner {
                 return false;
             }
             self.buffered += total;
-            if len == total && (len <= INLINE || !matches!(data, Data::Borrowed(_))) {
+            if len == total {
                 // The whole message: moved in (a vector), kept where it landed (a payload),
-                // or copied into the slot (a short one read in place).
+                // or copied once (one read in place: into the slot itself when short).
                 let buf = match data {
                     Data::Owned(v) => Bytes::Vec(v),
                     Data::Payload(p) => Bytes::Payload(p),
-                    Data::Borrowed(b) => {
+                    Data::Borrowed(b) if len <= INLINE => {
                         let mut inline = [0u8; INLINE];
                         inline[..len].copy_from_slice(b);
                         // `len <= INLINE` (64) fits a byte.
                         Bytes::Inline(inline, len as u8)
                     }
+                    Data::Borrowed(b) => Bytes::Vec(b.to_vec()),
                 };
                 vacant.insert(Slot {
                     node,
@@ -590,26 +591,35 @@ pub(crate) fn install(ctx: &Rc<ShardCtx>) {
         }
     });
     let weak = Rc::downgrade(&st);
-    ctx.set_frame_handler_am(COLLECTIVE_AM, move |_ctx, frame: Frame| {
+    ctx.set_frame_either_handler_am(COLLECTIVE_AM, move |_ctx, frame: Incoming<'_>| {
         let Some(st) = weak.upgrade() else { return };
-        let Some(h) = Header::decode(frame.user_header()) else {
+        let user = match &frame {
+            Incoming::Lent(v) => v.user_header(),
+            Incoming::Owned(f) => f.user_header(),
+        };
+        let Some(h) = Header::decode(user) else {
             st.inner.borrow_mut().stats.dropped_malformed += 1;
             return;
         };
-        let node = frame.node();
-        let len = frame.payload().len();
-        if h.offset == 0 && len as u64 == h.total && len > KEEP_IN_PLACE_OVER {
-            // The whole message, by rendezvous: kept where it landed (a buffer of the shard's
-            // pool or receive cache), read in place by the operation and given back when it
-            // is done with it.
-            st.deliver(node, h, Data::Payload(frame.into_payload()));
-        } else if h.offset == 0 && len as u64 == h.total && len > INLINE {
-            // A short whole message: copied once out of UCX's descriptor (or the shard's
-            // inline buffer), which is released at once; one of at most `INLINE` bytes is
-            // copied into its slot (below).
-            st.deliver(node, h, Data::Owned(frame.into_vec()));
-        } else {
-            st.deliver(node, h, Data::Borrowed(frame.payload()));
+        match frame {
+            // Read where UCX received it (a short message): copied into its slot.
+            Incoming::Lent(v) => st.deliver(v.node(), h, Data::Borrowed(v.payload())),
+            Incoming::Owned(frame) => {
+                let node = frame.node();
+                let len = frame.payload().len();
+                if h.offset == 0 && len as u64 == h.total && len > KEEP_IN_PLACE_OVER {
+                    // The whole message, by rendezvous: kept where it landed (a buffer of the
+                    // shard's pool or receive cache), read in place by the operation and
+                    // given back when it is done with it.
+                    st.deliver(node, h, Data::Payload(frame.into_payload()));
+                } else if h.offset == 0 && len as u64 == h.total && len > INLINE {
+                    // A short whole message: copied once out of UCX's descriptor, which is
+                    // released at once; one of at most `INLINE` bytes is copied into its slot.
+                    st.deliver(node, h, Data::Owned(frame.into_vec()));
+                } else {
+                    st.deliver(node, h, Data::Borrowed(frame.payload()));
+                }
+            }
         }
     });
 }

@@ -33,12 +33,28 @@ pub(super) type FrameHandler = Rc<dyn Fn(&Rc<ShardCtx>, Frame)>;
 /// A handler of an AM id's frames read in place, for the length of the call ([`FrameView`]).
 pub(super) type ViewHandler = Rc<dyn Fn(&Rc<ShardCtx>, &FrameView<'_>)>;
 
-/// The handler of an AM id or a request kind: one that owns each frame, or one that reads it
-/// in place.
+/// A handler of an AM id's frames lent when they are read in UCX's callback, owned otherwise
+/// ([`Incoming`]).
+pub(super) type EitherHandler = Rc<dyn Fn(&Rc<ShardCtx>, Incoming<'_>)>;
+
+/// The handler of an AM id or a request kind: one that owns each frame, one that reads it
+/// in place, or one that takes either.
 #[derive(Clone)]
 pub(super) enum AnyHandler {
     Frame(FrameHandler),
     View(ViewHandler),
+    Either(EitherHandler),
+}
+
+/// A frame as a [`ShardCtx::set_frame_either_handler_am`] handler gets it: lent for the call
+/// when it is read where UCX received it (a short message, in UCX's callback: nothing copied
+/// and no [`Frame`] built), owned otherwise (a rendezvous payload in the buffer it landed in,
+/// one recorded for the driver's dispatch), so that the handler may keep it without a copy.
+pub enum Incoming<'a> {
+    /// Read in place, for the length of the call.
+    Lent(&'a FrameView<'a>),
+    /// The handler's to keep.
+    Owned(Frame),
 }
 /// A rendezvous handler: chooses the buffer, pulls, hands over (see [`rndv_handler`]).
 pub(super) type RndvHandler = Rc<dyn Fn(&Rc<ShardCtx>, NodeId, FrameHeader, AmRndv)>;
@@ -501,49 +517,47 @@ fn dispatch_inline(
     let (now, _) = net.batch_now(ctx.progress_rounds());
     if accepted(net, node, &header, now, true) {
         net.count(|s| s.dispatched_in_callback += 1);
-        // A handler that reads frames in place gets UCX's bytes as they are.
-        let view = match header.kind {
-            FrameKind::Am => match net.handlers.borrow().get(&AmId::new(header.id)) {
-                Some(AnyHandler::View(h)) => Some(h.clone()),
-                _ => None,
-            },
+        // The handler, looked up once: one that reads frames in place gets UCX's bytes as
+        // they are; one that owns them gets the frame, without `dispatch` looking it up again.
+        let handler = match header.kind {
+            FrameKind::Am => net.handlers.borrow().get(&AmId::new(header.id)).cloned(),
             // Replies go to their pending requests; expired requests are dropped (`dispatch`).
             k if is_reply_kind(k) || (is_request_kind(k) && header.ttl_ns == 0) => None,
-            k => match net.frame_handlers.borrow().get(&k) {
-                Some(AnyHandler::View(h)) => Some(h.clone()),
-                _ => None,
-            },
+            k => net.frame_handlers.borrow().get(&k).cloned(),
         };
-        match view {
-            Some(h) => {
-                let payload = match &eager {
-                    Eager::Bytes(b) => b,
-                    Eager::Desc(d) => d.as_slice(),
-                };
-                let frame = FrameView {
-                    node,
-                    header: &header,
-                    user,
-                    payload,
-                    arrived: now,
-                };
-                call_view(ctx, &h, &frame);
+        if let Some(AnyHandler::View(_) | AnyHandler::Either(_)) = handler {
+            let payload = match &eager {
+                Eager::Bytes(b) => b,
+                Eager::Desc(d) => d.as_slice(),
+            };
+            let frame = FrameView {
+                node,
+                header: &header,
+                user,
+                payload,
+                arrived: now,
+            };
+            match &handler {
+                Some(AnyHandler::View(h)) => call_view(ctx, h, &frame),
+                Some(AnyHandler::Either(h)) => call_either(ctx, h, Incoming::Lent(&frame)),
+                _ => {}
             }
-            None => {
-                let payload = match eager {
-                    Eager::Bytes(b) => net.inline_payload(b),
-                    Eager::Desc(d) => Payload::desc(d),
-                };
-                dispatch(
-                    ctx,
-                    Frame {
-                        node,
-                        header,
-                        user: UserHeader::copy(user),
-                        payload,
-                        arrived: now,
-                    },
-                );
+        } else {
+            let payload = match eager {
+                Eager::Bytes(b) => net.inline_payload(b),
+                Eager::Desc(d) => Payload::desc(d),
+            };
+            let frame = Frame {
+                node,
+                header,
+                user: UserHeader::copy(user),
+                payload,
+                arrived: now,
+            };
+            match handler {
+                Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
+                // Replies, expired requests, frames nobody handles: counted there.
+                _ => dispatch(ctx, frame),
             }
         }
     }
@@ -971,6 +985,23 @@ fn call_view(ctx: &Rc<ShardCtx>, handler: &ViewHandler, frame: &FrameView<'_>) {
     }
 }
 
+/// [`call`] for a handler that takes a frame lent or owned.
+#[inline(always)]
+fn call_either(ctx: &Rc<ShardCtx>, handler: &EitherHandler, frame: Incoming<'_>) {
+    let net = ctx.net();
+    let header = match &frame {
+        Incoming::Lent(v) => v.header,
+        Incoming::Owned(f) => &f.header,
+    };
+    net.count(|s| {
+        s.delivered += 1;
+        s.traffic(header, true);
+    });
+    if std::panic::catch_unwind(AssertUnwindSafe(|| handler(ctx, frame))).is_err() {
+        net.count(|s| s.handler_panics += 1);
+    }
+}
+
 /// Hands an application frame (its whole payload here) to its handler or pending request.
 #[inline(always)]
 pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
@@ -982,6 +1013,7 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
             match h {
                 Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
                 Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view()),
+                Some(AnyHandler::Either(h)) => call_either(ctx, &h, Incoming::Owned(frame)),
                 // None, or only a rendezvous handler: it cannot take eager data.
                 None => net.count(|s| s.dropped_no_handler += 1),
             }
@@ -1018,6 +1050,7 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
             match h {
                 Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
                 Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view()),
+                Some(AnyHandler::Either(h)) => call_either(ctx, &h, Incoming::Owned(frame)),
                 None => net.count(|s| s.dropped_no_handler += 1),
             }
         }
@@ -1258,6 +1291,23 @@ impl ShardCtx {
             .handlers
             .borrow_mut()
             .insert(id, AnyHandler::View(Rc::new(handler)));
+    }
+
+    /// [`ShardCtx::set_frame_handler_am`] for a handler that takes each frame lent where it
+    /// was received ([`Incoming::Lent`], as [`ShardCtx::set_frame_view_handler_am`]'s) or
+    /// owned ([`Incoming::Owned`], as [`ShardCtx::set_frame_handler_am`]'s), whichever costs
+    /// nothing: lent when a short message is read in UCX's callback, owned when the frame was
+    /// made anyway (a rendezvous payload in the buffer it landed in, a frame recorded for the
+    /// driver's dispatch). For a handler that keeps large payloads where they landed and
+    /// copies short ones (replacing any previous handler of `id`).
+    pub fn set_frame_either_handler_am<F>(&self, id: AmId, handler: F)
+    where
+        F: Fn(&Rc<ShardCtx>, Incoming<'_>) + 'static,
+    {
+        self.net()
+            .handlers
+            .borrow_mut()
+            .insert(id, AnyHandler::Either(Rc::new(handler)));
     }
 
     /// Registers, on this shard, the rendezvous handler of application frames with `id`: for

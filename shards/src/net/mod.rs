@@ -227,7 +227,7 @@ use crate::ucx::{AmIdRaw, EpOptions, ErrorMode, Worker};
 pub use crate::error::NetError;
 pub use bootstrap::Directory;
 pub use buffers::RecycledBuf;
-pub use inbound::{preempt_due, Frame, FrameView, Payload, RndvBuf};
+pub use inbound::{preempt_due, Frame, FrameView, Incoming, Payload, RndvBuf};
 
 use inbound::{AnyHandler, Inbound, RndvHandler};
 use request::Pending;
