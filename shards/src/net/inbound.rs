@@ -525,39 +525,36 @@ fn dispatch_inline(
             k if is_reply_kind(k) || (is_request_kind(k) && header.ttl_ns == 0) => None,
             k => net.frame_handlers.borrow().get(&k).cloned(),
         };
-        if let Some(AnyHandler::View(_) | AnyHandler::Either(_)) = handler {
-            let payload = match &eager {
+        let lent = FrameView {
+            node,
+            header: &header,
+            user,
+            payload: match &eager {
                 Eager::Bytes(b) => b,
                 Eager::Desc(d) => d.as_slice(),
-            };
-            let frame = FrameView {
-                node,
-                header: &header,
-                user,
-                payload,
-                arrived: now,
-            };
-            match &handler {
-                Some(AnyHandler::View(h)) => call_view(ctx, h, &frame),
-                Some(AnyHandler::Either(h)) => call_either(ctx, h, Incoming::Lent(&frame)),
-                _ => {}
-            }
-        } else {
-            let payload = match eager {
-                Eager::Bytes(b) => net.inline_payload(b),
-                Eager::Desc(d) => Payload::desc(d),
-            };
-            let frame = Frame {
-                node,
-                header,
-                user: UserHeader::copy(user),
-                payload,
-                arrived: now,
-            };
-            match handler {
-                Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
-                // Replies, expired requests, frames nobody handles: counted there.
-                _ => dispatch(ctx, frame),
+            },
+            arrived: now,
+        };
+        match handler {
+            Some(AnyHandler::View(h)) => call_view(ctx, &h, &lent),
+            Some(AnyHandler::Either(h)) => call_either(ctx, &h, Incoming::Lent(&lent)),
+            owner => {
+                let payload = match eager {
+                    Eager::Bytes(b) => net.inline_payload(b),
+                    Eager::Desc(d) => Payload::desc(d),
+                };
+                let frame = Frame {
+                    node,
+                    header,
+                    user: UserHeader::copy(user),
+                    payload,
+                    arrived: now,
+                };
+                match owner {
+                    Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
+                    // Replies, expired requests, frames nobody handles: counted there.
+                    _ => dispatch(ctx, frame),
+                }
             }
         }
     }
@@ -985,8 +982,9 @@ fn call_view(ctx: &Rc<ShardCtx>, handler: &ViewHandler, frame: &FrameView<'_>) {
     }
 }
 
-/// [`call`] for a handler that takes a frame lent or owned.
-#[inline(always)]
+/// [`call`] for a handler that takes a frame lent or owned (out of line: the dispatch of the
+/// other kinds keeps its size).
+#[inline(never)]
 fn call_either(ctx: &Rc<ShardCtx>, handler: &EitherHandler, frame: Incoming<'_>) {
     let net = ctx.net();
     let header = match &frame {
