@@ -168,21 +168,12 @@ impl Drop for Stopped {
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
-    use std::task::Wake;
-
-    struct Count(AtomicUsize);
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
+    use crate::testing::CountingWaker;
 
     #[test]
     fn a_trigger_wakes_every_waiter_once_and_dropped_waiters_leave_no_trace() {
         let s = Shutdown::new();
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        let waker = Waker::from(count.clone());
+        let (count, waker) = CountingWaker::new();
         let mut cx = Context::from_waker(&waker);
         let mut a = Box::pin(s.wait());
         let mut b = Box::pin(s.clone().wait());
@@ -202,12 +193,12 @@ mod tests {
         let t = s.clone();
         std::thread::spawn(move || t.trigger()).join().unwrap();
         assert!(s.is_triggered());
-        assert_eq!(count.0.load(Ordering::SeqCst), 2);
+        assert_eq!(count.count(), 2);
         assert!(a.as_mut().poll(&mut cx).is_ready());
         assert!(b.as_mut().poll(&mut cx).is_ready());
         // A wait that starts after the trigger is ready at once.
         assert!(Box::pin(s.wait()).as_mut().poll(&mut cx).is_ready());
         s.trigger();
-        assert_eq!(count.0.load(Ordering::SeqCst), 2);
+        assert_eq!(count.count(), 2);
     }
 }

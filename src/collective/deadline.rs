@@ -156,22 +156,11 @@ fn watch(deadlines: Weak<Deadlines>, at: Instant, generation: u64) {
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-    use std::task::Wake;
+    use crate::testing::CountingWaker;
     use std::time::Duration;
 
-    struct Count(AtomicUsize);
-
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn counter() -> (Arc<Count>, Waker) {
-        let c = Arc::new(Count(AtomicUsize::new(0)));
-        (c.clone(), Waker::from(c))
+    fn counter() -> (std::sync::Arc<CountingWaker>, Waker) {
+        CountingWaker::new()
     }
 
     #[test]
@@ -193,15 +182,15 @@ mod tests {
                 glommio::timer::sleep(Duration::from_millis(40)).await;
                 assert!(soon.expired(&soon_w), "20 ms deadline not expired at 40 ms");
                 assert!(!late.expired(&late_w), "60 ms deadline expired at 40 ms");
-                assert_eq!(soon_n.0.load(Ordering::SeqCst), 1);
-                assert_eq!(late_n.0.load(Ordering::SeqCst), 0);
+                assert_eq!(soon_n.count(), 1);
+                assert_eq!(late_n.count(), 0);
                 // The dropped slot's task is never woken, and its slot is taken again.
-                assert_eq!(gone_n.0.load(Ordering::SeqCst), 0);
+                assert_eq!(gone_n.count(), 0);
                 let again = d.arm(t0 + Duration::from_secs(3600), &gone_w);
                 assert_eq!(again.slot, 2);
                 glommio::timer::sleep(Duration::from_millis(40)).await;
                 assert!(late.expired(&late_w));
-                assert_eq!(late_n.0.load(Ordering::SeqCst), 1);
+                assert_eq!(late_n.count(), 1);
                 assert!(!again.expired(&gone_w));
                 assert!(t0.elapsed() < Duration::from_secs(5));
             })
