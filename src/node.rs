@@ -999,7 +999,7 @@ impl Peer {
 }
 
 /// [`Peer::am_send_now`] on `node`'s shard.
-fn send_now(
+pub(crate) fn send_now(
     ctx: &ShardCtx,
     dest: Dest,
     id: AmId,

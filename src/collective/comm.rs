@@ -832,10 +832,14 @@ impl Op {
             let mut bytes = [0u8; SMALL_SEND];
             T::write_all_le(xs, &mut bytes[..len]);
             let h = self.header(Kind::Data, step, len);
-            match m
-                .peer()
-                .am_send_now(COLLECTIVE_AM, &h.encode(), &bytes[..len])
-            {
+            let ctx = self.node.shard_ctx();
+            match crate::node::send_now(
+                ctx,
+                m.peer().dest(),
+                COLLECTIVE_AM,
+                &h.encode(),
+                &bytes[..len],
+            ) {
                 Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {}
                 sent => return sent.map_err(|e| self.failed(to, e)),
             }

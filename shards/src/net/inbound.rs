@@ -982,9 +982,8 @@ fn call_view(ctx: &Rc<ShardCtx>, handler: &ViewHandler, frame: &FrameView<'_>) {
     }
 }
 
-/// [`call`] for a handler that takes a frame lent or owned (out of line: the dispatch of the
-/// other kinds keeps its size).
-#[inline(never)]
+/// [`call`] for a handler that takes a frame lent or owned.
+#[inline(always)]
 fn call_either(ctx: &Rc<ShardCtx>, handler: &EitherHandler, frame: Incoming<'_>) {
     let net = ctx.net();
     let header = match &frame {
