@@ -28,6 +28,9 @@ struct Table {
     /// The running watcher's next wake-up and generation; `None` when none runs. A watcher
     /// that finds another generation here has been superseded (by one waking earlier) and ends.
     watcher: Option<(Instant, u64)>,
+    /// The running watcher's task: cancelled when an earlier deadline starts a new one (else
+    /// it would sleep on until its own wake-up, one task per superseded watcher).
+    task: Option<glommio::task::JoinHandle<()>>,
     generations: u64,
 }
 
@@ -96,7 +99,9 @@ impl Deadlines {
             t.generations += 1;
             let generation = t.generations;
             t.watcher = Some((at, generation));
-            watch(Rc::downgrade(self), at, generation);
+            if let Some(old) = t.task.replace(watch(Rc::downgrade(self), at, generation)) {
+                old.cancel();
+            }
         }
         Armed {
             deadlines: self.clone(),
@@ -130,7 +135,11 @@ impl Deadlines {
 
 /// The watcher of generation `generation`: sleeps until `at`, expires what is due, and goes on
 /// to the next deadline; ends when there is none, when superseded, or when the state is gone.
-fn watch(deadlines: Weak<Deadlines>, at: Instant, generation: u64) {
+fn watch(
+    deadlines: Weak<Deadlines>,
+    at: Instant,
+    generation: u64,
+) -> glommio::task::JoinHandle<()> {
     glommio::spawn_local(async move {
         let mut at = at;
         loop {
@@ -149,7 +158,7 @@ fn watch(deadlines: Weak<Deadlines>, at: Instant, generation: u64) {
             }
         }
     })
-    .detach();
+    .detach()
 }
 
 #[cfg(test)]
