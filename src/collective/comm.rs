@@ -825,24 +825,17 @@ impl Op {
         let len = xs.len() * T::SIZE;
         let m = self.members[to];
         if m.node != self.node.id() && len <= SMALL_SEND {
-            // Encoded on the stack and handed to UCX at once on this shard's rail (copied and
-            // queued behind the rail's frames when UCX cannot take it): no vector to allocate
-            // and free, no rail looked up twice. Another shard's rail, or one not up yet,
-            // takes the general path below.
+            // Encoded on the stack and handed to UCX at once on this shard's rail: no vector
+            // to allocate and free. Another shard's rail, or one not up yet, goes straight to
+            // the sends that may wait (not through `deliver_to`, which would try again).
             let mut bytes = [0u8; SMALL_SEND];
             T::write_all_le(xs, &mut bytes[..len]);
             let h = self.header(Kind::Data, step, len);
-            let ctx = self.node.shard_ctx();
-            match crate::node::send_now(
-                ctx,
-                m.peer().dest(),
-                COLLECTIVE_AM,
-                &h.encode(),
-                &bytes[..len],
-            ) {
-                Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {}
-                sent => return sent.map_err(|e| self.failed(to, e)),
-            }
+            let sent = match send_here(&self.node, m, &h, &bytes[..len]) {
+                Some(sent) => sent,
+                None => Box::pin(deliver_waiting(&self.node, m, h, bytes[..len].to_vec())).await,
+            };
+            return sent.map_err(|e| self.failed(to, e));
         }
         let direct = m.node != self.node.id()
             && len > RNDV_OVER
@@ -1163,17 +1156,25 @@ async fn deliver_to(node: &Node, to: Member, h: Header, data: Vec<u8>) -> Result
             // it is (by rendezvous), instead of copied into a buffer of the rail's.
             return peer.am_send_buf(COLLECTIVE_AM, &h.encode(), data);
         }
-        // This shard's rail, UCX taking the frame at once (or it is queued behind the rail's
-        // earlier frames): nothing to wait for.
-        match peer.am_send_now(COLLECTIVE_AM, &h.encode(), &data) {
-            Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => {}
-            done => return done,
+        if let Some(sent) = send_here(node, to, &h, &data) {
+            return sent;
         }
     }
     // Boxed: the state of a send that may wait (a forward through the mesh, a connection, a
     // deadline) is many times that of the rest of an operation, and would otherwise be part
     // of every operation's future, copied whole each time it is moved.
     Box::pin(deliver_waiting(node, to, h, data)).await
+}
+
+/// Sends `bytes` (with header `h`) to `to`, another node's shard, at once on this shard's rail:
+/// UCX takes the frame, or it is queued behind the rail's earlier frames; nothing to wait for.
+/// `None` when this shard holds no ready rail to `to` (another shard's, or none yet).
+fn send_here(node: &Node, to: Member, h: &Header, bytes: &[u8]) -> Option<Result<(), Error>> {
+    let dest = to.peer().dest();
+    match crate::node::send_now(node.shard_ctx(), dest, COLLECTIVE_AM, &h.encode(), bytes) {
+        Err(Error::Net(NetError::NotConnected { .. } | NetError::OtherShard { .. })) => None,
+        sent => Some(sent),
+    }
 }
 
 /// [`deliver_to`] by the paths that may wait: a shard of this node through the mesh, another
