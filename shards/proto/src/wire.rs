@@ -632,6 +632,67 @@ impl FrameHeader {
     }
 }
 
+/// The part of a data header that is the same for every frame one connection sends: the
+/// sender's node id and incarnation, both shards and the wire version, encoded once when the
+/// connection becomes ready ([`DataTemplate::new`]), so that a send writes only the frame's
+/// own fields ([`DataTemplate::write`]: kind, id, flags, and the request id and deadline when
+/// set). What it writes is byte for byte what [`FrameHeader::encode_data`] writes for the same
+/// header (a property test holds the two together).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataTemplate([u8; DATA_HEADER_MIN]);
+
+impl DataTemplate {
+    /// The template of the frames `node` sends with `base`'s version, shards and incarnation
+    /// (its kind, id, flags, request id and deadline are not kept).
+    pub fn new(node: NodeId, base: &FrameHeader) -> DataTemplate {
+        let mut t = [0u8; DATA_HEADER_MIN];
+        t[0..8].copy_from_slice(&node.get().to_le_bytes());
+        t[8..16].copy_from_slice(&base.incarnation.get().to_le_bytes());
+        t[20..22].copy_from_slice(&base.src_shard.get().to_le_bytes());
+        t[22..24].copy_from_slice(&base.dst_shard.get().to_le_bytes());
+        t[26] = base.version;
+        DataTemplate(t)
+    }
+
+    /// The receiving shard the template names.
+    pub fn dst_shard(&self) -> ShardId {
+        ShardId::new(le_u16(&self.0[22..24]))
+    }
+
+    /// Writes the data header of a frame of `kind` with `id`, `flags`, `req_id` and `ttl_ns`
+    /// at the start of `out` (an array of at least [`DATA_HEADER_MAX`] bytes, checked when it
+    /// compiles); returns its length (as [`FrameHeader::data_header_len`]).
+    #[inline]
+    pub fn write<const N: usize>(
+        &self,
+        out: &mut [u8; N],
+        (kind, id, flags): (FrameKind, u32, FrameFlags),
+        req_id: ReqId,
+        ttl_ns: u64,
+    ) -> usize {
+        const { assert!(N >= DATA_HEADER_MAX) };
+        out[..DATA_HEADER_MIN].copy_from_slice(&self.0);
+        out[16..20].copy_from_slice(&id.to_le_bytes());
+        out[24] = kind as u8;
+        // Every defined flag is in the low byte (FrameFlags::ALL).
+        out[25] = flags.bits() as u8;
+        let mut fields = 0;
+        let mut at = DATA_HEADER_MIN;
+        if req_id != ReqId::NONE {
+            fields |= DATA_HAS_REQ;
+            out[at..at + 8].copy_from_slice(&req_id.get().to_le_bytes());
+            at += 8;
+        }
+        if ttl_ns != NO_DEADLINE_TTL {
+            fields |= DATA_HAS_TTL;
+            out[at..at + 8].copy_from_slice(&ttl_ns.to_le_bytes());
+            at += 8;
+        }
+        out[27] = fields;
+        at
+    }
+}
+
 /// Remaining time-to-live from `now` until `deadline`, for the `ttl_ns` field: zero when already
 /// past, [`NO_DEADLINE_TTL`] when `deadline` is [`Timestamp::MAX`]. A finite deadline never maps
 /// to `NO_DEADLINE_TTL` (it is clamped one below).

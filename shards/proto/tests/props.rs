@@ -10,7 +10,9 @@ use shardcx_proto::handshake::{
     Reject, RejectReason, Welcome,
 };
 use shardcx_proto::request::{CreditWindow, PendingTable};
-use shardcx_proto::wire::{decode_frame, encode_frame, payload_offset, HEADER_LEN};
+use shardcx_proto::wire::{
+    decode_frame, encode_frame, payload_offset, DataTemplate, DATA_HEADER_MAX, HEADER_LEN,
+};
 use shardcx_proto::{
     decode_error, decode_request, encode_error, encode_request, request_prefix, CallFlags,
     RequestEnvelope, RpcErrorCode, RpcWireError, MAX_ERROR_MESSAGE, REQUEST_PREFIX_LEN,
@@ -144,6 +146,29 @@ proptest! {
         prop_assert_eq!(h.encode(&mut buf), Ok(HEADER_LEN));
         let limits = Limits { max_message_size: 1 << 24 };
         prop_assert_eq!(FrameHeader::decode(&buf, &limits), Ok(h));
+    }
+
+    /// A connection's data-header template writes what the header's own encoder writes, for
+    /// every kind, id, flag set, request id and deadline (present or not).
+    #[test]
+    fn data_template_writes_what_encode_data_writes(
+        h in header(),
+        node in any::<u64>(),
+        req in prop_oneof![Just(0u64), any::<u64>()],
+        ttl in prop_oneof![Just(u64::MAX), any::<u64>()],
+    ) {
+        let h = FrameHeader { req_id: ReqId::new(req), ttl_ns: ttl, ..h };
+        let node = NodeId::new(node);
+        let mut want = [0u8; DATA_HEADER_MAX];
+        let n = h.encode_data(node, &mut want).unwrap();
+        // The template keeps none of the frame's own fields: made from another kind and id.
+        let base = FrameHeader { kind: FrameKind::Heartbeat, id: !h.id, req_id: ReqId::new(3), ..h };
+        let t = DataTemplate::new(node, &base);
+        prop_assert_eq!(t.dst_shard(), h.dst_shard);
+        let mut got = [0xA5u8; DATA_HEADER_MAX];
+        let m = t.write(&mut got, (h.kind, h.id, h.flags), h.req_id, h.ttl_ns);
+        prop_assert_eq!(m, n);
+        prop_assert_eq!(&got[..m], &want[..n]);
     }
 
     #[test]

@@ -15,7 +15,8 @@ use super::buffers::{recv_vec, RecycledBuf};
 use super::request::{is_reply_kind, is_request_kind, reply_fits};
 use super::session::{self, accept_opening};
 use super::{
-    parse_am_header, NetError, NetState, DATA_AM, FRAME_AM, MAX_ADDR_LEN, MAX_USER_HEADER,
+    parse_am_header, InlineRail, NetError, NetState, DATA_AM, FRAME_AM, MAX_ADDR_LEN,
+    MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
 use crate::driver::{DispatchHook, Dispatched, DISPATCH_BUDGET};
@@ -515,29 +516,24 @@ fn dispatch_inline(
     let left = net.inline_left.get().saturating_sub(1);
     net.inline_left.set(left);
     let (now, _) = net.batch_now(ctx.progress_rounds());
-    if accepted(net, node, &header, now, true) {
-        net.count(|s| s.dispatched_in_callback += 1);
+    if let Some(rail) = accepted(net, node, &header, now, true) {
         // The handler, looked up once: one that reads frames in place gets UCX's bytes as
         // they are; one that owns them gets the frame, without `dispatch` looking it up again.
         let handler = match header.kind {
-            FrameKind::Am => net.handlers.borrow().get(&AmId::new(header.id)).cloned(),
+            FrameKind::Am => net.handlers.get(AmId::new(header.id)),
             // Replies go to their pending requests; expired requests are dropped (`dispatch`).
             k if is_reply_kind(k) || (is_request_kind(k) && header.ttl_ns == 0) => None,
             k => net.frame_handlers.borrow().get(&k).cloned(),
         };
-        let lent = FrameView {
-            node,
-            header: &header,
-            user,
-            payload: match &eager {
-                Eager::Bytes(b) => b,
-                Eager::Desc(d) => d.as_slice(),
-            },
-            arrived: now,
-        };
+        let _rail = net.set_inline_rail(rail);
         match handler {
-            Some(AnyHandler::View(h)) => call_view(ctx, &h, &lent),
-            Some(AnyHandler::Either(h)) => call_either(ctx, &h, Incoming::Lent(&lent)),
+            Some(AnyHandler::View(h)) => {
+                call_view(ctx, &h, &eager.view(node, &header, user, now), true)
+            }
+            Some(AnyHandler::Either(h)) => {
+                let lent = eager.view(node, &header, user, now);
+                call_either(ctx, &h, Incoming::Lent(&lent), true)
+            }
             owner => {
                 let payload = match eager {
                     Eager::Bytes(b) => net.inline_payload(b),
@@ -551,9 +547,12 @@ fn dispatch_inline(
                     arrived: now,
                 };
                 match owner {
-                    Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
+                    Some(AnyHandler::Frame(h)) => call(ctx, &h, frame, true),
                     // Replies, expired requests, frames nobody handles: counted there.
-                    _ => dispatch(ctx, frame),
+                    _ => {
+                        net.count(|s| s.dispatched_in_callback += 1);
+                        dispatch(ctx, frame)
+                    }
                 }
             }
         }
@@ -575,6 +574,29 @@ fn dispatch_inline(
 enum Eager<'a> {
     Bytes(&'a [u8]),
     Desc(AmData),
+}
+
+impl Eager<'_> {
+    /// The frame lent to a handler, with this as its payload.
+    #[inline(always)]
+    fn view<'a>(
+        &'a self,
+        node: NodeId,
+        header: &'a FrameHeader,
+        user: &'a [u8],
+        arrived: Timestamp,
+    ) -> FrameView<'a> {
+        FrameView {
+            node,
+            header,
+            user,
+            payload: match self {
+                Eager::Bytes(b) => b,
+                Eager::Desc(d) => d.as_slice(),
+            },
+            arrived,
+        }
+    }
 }
 
 /// Whether the shard's executor wants the thread back for its timers and I/O (glommio's
@@ -659,25 +681,27 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
 }
 
 /// Feeds an application frame's header to the connection of its rail (from `node`'s shard
-/// `header.src_shard`; dropped as unauthenticated without one) and whether its handler gets
-/// it. The connection's follow-up work, if the frame left it some, is done now, or recorded
-/// for the driver when the frame is being dispatched inside UCX's callback (`in_callback`).
+/// `header.src_shard`; dropped as unauthenticated without one) and, if its handler gets it,
+/// the rail (for the handler's answer: see [`NetState::with_inline_rail`]). The connection's
+/// follow-up work, if the frame left it some, is done now, or recorded for the driver when the
+/// frame is being dispatched inside UCX's callback (`in_callback`).
+#[inline]
 fn accepted(
     net: &NetState,
     node: NodeId,
     header: &FrameHeader,
     now: Timestamp,
     in_callback: bool,
-) -> bool {
+) -> Option<InlineRail> {
     let remote = header.src_shard;
-    let received = match net
+    let (received, tx) = match net
         .peers
         .borrow_mut()
         .get_mut(&node)
         .and_then(|p| p.get_mut(remote))
     {
-        Some(r) => r.conn.handle_frame(now, header, &[]),
-        None => Received::Dropped(DropReason::NotReady),
+        Some(r) => (r.data_frame(now, header), Some(&r.tx).cloned()),
+        None => (Received::Dropped(DropReason::NotReady), None),
     };
     if !matches!(received, Received::Deliver) {
         if in_callback {
@@ -688,7 +712,11 @@ fn accepted(
             session::service(net, node, remote);
         }
     }
-    count_received(net, header, received)
+    if count_received(net, header, received) {
+        tx.map(|tx| InlineRail { node, remote, tx })
+    } else {
+        None
+    }
 }
 
 /// Handles one recorded input; true if it was a liveness frame (see `Dispatched::app`).
@@ -700,18 +728,19 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) -> 
             user,
             data,
         } => {
-            if accepted(net, node, &header, now, false) {
+            if let Some(rail) = accepted(net, node, &header, now, false) {
                 match data {
-                    AmPayload::Data(d) => dispatch(
-                        ctx,
-                        Frame {
+                    AmPayload::Data(d) => {
+                        let frame = Frame {
                             node,
                             header,
                             user,
                             payload: Payload::desc(d),
                             arrived: now,
-                        },
-                    ),
+                        };
+                        let _rail = net.set_inline_rail(rail);
+                        dispatch(ctx, frame);
+                    }
                     AmPayload::Rendezvous(r) => deliver_rndv(ctx, node, header, user, r),
                 }
             }
@@ -735,11 +764,11 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) -> 
                 match p {
                     Some(p) => match p.get_mut(remote) {
                         Some(r) if r.generation == generation => {
-                            r.conn.handle_transport_error(now);
+                            r.conn_mut().handle_transport_error(now);
                             false
                         }
                         _ => p.pending_mut(generation).is_some_and(|q| {
-                            q.rail.conn.handle_transport_error(now);
+                            q.rail.conn_mut().handle_transport_error(now);
                             true
                         }),
                     },
@@ -814,13 +843,13 @@ fn handle_control(
         .and_then(|p| p.get(remote))
         .map(|r| {
             let restarted = opening_from
-                .zip(r.conn.peer())
+                .zip(r.conn().peer())
                 .is_some_and(|(inc, peer)| inc != peer.incarnation);
             match header.kind {
                 // A ready rail's connection declines it, or drops it as stale (see below).
-                FrameKind::Hello if r.conn.state() == State::Ready => true,
+                FrameKind::Hello if r.conn().state() == State::Ready => true,
                 _ if restarted => false,
-                FrameKind::Join => r.conn.role() == Role::Server && r.conn.is_join(),
+                FrameKind::Join => r.conn().role() == Role::Server && r.conn().is_join(),
                 _ => true,
             }
         });
@@ -844,10 +873,10 @@ fn handle_control(
         .get_mut(&node)
         .and_then(|p| p.get_mut(remote))
     {
-        Some(r) => (
-            r.conn.handle_frame(now, &header, payload),
-            r.conn.peer().copied(),
-        ),
+        Some(r) => {
+            let received = r.conn_mut().handle_frame(now, &header, payload);
+            (received, r.conn().peer().copied())
+        }
         None => return liveness,
     };
     if let (Received::Dropped(DropReason::Opening), Some(ready)) = (received, ready) {
@@ -881,7 +910,7 @@ fn feed_pending(
         .get_mut(&node)
         .and_then(|p| p.pending_mut(generation))
     {
-        Some(q) => q.rail.conn.handle_frame(now, header, payload),
+        Some(q) => q.rail.conn_mut().handle_frame(now, header, payload),
         None => return,
     };
     session::service_pending(net, node, generation);
@@ -928,7 +957,7 @@ fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
     let want = match header.kind {
         FrameKind::Am => {
             let id = AmId::new(header.id);
-            net.handlers.borrow().contains_key(&id) || net.rndv_handlers.borrow().contains_key(&id)
+            net.handlers.contains(id) || net.rndv_handlers.borrow().contains_key(&id)
         }
         k if is_reply_kind(k) => {
             let fits = net.pending.borrow().get(header.req_id).is_some_and(|p| {
@@ -956,14 +985,12 @@ fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
 }
 
 /// Calls `handler` with `frame`, on the driver's stack: a panic loses this frame only, and
-/// is counted ([`super::NetStats::handler_panics`]).
+/// is counted ([`super::NetStats::handler_panics`]). `inline`: dispatched in UCX's callback
+/// (counted with the frame, in one look at the counters).
 #[inline(always)]
-fn call(ctx: &Rc<ShardCtx>, handler: &FrameHandler, frame: Frame) {
+fn call(ctx: &Rc<ShardCtx>, handler: &FrameHandler, frame: Frame, inline: bool) {
     let net = ctx.net();
-    net.count(|s| {
-        s.delivered += 1;
-        s.traffic(&frame.header, true);
-    });
+    net.count(|s| s.delivered_frame(&frame.header, inline));
     if std::panic::catch_unwind(AssertUnwindSafe(|| handler(ctx, frame))).is_err() {
         net.count(|s| s.handler_panics += 1);
     }
@@ -971,12 +998,9 @@ fn call(ctx: &Rc<ShardCtx>, handler: &FrameHandler, frame: Frame) {
 
 /// [`call`] for a handler that reads the frame in place.
 #[inline(always)]
-fn call_view(ctx: &Rc<ShardCtx>, handler: &ViewHandler, frame: &FrameView<'_>) {
+fn call_view(ctx: &Rc<ShardCtx>, handler: &ViewHandler, frame: &FrameView<'_>, inline: bool) {
     let net = ctx.net();
-    net.count(|s| {
-        s.delivered += 1;
-        s.traffic(frame.header, true);
-    });
+    net.count(|s| s.delivered_frame(frame.header, inline));
     if std::panic::catch_unwind(AssertUnwindSafe(|| handler(ctx, frame))).is_err() {
         net.count(|s| s.handler_panics += 1);
     }
@@ -984,16 +1008,13 @@ fn call_view(ctx: &Rc<ShardCtx>, handler: &ViewHandler, frame: &FrameView<'_>) {
 
 /// [`call`] for a handler that takes a frame lent or owned.
 #[inline(always)]
-fn call_either(ctx: &Rc<ShardCtx>, handler: &EitherHandler, frame: Incoming<'_>) {
+fn call_either(ctx: &Rc<ShardCtx>, handler: &EitherHandler, frame: Incoming<'_>, inline: bool) {
     let net = ctx.net();
     let header = match &frame {
         Incoming::Lent(v) => v.header,
         Incoming::Owned(f) => &f.header,
     };
-    net.count(|s| {
-        s.delivered += 1;
-        s.traffic(header, true);
-    });
+    net.count(|s| s.delivered_frame(header, inline));
     if std::panic::catch_unwind(AssertUnwindSafe(|| handler(ctx, frame))).is_err() {
         net.count(|s| s.handler_panics += 1);
     }
@@ -1006,11 +1027,11 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
     let header = frame.header;
     match header.kind {
         FrameKind::Am => {
-            let h = net.handlers.borrow().get(&AmId::new(header.id)).cloned();
+            let h = net.handlers.get(AmId::new(header.id));
             match h {
-                Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
-                Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view()),
-                Some(AnyHandler::Either(h)) => call_either(ctx, &h, Incoming::Owned(frame)),
+                Some(AnyHandler::Frame(h)) => call(ctx, &h, frame, false),
+                Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view(), false),
+                Some(AnyHandler::Either(h)) => call_either(ctx, &h, Incoming::Owned(frame), false),
                 // None, or only a rendezvous handler: it cannot take eager data.
                 None => net.count(|s| s.dropped_no_handler += 1),
             }
@@ -1045,9 +1066,9 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
             }
             let h = net.frame_handlers.borrow().get(&k).cloned();
             match h {
-                Some(AnyHandler::Frame(h)) => call(ctx, &h, frame),
-                Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view()),
-                Some(AnyHandler::Either(h)) => call_either(ctx, &h, Incoming::Owned(frame)),
+                Some(AnyHandler::Frame(h)) => call(ctx, &h, frame, false),
+                Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view(), false),
+                Some(AnyHandler::Either(h)) => call_either(ctx, &h, Incoming::Owned(frame), false),
                 None => net.count(|s| s.dropped_no_handler += 1),
             }
         }
@@ -1271,7 +1292,6 @@ impl ShardCtx {
     {
         self.net()
             .handlers
-            .borrow_mut()
             .insert(id, AnyHandler::Frame(Rc::new(handler)));
     }
 
@@ -1286,7 +1306,6 @@ impl ShardCtx {
     {
         self.net()
             .handlers
-            .borrow_mut()
             .insert(id, AnyHandler::View(Rc::new(handler)));
     }
 
@@ -1303,7 +1322,6 @@ impl ShardCtx {
     {
         self.net()
             .handlers
-            .borrow_mut()
             .insert(id, AnyHandler::Either(Rc::new(handler)));
     }
 

@@ -205,7 +205,7 @@ mod report;
 pub mod request;
 mod session;
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, Ref, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
@@ -580,16 +580,29 @@ impl NetStats {
         ]
     }
 
+    /// Counts a frame handed to its handler (`inline`: dispatched in UCX's callback).
+    #[inline]
+    pub(crate) fn delivered_frame(&mut self, header: &FrameHeader, inline: bool) {
+        self.delivered += 1;
+        self.dispatched_in_callback += u64::from(inline);
+        self.traffic(header, true);
+    }
+
     /// Counts one frame of `header`'s kind and payload in (`inbound`) or out.
     pub(crate) fn traffic(&mut self, header: &FrameHeader, inbound: bool) {
-        if let Some(t) = Traffic::of(header.kind, header.id) {
+        self.traffic_of(header.kind, header.id, header.payload_len, inbound);
+    }
+
+    /// Counts one frame of `kind` and `id` with `len` payload bytes in (`inbound`) or out.
+    pub(crate) fn traffic_of(&mut self, kind: FrameKind, id: u32, len: u64, inbound: bool) {
+        if let Some(t) = Traffic::of(kind, id) {
             let (frames, bytes) = if inbound {
                 (&mut self.frames_in, &mut self.bytes_in)
             } else {
                 (&mut self.frames_out, &mut self.bytes_out)
             };
             frames[t as usize] += 1;
-            bytes[t as usize] += header.payload_len;
+            bytes[t as usize] += len;
         }
     }
 }
@@ -714,6 +727,71 @@ pub fn instant_of(t: Timestamp) -> Instant {
     epoch() + Duration::from_nanos(t.as_nanos())
 }
 
+/// The rail a frame came in on, for its handler's call ([`NetState::inline_rail`]).
+pub(crate) struct InlineRail {
+    node: NodeId,
+    remote: ShardId,
+    tx: Rc<session::RailTx>,
+}
+
+/// Forgets the rail of the frame whose handler ran ([`NetState::set_inline_rail`]).
+pub(crate) struct InlineRailGuard<'a>(&'a RefCell<Option<InlineRail>>);
+
+impl Drop for InlineRailGuard<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        if let Ok(mut slot) = self.0.try_borrow_mut() {
+            *slot = None;
+        }
+    }
+}
+
+/// The handlers of AM ids on one shard, with the last one looked up kept beside the table
+/// (most traffic uses a few ids: a hit costs a comparison, not a hash and a probe).
+struct Handlers {
+    map: RefCell<HashMap<AmId, AnyHandler, DedupHasher>>,
+    last: RefCell<Option<(AmId, AnyHandler)>>,
+}
+
+impl Handlers {
+    fn new(hasher: DedupHasher) -> Handlers {
+        Handlers {
+            map: RefCell::new(HashMap::with_hasher(hasher)),
+            last: RefCell::new(None),
+        }
+    }
+
+    /// The handler of `id`.
+    #[inline]
+    fn get(&self, id: AmId) -> Option<AnyHandler> {
+        if let Ok(last) = self.last.try_borrow() {
+            if let Some((i, h)) = last.as_ref().filter(|(i, _)| *i == id) {
+                debug_assert_eq!(*i, id);
+                return Some(h.clone());
+            }
+        }
+        let h = self.map.borrow().get(&id).cloned();
+        if let (Some(h), Ok(mut last)) = (&h, self.last.try_borrow_mut()) {
+            *last = Some((id, h.clone()));
+        }
+        h
+    }
+
+    /// Whether `id` has a handler.
+    fn contains(&self, id: AmId) -> bool {
+        self.map.borrow().contains_key(&id)
+    }
+
+    /// Installs the handler of `id`, replacing any previous one.
+    fn insert(&self, id: AmId, handler: AnyHandler) {
+        self.map.borrow_mut().insert(id, handler);
+        // A handler looked up before is not used again (held by a dispatch, it runs to its end).
+        if let Ok(mut last) = self.last.try_borrow_mut() {
+            *last = None;
+        }
+    }
+}
+
 /// One shard's network state (in its [`ShardCtx`]).
 pub(crate) struct NetState {
     settings: NodeSettings,
@@ -726,7 +804,7 @@ pub(crate) struct NetState {
     peers: RefCell<HashMap<NodeId, PeerRails, DedupHasher>>,
     /// On shard 0: node pairs being established, with who waits for each (see `session`).
     establishing: RefCell<HashMap<NodeId, Vec<EstablishWaiter>>>,
-    handlers: RefCell<HashMap<AmId, AnyHandler, DedupHasher>>,
+    handlers: Handlers,
     rndv_handlers: RefCell<HashMap<AmId, RndvHandler, DedupHasher>>,
     frame_handlers: RefCell<HashMap<FrameKind, AnyHandler, DedupHasher>>,
     frame_rndv_handlers: RefCell<HashMap<FrameKind, RndvHandler, DedupHasher>>,
@@ -759,6 +837,10 @@ pub(crate) struct NetState {
     /// The clock reading of the driver's current round, taken by the first frame of the round
     /// that needs one: the round's number and the reading ([`NetState::batch_now`]).
     batch: Cell<Option<(u64, Timestamp, Instant)>>,
+    /// The rail of the frame whose handler runs (set by its dispatch for the handler's call),
+    /// so that the handler's answer on that rail finds it with no lookup
+    /// ([`NetState::inline_rail_to`]).
+    inline_rail: RefCell<Option<InlineRail>>,
     /// Set while a frame is dispatched inside UCX's callback: a frame UCX delivers meanwhile
     /// (a handler's send to its own worker) is recorded instead ([`inbound`]).
     dispatching: Cell<bool>,
@@ -996,7 +1078,7 @@ impl NetState {
             limits,
             peers: RefCell::new(HashMap::with_hasher(hasher.clone())),
             establishing: RefCell::new(HashMap::new()),
-            handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            handlers: Handlers::new(hasher.clone()),
             rndv_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
             frame_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
             frame_rndv_handlers: RefCell::new(HashMap::with_hasher(hasher)),
@@ -1015,6 +1097,7 @@ impl NetState {
             backlog_peak: Cell::new(0),
             batch: Cell::new(None),
             dispatching: Cell::new(false),
+            inline_rail: RefCell::new(None),
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
             inline_bytes: Cell::new(None),
             spare_request: crate::SpareVec::new(0, 2 * request::RECYCLED_REQUEST),
@@ -1049,6 +1132,28 @@ impl NetState {
         self.batch
             .get()
             .and_then(|(r, _, at)| (r == round).then_some(at))
+    }
+
+    /// The rail of the frame whose handler runs, if it is the one to `(node, remote)` and can
+    /// send (a rail replaced meanwhile cannot: the caller then looks the new one up).
+    #[inline]
+    fn inline_rail_to(&self, node: NodeId, remote: ShardId) -> Option<Ref<'_, InlineRail>> {
+        let cur = self.inline_rail.try_borrow().ok()?;
+        Ref::filter_map(cur, |c| {
+            c.as_ref()
+                .filter(|r| r.node == node && r.remote == remote && r.tx.template().is_some())
+        })
+        .ok()
+    }
+
+    /// Sets `rail` as the rail of the frame whose handler is about to run, until the guard is
+    /// dropped (whatever the handler does, even unwinding).
+    #[inline]
+    fn set_inline_rail(&self, rail: InlineRail) -> InlineRailGuard<'_> {
+        if let Ok(mut slot) = self.inline_rail.try_borrow_mut() {
+            *slot = Some(rail);
+        }
+        InlineRailGuard(&self.inline_rail)
     }
 
     fn count(&self, f: impl FnOnce(&mut NetStats)) {
@@ -1141,7 +1246,7 @@ fn sends_unfinished(net: &NetState) -> bool {
             .peers
             .borrow()
             .values()
-            .any(|p| p.rails.iter().any(|r| r.out.has_items()))
+            .any(|p| p.rails.iter().any(|r| r.tx.out.has_items()))
 }
 
 impl ShardCtx {
@@ -1227,13 +1332,13 @@ impl ShardCtx {
         let peers = self.net().peers.borrow();
         let p = peers.get(&node)?;
         let remote = session::default_remote(self, p)?;
-        session::ready_remote(&p.get(remote)?.conn)
+        session::ready_remote(p.get(remote)?.conn())
     }
 
     /// The ready rail from this shard to shard `shard` of `node`, if this shard has one.
     pub fn rail(&self, node: NodeId, shard: ShardId) -> Option<RemoteNode> {
         let peers = self.net().peers.borrow();
-        session::ready_remote(&peers.get(&node)?.get(shard)?.conn)
+        session::ready_remote(peers.get(&node)?.get(shard)?.conn())
     }
 
     /// Whether this shard holds a ready default rail to `node`.
@@ -1252,7 +1357,7 @@ impl ShardCtx {
         let mut r = RailStates::default();
         for p in self.net().peers.borrow().values() {
             for rail in &p.rails {
-                match rail.conn.state() {
+                match rail.conn().state() {
                     State::Ready => r.ready += 1,
                     State::Draining => r.draining += 1,
                     State::Failed | State::Closed => r.closing += 1,
@@ -1274,7 +1379,7 @@ impl ShardCtx {
             .peers
             .borrow()
             .get(&node)
-            .map_or(0, |p| p.rails.iter().map(|r| r.backlog.bytes()).sum())
+            .map_or(0, |p| p.rails.iter().map(|r| r.tx.backlog.bytes()).sum())
     }
 
     /// The bytes all of this shard's rails hold that UCX has not completed (the sum of
@@ -1285,7 +1390,7 @@ impl ShardCtx {
             .borrow()
             .values()
             .flat_map(|p| p.rails.iter())
-            .map(|r| r.backlog.bytes())
+            .map(|r| r.tx.backlog.bytes())
             .sum()
     }
 

@@ -13,13 +13,13 @@ use futures_lite::future;
 use glommio::timer::sleep;
 
 use super::inbound::Inbound;
-use super::session::{PeerRails, RailConn};
+use super::session::RailTx;
 use super::{
     Dest, NetError, NetState, Queue, Route, AM_HEADER_LEN, DATA_AM, DATA_HEADER_LEN, FRAME_AM,
     MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
-use crate::proto::wire::NO_DEADLINE_TTL;
+use crate::proto::wire::{DataTemplate, NO_DEADLINE_TTL};
 use crate::proto::{AmId, FrameFlags, FrameHeader, FrameKind, NodeId, ReqId, ShardId};
 use crate::ucx::{AmProto, AmSend, Endpoint, SendBuf};
 
@@ -149,15 +149,31 @@ impl Body<'_> {
 }
 
 impl AmHeader {
-    fn new(node: NodeId, header: &FrameHeader, user: &[u8]) -> AmHeader {
+    /// The header of a frame on the rail whose data header is `t`.
+    #[inline]
+    fn new(t: &DataTemplate, spec: &FrameSpec, flags: FrameFlags, user: &[u8]) -> AmHeader {
         if user.len() <= STACK_USER {
             let mut a = [0u8; DATA_HEADER_LEN + STACK_USER];
-            // Cannot fail: `a` has room for the longest data header.
-            let n = header.encode_data(node, &mut a).unwrap_or(0);
+            let n = t.write(
+                &mut a,
+                (spec.kind, spec.id, flags),
+                spec.req_id,
+                spec.ttl_ns,
+            );
             a[n..n + user.len()].copy_from_slice(user);
             AmHeader::Stack(a, n + user.len())
         } else {
-            AmHeader::Heap(super::data_am_header(node, header, user))
+            let mut a = [0u8; DATA_HEADER_LEN];
+            let n = t.write(
+                &mut a,
+                (spec.kind, spec.id, flags),
+                spec.req_id,
+                spec.ttl_ns,
+            );
+            let mut v = Vec::with_capacity(n + user.len());
+            v.extend_from_slice(&a[..n]);
+            v.extend_from_slice(user);
+            AmHeader::Heap(v)
         }
     }
 
@@ -191,6 +207,7 @@ pub(super) fn check_kind(kind: FrameKind) -> Result<(), NetError> {
 /// The size checks every send makes first: the payload against
 /// [`super::NetConfig::max_message_size`], the user header against [`MAX_USER_HEADER`] and what
 /// the worker's UCX carries in one AM header.
+#[inline]
 pub(super) fn check_sizes(net: &NetState, user: usize, payload: usize) -> Result<(), NetError> {
     let max = net.settings.cfg.max_message_size;
     if payload as u64 > max {
@@ -222,6 +239,10 @@ pub(super) fn check_sizes(net: &NetState, user: usize, payload: usize) -> Result
 /// Frames leave in order: the sender posts a frame in the same poll in which it takes it from
 /// the queue, so an empty queue means every earlier frame is already with UCX, which keeps the
 /// order of sends posted on one endpoint.
+///
+/// From the handler of a frame that came in on that rail (its answer), the rail is the one
+/// the dispatch handed over ([`NetState::inline_rail`]): no lookup.
+#[inline]
 pub(super) fn send(
     ctx: &ShardCtx,
     (node, remote): (NodeId, ShardId),
@@ -229,14 +250,22 @@ pub(super) fn send(
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
-    send_with(ctx, node, spec, user, body, |p: &PeerRails| {
-        p.get(remote).ok_or(NetError::NotConnected { node })
-    })
+    let net = ctx.net();
+    check_sizes(net, user.len(), body.len())?;
+    check_kind(spec.kind)?;
+    if let Some(r) = net.inline_rail_to(node, remote) {
+        return send_on(ctx, node, &r.tx, spec, user, body);
+    }
+    let peers = net.peers.borrow();
+    let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
+    let rail = p.get(remote).ok_or(NetError::NotConnected { node })?;
+    send_on(ctx, node, &rail.tx, spec, user, body)
 }
 
 /// [`send`] to `dest` routed from this shard: the rail this shard holds to the remote shard
 /// `dest` names (or its default one), found with one lookup; [`NetError::OtherShard`] when
 /// another local shard holds that rail.
+#[inline]
 pub(super) fn send_routed(
     ctx: &ShardCtx,
     dest: Dest,
@@ -244,69 +273,139 @@ pub(super) fn send_routed(
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
-    let node = dest.node;
-    send_with(ctx, node, spec, user, body, |p: &PeerRails| {
-        match ctx.route_in(p, dest)? {
-            Route::Here(remote) => p.get(remote).ok_or(NetError::NotConnected { node }),
-            Route::There(owner) => Err(NetError::OtherShard { node, owner }),
-        }
-    })
-}
-
-/// Checks the frame, looks `node`'s rails up once and sends on the one `rail` picks.
-fn send_with(
-    ctx: &ShardCtx,
-    node: NodeId,
-    spec: FrameSpec,
-    user: &[u8],
-    body: Body<'_>,
-    rail: impl FnOnce(&PeerRails) -> Result<&RailConn, NetError>,
-) -> Result<(), NetError> {
     let net = ctx.net();
+    let node = dest.node;
     check_sizes(net, user.len(), body.len())?;
     check_kind(spec.kind)?;
+    // The rail a frame being dispatched came in on is this shard's: no route to find.
+    if let Some(r) = dest
+        .shard
+        .and_then(|remote| net.inline_rail_to(node, remote))
+    {
+        return send_on(ctx, node, &r.tx, spec, user, body);
+    }
     let peers = net.peers.borrow();
     let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
-    send_on(ctx, node, rail(p)?, spec, user, body)
+    let rail = match ctx.route_in(p, dest)? {
+        Route::Here(remote) => p.get(remote).ok_or(NetError::NotConnected { node })?,
+        Route::There(owner) => return Err(NetError::OtherShard { node, owner }),
+    };
+    send_on(ctx, node, &rail.tx, spec, user, body)
 }
 
-/// Sends on rail `p` to `node` (see [`send`]).
+/// Sends on rail `p` to `node` (see [`send`]): a short borrowed payload in place if it can,
+/// else (or for an owned one) [`send_later`].
+#[inline]
 fn send_on(
     ctx: &ShardCtx,
     node: NodeId,
-    p: &RailConn,
+    p: &RailTx,
     spec: FrameSpec,
     user: &[u8],
     body: Body<'_>,
+) -> Result<(), NetError> {
+    let tried = match body {
+        Body::Borrowed(bytes) => match send_now_on(ctx, node, p, &spec, user, bytes) {
+            Now::Done(r) => return r,
+            Now::Later { tried } => tried,
+        },
+        Body::Buf(_) => false,
+    };
+    send_later(ctx, node, p, spec, user, body, tried)
+}
+
+/// What [`send_now_on`] did.
+enum Now {
+    /// Sent in place, or failed for good.
+    Done(Result<(), NetError>),
+    /// To post or queue; `tried`: UCX was asked to take it in place and could not.
+    Later { tried: bool },
+}
+
+/// The path of an inline answer: a frame whose borrowed payload and user header are short,
+/// handed to UCX in place when nothing is queued before it on rail `p` (no copy on our side,
+/// no allocation; the header written from the rail's template on the stack).
+#[inline(always)]
+fn send_now_on(
+    ctx: &ShardCtx,
+    node: NodeId,
+    p: &RailTx,
+    spec: &FrameSpec,
+    user: &[u8],
+    payload: &[u8],
+) -> Now {
+    let net = ctx.net();
+    let later = Now::Later { tried: false };
+    if payload.len() > net.settings.cfg.rndv_threshold || user.len() > STACK_USER {
+        return later;
+    }
+    let Some(t) = p.template() else {
+        return Now::Done(Err(NetError::NotConnected { node }));
+    };
+    if !p.out.is_idle() {
+        return later;
+    }
+    let Some(ep) = p.ep.upgrade() else {
+        return later;
+    };
+    let mut a = [0u8; DATA_HEADER_LEN + STACK_USER];
+    let n = t.write(
+        &mut a,
+        (spec.kind, spec.id, FrameFlags::EMPTY),
+        spec.req_id,
+        spec.ttl_ns,
+    );
+    let end = n + user.len();
+    a[n..end].copy_from_slice(user);
+    match ep.am_send_now(DATA_AM, &a[..end], payload) {
+        Ok(()) => {
+            net.count(|s| {
+                s.sent_in_place += 1;
+                s.traffic_of(spec.kind, spec.id, payload.len() as u64, false);
+            });
+            Now::Done(Ok(()))
+        }
+        Err(crate::ucx::Error::NoResource) => Now::Later { tried: true },
+        Err(_) => {
+            p.out.push(Outbound::Failed);
+            Now::Done(Err(NetError::Transport { node }))
+        }
+    }
+}
+
+/// Sends on rail `p` to `node` from an owned buffer (a borrowed payload is copied): posted to
+/// UCX at once when nothing is queued before it (in place first, unless `tried`), else queued
+/// for the rail's sender (see [`send`]).
+#[inline(never)]
+fn send_later(
+    ctx: &ShardCtx,
+    node: NodeId,
+    p: &RailTx,
+    spec: FrameSpec,
+    user: &[u8],
+    body: Body<'_>,
+    tried: bool,
 ) -> Result<(), NetError> {
     let net = ctx.net();
     let len = body.len();
     let rndv = len > net.settings.cfg.rndv_threshold;
-    let header = FrameHeader {
-        id: spec.id,
-        req_id: spec.req_id,
-        ttl_ns: spec.ttl_ns,
-        payload_len: len as u64,
-        flags: if rndv {
-            FrameFlags::RNDV
-        } else {
-            FrameFlags::EMPTY
-        },
-        ..p.conn
-            .frame_header(spec.kind)
-            .map_err(|_| NetError::NotConnected { node })?
+    let flags = if rndv {
+        FrameFlags::RNDV
+    } else {
+        FrameFlags::EMPTY
     };
-    let am = AmHeader::new(net.settings.node_id, &header, user);
+    let template = p.template().ok_or(NetError::NotConnected { node })?;
+    let am = AmHeader::new(&template, &spec, flags, user);
     // Nothing queued before this frame: hand it to UCX here, in order, with no task switch;
     // in place when UCX takes it at once, else posted from an owned buffer.
     let idle_ep = p.out.is_idle().then(|| p.ep.upgrade()).flatten();
     if let Some(ep) = idle_ep {
-        if let (false, Some(bytes)) = (rndv, body.as_slice()) {
+        if let (false, false, Some(bytes)) = (tried, rndv, body.as_slice()) {
             match ep.am_send_now(DATA_AM, am.as_slice(), bytes) {
                 Ok(()) => {
                     net.count(|s| {
                         s.sent_in_place += 1;
-                        s.traffic(&header, false);
+                        s.traffic_of(spec.kind, spec.id, len as u64, false);
                     });
                     return Ok(());
                 }
@@ -328,7 +427,7 @@ fn send_on(
         let first = Pin::new(&mut send).poll(&mut std::task::Context::from_waker(Waker::noop()));
         net.count(|s| {
             s.sent_posted += 1;
-            s.traffic(&header, false);
+            s.traffic_of(spec.kind, spec.id, len as u64, false);
         });
         if first.is_ready() {
             p.backlog.release(bytes);
@@ -360,7 +459,7 @@ fn send_on(
     if p.out.push(item) {
         net.count(|s| {
             s.sent_queued += 1;
-            s.traffic(&header, false);
+            s.traffic_of(spec.kind, spec.id, len as u64, false);
         });
         // The sender is runnable now: the driver yields to it at its next round.
         ctx.wake_driver();
@@ -373,7 +472,7 @@ fn send_on(
 
 /// Reserves `bytes` of rail `p`'s backlog for a frame about to be queued or posted, or
 /// refuses it ([`NetError::Backlogged`], counted); returns the bytes reserved.
-fn reserve(net: &NetState, node: NodeId, p: &RailConn, bytes: usize) -> Result<u64, NetError> {
+fn reserve(net: &NetState, node: NodeId, p: &RailTx, bytes: usize) -> Result<u64, NetError> {
     let bytes = bytes as u64;
     let limit = net.settings.cfg.max_backlog_bytes;
     match p.backlog.reserve(bytes, limit) {

@@ -81,6 +81,7 @@
 //! [`NetStats::pending_expired`]: super::NetStats::pending_expired
 //! [`NetConfig::max_half_open`]: super::NetConfig::max_half_open
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
@@ -97,10 +98,11 @@ use super::outbound::{self, Backlog, Outbound};
 use super::request::send_cancel;
 use super::{frame_am_header, NetError, NetState, Queue, RemoteNode, Slot};
 use crate::boot::ShardCtx;
-use crate::proto::conn::FailReason;
+use crate::proto::conn::{FailReason, Received};
 use crate::proto::handshake::{
     accept_join, HandshakeError, HandshakeMessage, PeerInfo, RejectReason, Role,
 };
+use crate::proto::wire::DataTemplate;
 use crate::proto::{
     ConnConfig, Connection, Event, FrameHeader, FrameKind, Incarnation, NodeId, PreSharedKey, Rail,
     Rails, ReqId, Seeds, SessionSecret, ShardId, State, Timestamp,
@@ -147,17 +149,37 @@ pub(super) struct PendingOpening {
 pub(super) struct RailConn {
     /// The remote shard at the other end.
     pub(super) remote: ShardId,
-    pub(super) conn: Connection,
+    /// Read with [`RailConn::conn`]; changed through [`RailConn::conn_mut`], which keeps
+    /// `tx`'s data-header template in step with the connection's state.
+    conn: Connection,
+    /// What a send on the rail reads, shared with the dispatch of a frame that came in on it.
+    pub(super) tx: Rc<RailTx>,
+    pub(super) generation: u64,
+    waiters: Vec<Waiter>,
+}
+
+/// What a send on one rail reads (see "The hot path" in the module docs of [`super`]): kept
+/// beside the rail's connection in an `Rc`, so that the dispatch of a frame that came in on
+/// the rail hands it to the frame's handler, whose answer then goes out on the rail with no
+/// lookup ([`NetState::inline_rail`](super::NetState)).
+pub(super) struct RailTx {
+    /// The data header of the rail's application frames ([`DataTemplate`]), present while its
+    /// connection can send them (ready or draining; [`Connection::frame_header`]).
+    template: Cell<Option<DataTemplate>>,
+    /// This node's id, which the template starts with.
+    me: NodeId,
     /// Frames for the rail's sender task, in order.
     pub(super) out: Rc<Queue<Outbound>>,
     /// The sender task's endpoint, for sends in place; it goes when the sender ends.
     pub(super) ep: Weak<Endpoint>,
-    pub(super) generation: u64,
     /// Bytes of application frames on this rail that UCX has not completed: queued for the
     /// sender, or posted and in flight ([`super::NetConfig::max_backlog_bytes`]).
     pub(super) backlog: Rc<Backlog>,
-    waiters: Vec<Waiter>,
 }
+
+/// A rail's connection borrowed for a change ([`RailConn::conn_mut`]): when it is dropped, the
+/// rail's data-header template is made again from the connection's state.
+pub(super) struct ConnMut<'a>(&'a mut RailConn);
 
 impl std::fmt::Debug for SessionRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -169,7 +191,71 @@ impl std::fmt::Debug for SessionRecord {
 
 impl Drop for RailConn {
     fn drop(&mut self) {
-        self.out.close();
+        self.tx.template.set(None);
+        self.tx.out.close();
+    }
+}
+
+impl RailConn {
+    /// The rail's connection.
+    pub(super) fn conn(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// The rail's connection, to change: the data-header template follows its state when the
+    /// borrow ends.
+    pub(super) fn conn_mut(&mut self) -> ConnMut<'_> {
+        ConnMut(self)
+    }
+
+    /// Feeds an application frame's header to the connection ([`Connection::handle_frame`]).
+    /// Such a frame changes no connection's state (only control frames do: handshakes,
+    /// heartbeats, `Close`), so the template is left as it is.
+    #[inline]
+    pub(super) fn data_frame(&mut self, now: Timestamp, header: &FrameHeader) -> Received {
+        debug_assert!(!header.kind.is_control());
+        let before = self.conn.state();
+        let r = self.conn.handle_frame(now, header, &[]);
+        debug_assert_eq!(before, self.conn.state());
+        r
+    }
+
+    /// Makes the template again from the connection's state.
+    fn refresh(&self) {
+        let t = self
+            .conn
+            .frame_header(FrameKind::Am)
+            .ok()
+            .map(|h| DataTemplate::new(self.tx.me, &h));
+        self.tx.template.set(t);
+    }
+}
+
+impl RailTx {
+    /// The data header of this rail's frames, or `None` when its connection cannot send them.
+    #[inline]
+    pub(super) fn template(&self) -> Option<DataTemplate> {
+        self.template.get()
+    }
+}
+
+impl std::ops::Deref for ConnMut<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        &self.0.conn
+    }
+}
+
+impl std::ops::DerefMut for ConnMut<'_> {
+    fn deref_mut(&mut self) -> &mut Connection {
+        &mut self.0.conn
+    }
+}
+
+impl Drop for ConnMut<'_> {
+    fn drop(&mut self) {
+        self.0.refresh();
     }
 }
 
@@ -501,15 +587,21 @@ fn make_rail(
         live.set(live.get() - 1);
     })
     .detach();
-    RailConn {
+    let rail = RailConn {
         remote,
         conn,
-        out,
-        ep: weak_ep,
+        tx: Rc::new(RailTx {
+            template: Cell::new(None),
+            me: net.settings.node_id,
+            out,
+            ep: weak_ep,
+            backlog,
+        }),
         generation,
-        backlog,
         waiters: Vec::new(),
-    }
+    };
+    rail.refresh();
+    rail
 }
 
 /// What is left of a rail that is gone: its waiters and pending requests fail with `err`.
@@ -544,7 +636,7 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
         } else {
             (frame_am_header(net.settings.node_id, 0), frame)
         };
-        r.out.push(Outbound::Control(header, payload, liveness));
+        r.tx.out.push(Outbound::Control(header, payload, liveness));
     }
     let (mut handshakes, mut joins, mut expired) = (0, 0, 0);
     let (mut suspect, mut dead, mut failed, mut restarted) = (0, 0, 0, 0);
@@ -663,7 +755,7 @@ pub(super) fn service_pending(net: &NetState, node: NodeId, generation: u64) {
     let remote = q.rail.remote;
     while let Some(t) = q.rail.conn.poll_transmit() {
         // A server's frames: no `Hello` or `Join`, so no address before them.
-        q.rail.out.push(Outbound::Control(
+        q.rail.tx.out.push(Outbound::Control(
             frame_am_header(net.settings.node_id, 0),
             t.to_vec(),
             false,
@@ -817,7 +909,7 @@ fn close_rail(net: &NetState, node: NodeId, remote: ShardId, now: Timestamp) {
         .get_mut(&node)
         .and_then(|p| p.get_mut(remote))
     {
-        r.conn.close(now);
+        r.conn_mut().close(now);
     }
     service(net, node, remote);
 }
@@ -1292,7 +1384,7 @@ fn handle_timeouts(ctx: &ShardCtx, net: &NetState) {
             .get_mut(&node)
             .and_then(|p| p.get_mut(remote))
         {
-            r.conn.handle_timeout(now);
+            r.conn_mut().handle_timeout(now);
         }
         service(net, node, remote);
     }
@@ -1314,7 +1406,7 @@ fn handle_timeouts(ctx: &ShardCtx, net: &NetState) {
             .get_mut(&node)
             .and_then(|p| p.pending_mut(generation))
         {
-            q.rail.conn.handle_timeout(now);
+            q.rail.conn_mut().handle_timeout(now);
         }
         service_pending(net, node, generation);
     }

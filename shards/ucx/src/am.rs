@@ -279,6 +279,7 @@ unsafe fn incoming<'a>(
 /// Handlers may run inside one another's calls (a send that UCX delivers at once to this
 /// worker), and one may drop another's descriptor: each running one is known until its own
 /// call returns, so none is handed back to UCX while UCX still expects an answer for it.
+#[inline(always)]
 fn with_cb_desc<R>(
     worker: &WorkerInner,
     desc: Option<*mut c_void>,
@@ -652,6 +653,7 @@ impl Endpoint {
     }
 
     /// [`Endpoint::am_send_now`] inside a UCX callback, from the worker's scratch buffer.
+    #[inline]
     fn am_send_now_in_callback(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
         // Longer messages never take UCX's short path: refused before anything is copied.
         if header.len() + payload.len() > MAX_IN_CALLBACK {

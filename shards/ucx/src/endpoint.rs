@@ -312,7 +312,17 @@ impl EpInner {
     }
 
     /// Whether operations may be posted: not closed, not failed.
+    #[inline]
     pub(crate) fn usable(&self) -> Result<()> {
+        if !self.closed.get() && self.shared().error.get().is_none() {
+            return Ok(());
+        }
+        self.unusable()
+    }
+
+    /// Why the endpoint is not [`EpInner::usable`].
+    #[cold]
+    fn unusable(&self) -> Result<()> {
         if self.closed.get() {
             return Err(Error::EndpointClosed);
         }

@@ -48,6 +48,7 @@ pub fn callback_panics() -> u64 {
 }
 
 /// Run `f` inside a C callback, catching and counting any panic.
+#[inline(always)]
 pub(crate) fn guard<R>(default: R, f: impl FnOnce() -> R) -> R {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
