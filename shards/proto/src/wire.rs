@@ -171,8 +171,30 @@ impl FrameKind {
     ];
 
     /// The kind for a wire code, if any.
+    #[inline]
     pub fn from_u8(code: u8) -> Option<FrameKind> {
-        FrameKind::ALL.iter().copied().find(|k| *k as u8 == code)
+        // A match, not a search of `ALL` (every received frame decodes its kind); the unit
+        // test `kinds_decode_from_their_codes` holds the two together.
+        Some(match code {
+            1 => FrameKind::Hello,
+            2 => FrameKind::Welcome,
+            3 => FrameKind::Confirm,
+            4 => FrameKind::Reject,
+            5 => FrameKind::Heartbeat,
+            6 => FrameKind::HeartbeatAck,
+            7 => FrameKind::Close,
+            8 => FrameKind::Join,
+            9 => FrameKind::Joined,
+            16 => FrameKind::Am,
+            17 => FrameKind::RpcRequest,
+            18 => FrameKind::RpcResponse,
+            19 => FrameKind::RpcError,
+            20 => FrameKind::RpcCancel,
+            32 => FrameKind::RmaPut,
+            33 => FrameKind::RmaGet,
+            34 => FrameKind::RmaReply,
+            _ => return None,
+        })
     }
 
     /// Whether this kind belongs to the handshake (accepted before a connection is ready).
@@ -952,6 +974,14 @@ mod tests {
             incarnation: Incarnation::new(9),
             ttl_ns: 1_000,
             payload_len: 5,
+        }
+    }
+
+    #[test]
+    fn kinds_decode_from_their_codes() {
+        for code in 0..=u8::MAX {
+            let want = FrameKind::ALL.iter().copied().find(|k| *k as u8 == code);
+            assert_eq!(FrameKind::from_u8(code), want, "code {code}");
         }
     }
 

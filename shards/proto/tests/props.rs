@@ -169,6 +169,7 @@ proptest! {
         let m = t.write(&mut got, (h.kind, h.id, h.flags), h.req_id, h.ttl_ns);
         prop_assert_eq!(m, n);
         prop_assert_eq!(&got[..m], &want[..n]);
+
     }
 
     #[test]

@@ -250,6 +250,21 @@ pub(super) fn send(
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
+    if let Some(r) = answer_in_place(ctx, node, remote, &spec, user, &body) {
+        return r;
+    }
+    send_looked_up(ctx, (node, remote), spec, user, body)
+}
+
+/// [`send`] past the rail of the frame being dispatched: the rail looked up.
+#[inline(never)]
+fn send_looked_up(
+    ctx: &ShardCtx,
+    (node, remote): (NodeId, ShardId),
+    spec: FrameSpec,
+    user: &[u8],
+    body: Body<'_>,
+) -> Result<(), NetError> {
     let net = ctx.net();
     check_sizes(net, user.len(), body.len())?;
     check_kind(spec.kind)?;
@@ -262,11 +277,62 @@ pub(super) fn send(
     send_on(ctx, node, &rail.tx, spec, user, body)
 }
 
+/// The answer of a frame's handler on the rail the frame came in on, when it is a short
+/// borrowed application frame that UCX takes in place (the common answer: an echo, an RPC
+/// reply): no lookup, no copy on our side. `None` when it is not that (any other send, a
+/// frame UCX cannot take at once): the caller sends it the general way, which checks it
+/// from the start.
+#[inline(always)]
+fn answer_in_place(
+    ctx: &ShardCtx,
+    node: NodeId,
+    remote: ShardId,
+    spec: &FrameSpec,
+    user: &[u8],
+    body: &Body<'_>,
+) -> Option<Result<(), NetError>> {
+    let Body::Borrowed(payload) = body else {
+        return None;
+    };
+    let net = ctx.net();
+    // What `check_sizes` and `check_kind` would refuse goes the general way, which says so.
+    if spec.kind.is_control()
+        || user.len() > STACK_USER
+        || user.len() + DATA_HEADER_LEN > net.max_am_header
+        || payload.len() as u64 > net.settings.cfg.max_message_size
+    {
+        return None;
+    }
+    let r = net.inline_rail_to(node, remote)?;
+    match send_now_on(ctx, node, &r.tx, spec, user, payload) {
+        Now::Done(r) => Some(r),
+        // Posted or queued the general way.
+        Now::Later { .. } => None,
+    }
+}
+
 /// [`send`] to `dest` routed from this shard: the rail this shard holds to the remote shard
 /// `dest` names (or its default one), found with one lookup; [`NetError::OtherShard`] when
 /// another local shard holds that rail.
 #[inline]
 pub(super) fn send_routed(
+    ctx: &ShardCtx,
+    dest: Dest,
+    spec: FrameSpec,
+    user: &[u8],
+    body: Body<'_>,
+) -> Result<(), NetError> {
+    if let Some(remote) = dest.shard {
+        if let Some(r) = answer_in_place(ctx, dest.node, remote, &spec, user, &body) {
+            return r;
+        }
+    }
+    route_and_send(ctx, dest, spec, user, body)
+}
+
+/// [`send_routed`] past the rail of the frame being dispatched.
+#[inline(never)]
+fn route_and_send(
     ctx: &ShardCtx,
     dest: Dest,
     spec: FrameSpec,

@@ -652,26 +652,30 @@ impl Endpoint {
         }
     }
 
-    /// [`Endpoint::am_send_now`] inside a UCX callback, from the worker's scratch buffer.
+    /// [`Endpoint::am_send_now`] inside a UCX callback, from the worker's scratch buffer (a
+    /// fixed block, kept by the worker: no allocation once it exists).
     #[inline]
     fn am_send_now_in_callback(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
         // Longer messages never take UCX's short path: refused before anything is copied.
-        if header.len() + payload.len() > MAX_IN_CALLBACK {
+        let (hl, pl) = (header.len(), payload.len());
+        if hl + pl > MAX_IN_CALLBACK {
             return Err(Error::NoResource);
         }
         let worker = &self.inner.worker;
-        let mut scratch = worker.cb_scratch.take();
-        scratch.clear();
-        scratch.extend_from_slice(header);
-        scratch.extend_from_slice(payload);
-        let (h, p) = scratch.split_at(header.len());
+        let mut scratch = worker
+            .cb_scratch
+            .take()
+            .unwrap_or_else(|| Box::new([0; MAX_IN_CALLBACK]));
+        scratch[..hl].copy_from_slice(header);
+        scratch[hl..hl + pl].copy_from_slice(payload);
+        let (h, p) = scratch[..hl + pl].split_at(hl);
         match status::status_ptr(self.send_imm(id, h, p)) {
             status::StatusPtr::Done => {
-                worker.cb_scratch.set(scratch);
+                worker.cb_scratch.set(Some(scratch));
                 Ok(())
             }
             status::StatusPtr::Failed(e) => {
-                worker.cb_scratch.set(scratch);
+                worker.cb_scratch.set(Some(scratch));
                 Err(e)
             }
             status::StatusPtr::Request(req) => {
@@ -746,7 +750,7 @@ impl Endpoint {
 
 /// Largest message (header and payload) [`Endpoint::am_send_now`] tries inside a UCX callback:
 /// above every transport's short-message limit.
-const MAX_IN_CALLBACK: usize = 8 << 10;
+pub(crate) const MAX_IN_CALLBACK: usize = 8 << 10;
 
 /// Progresses `worker` until `req` (a request UCX returned for an operation on borrowed bytes)
 /// completes, then frees it.
