@@ -734,6 +734,13 @@ pub(crate) struct InlineRail {
     tx: Rc<session::RailTx>,
 }
 
+/// A destination looked up, and the rail it routes to ([`NetState::route_cache`]).
+pub(crate) struct CachedRoute {
+    dest: Dest,
+    remote: ShardId,
+    tx: Rc<session::RailTx>,
+}
+
 /// Forgets the rail of the frame whose handler ran ([`NetState::set_inline_rail`]).
 pub(crate) struct InlineRailGuard<'a>(&'a RefCell<Option<InlineRail>>);
 
@@ -841,6 +848,11 @@ pub(crate) struct NetState {
     /// so that the handler's answer on that rail finds it with no lookup
     /// ([`NetState::inline_rail_to`]).
     inline_rail: RefCell<Option<InlineRail>>,
+    /// The last destination a send or route looked up, and its rail (most calls from a task go
+    /// to the peer the last one went to): a hit costs a comparison, not a hash and a probe.
+    /// Forgotten whenever this shard's rails change ([`NetState::rails_changed`]); a rail that
+    /// goes is never found through it (its template is gone).
+    route_cache: RefCell<Option<CachedRoute>>,
     /// Set while a frame is dispatched inside UCX's callback: a frame UCX delivers meanwhile
     /// (a handler's send to its own worker) is recorded instead ([`inbound`]).
     dispatching: Cell<bool>,
@@ -1098,6 +1110,7 @@ impl NetState {
             batch: Cell::new(None),
             dispatching: Cell::new(false),
             inline_rail: RefCell::new(None),
+            route_cache: RefCell::new(None),
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
             inline_bytes: Cell::new(None),
             spare_request: crate::SpareVec::new(0, 2 * request::RECYCLED_REQUEST),
@@ -1144,6 +1157,42 @@ impl NetState {
                 .filter(|r| r.node == node && r.remote == remote && r.tx.template().is_some())
         })
         .ok()
+    }
+
+    /// The remote shard and rail that `dest` routes to from this shard, if it is the last
+    /// destination looked up (or the remote shard that one routed to) and its rail can still
+    /// send.
+    #[inline]
+    fn cached_route(&self, dest: Dest) -> Option<(ShardId, Rc<session::RailTx>)> {
+        let c = self.route_cache.try_borrow().ok()?;
+        let c = c.as_ref()?;
+        // The same destination, or the remote shard the cached one routed to (whose rail
+        // this shard holds, so a call naming it goes there too).
+        let hit = c.dest.node == dest.node
+            && (c.dest.shard == dest.shard || dest.shard == Some(c.remote))
+            && c.tx.template().is_some();
+        hit.then(|| (c.remote, c.tx.clone()))
+    }
+
+    /// Remembers that `dest` routes to `remote` on rail `tx`.
+    #[inline]
+    fn remember_route(&self, dest: Dest, remote: ShardId, tx: &Rc<session::RailTx>) {
+        if let Ok(mut c) = self.route_cache.try_borrow_mut() {
+            *c = Some(CachedRoute {
+                dest,
+                remote,
+                tx: tx.clone(),
+            });
+        }
+    }
+
+    /// This shard's rails changed (one added, replaced or removed, or a node's shard count):
+    /// routes looked up before may no longer hold.
+    pub(super) fn rails_changed(&self) {
+        // A borrow is held only for the length of a comparison: this never finds one.
+        if let Ok(mut c) = self.route_cache.try_borrow_mut() {
+            *c = None;
+        }
     }
 
     /// Sets `rail` as the rail of the frame whose handler is about to run, until the guard is
@@ -1287,10 +1336,20 @@ impl ShardCtx {
     /// Where a call for `dest` runs: here, on the rail to which remote shard; or forwarded to
     /// the local shard that holds the rail (see "Rails" in the module docs).
     pub(crate) fn route(&self, dest: Dest) -> Result<Route, NetError> {
+        let net = self.net();
+        if let Some((remote, _)) = net.cached_route(dest) {
+            return Ok(Route::Here(remote));
+        }
         let node = dest.node;
-        let peers = self.net().peers.borrow();
+        let peers = net.peers.borrow();
         let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
-        self.route_in(p, dest)
+        let route = self.route_in(p, dest)?;
+        if let Route::Here(remote) = route {
+            if let Some(r) = p.get(remote) {
+                net.remember_route(dest, remote, &r.tx);
+            }
+        }
+        Ok(route)
     }
 
     /// [`ShardCtx::route`] with `dest.node`'s rails already looked up.

@@ -250,13 +250,13 @@ pub(super) fn send(
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
-    if let Some(r) = answer_in_place(ctx, node, remote, &spec, user, &body) {
-        return r;
+    if let Some(tx) = known_rail(ctx, Dest::shard(node, remote), &spec, user, body.len()) {
+        return send_on(ctx, node, &tx, spec, user, body);
     }
     send_looked_up(ctx, (node, remote), spec, user, body)
 }
 
-/// [`send`] past the rail of the frame being dispatched: the rail looked up.
+/// [`send`] past the rails known without a lookup: the rail looked up.
 #[inline(never)]
 fn send_looked_up(
     ctx: &ShardCtx,
@@ -268,47 +268,43 @@ fn send_looked_up(
     let net = ctx.net();
     check_sizes(net, user.len(), body.len())?;
     check_kind(spec.kind)?;
-    if let Some(r) = net.inline_rail_to(node, remote) {
-        return send_on(ctx, node, &r.tx, spec, user, body);
-    }
-    let peers = net.peers.borrow();
-    let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
-    let rail = p.get(remote).ok_or(NetError::NotConnected { node })?;
-    send_on(ctx, node, &rail.tx, spec, user, body)
+    let dest = Dest::shard(node, remote);
+    let tx = {
+        let peers = net.peers.borrow();
+        let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
+        let rail = p.get(remote).ok_or(NetError::NotConnected { node })?;
+        net.remember_route(dest, remote, &rail.tx);
+        rail.tx.clone()
+    };
+    send_on(ctx, node, &tx, spec, user, body)
 }
 
-/// The answer of a frame's handler on the rail the frame came in on, when it is a short
-/// borrowed application frame that UCX takes in place (the common answer: an echo, an RPC
-/// reply): no lookup, no copy on our side. `None` when it is not that (any other send, a
-/// frame UCX cannot take at once): the caller sends it the general way, which checks it
-/// from the start.
+/// The rail to `dest` when it is known without a lookup, for a frame that passes the checks
+/// of [`check_sizes`] and [`check_kind`] (anything else goes the general way, which says why):
+/// the rail of the frame whose handler runs (its answer: [`NetState::inline_rail`]), or the
+/// one the last send or route looked up ([`NetState::route_cache`]).
 #[inline(always)]
-fn answer_in_place(
+fn known_rail(
     ctx: &ShardCtx,
-    node: NodeId,
-    remote: ShardId,
+    dest: Dest,
     spec: &FrameSpec,
     user: &[u8],
-    body: &Body<'_>,
-) -> Option<Result<(), NetError>> {
-    let Body::Borrowed(payload) = body else {
-        return None;
-    };
+    len: usize,
+) -> Option<Rc<RailTx>> {
     let net = ctx.net();
-    // What `check_sizes` and `check_kind` would refuse goes the general way, which says so.
     if spec.kind.is_control()
-        || user.len() > STACK_USER
+        || user.len() > MAX_USER_HEADER
         || user.len() + DATA_HEADER_LEN > net.max_am_header
-        || payload.len() as u64 > net.settings.cfg.max_message_size
+        || len as u64 > net.settings.cfg.max_message_size
     {
         return None;
     }
-    let r = net.inline_rail_to(node, remote)?;
-    match send_now_on(ctx, node, &r.tx, spec, user, payload) {
-        Now::Done(r) => Some(r),
-        // Posted or queued the general way.
-        Now::Later { .. } => None,
+    if let Some(remote) = dest.shard {
+        if let Some(r) = net.inline_rail_to(dest.node, remote) {
+            return Some(r.tx.clone());
+        }
     }
+    net.cached_route(dest).map(|(_, tx)| tx)
 }
 
 /// [`send`] to `dest` routed from this shard: the rail this shard holds to the remote shard
@@ -322,10 +318,8 @@ pub(super) fn send_routed(
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
-    if let Some(remote) = dest.shard {
-        if let Some(r) = answer_in_place(ctx, dest.node, remote, &spec, user, &body) {
-            return r;
-        }
+    if let Some(tx) = known_rail(ctx, dest, &spec, user, body.len()) {
+        return send_on(ctx, dest.node, &tx, spec, user, body);
     }
     route_and_send(ctx, dest, spec, user, body)
 }
@@ -343,20 +337,19 @@ fn route_and_send(
     let node = dest.node;
     check_sizes(net, user.len(), body.len())?;
     check_kind(spec.kind)?;
-    // The rail a frame being dispatched came in on is this shard's: no route to find.
-    if let Some(r) = dest
-        .shard
-        .and_then(|remote| net.inline_rail_to(node, remote))
-    {
-        return send_on(ctx, node, &r.tx, spec, user, body);
-    }
-    let peers = net.peers.borrow();
-    let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
-    let rail = match ctx.route_in(p, dest)? {
-        Route::Here(remote) => p.get(remote).ok_or(NetError::NotConnected { node })?,
-        Route::There(owner) => return Err(NetError::OtherShard { node, owner }),
+    let tx = {
+        let peers = net.peers.borrow();
+        let p = peers.get(&node).ok_or(NetError::NotConnected { node })?;
+        match ctx.route_in(p, dest)? {
+            Route::Here(remote) => {
+                let rail = p.get(remote).ok_or(NetError::NotConnected { node })?;
+                net.remember_route(dest, remote, &rail.tx);
+                rail.tx.clone()
+            }
+            Route::There(owner) => return Err(NetError::OtherShard { node, owner }),
+        }
     };
-    send_on(ctx, node, &rail.tx, spec, user, body)
+    send_on(ctx, node, &tx, spec, user, body)
 }
 
 /// Sends on rail `p` to `node` (see [`send`]): a short borrowed payload in place if it can,
@@ -370,12 +363,14 @@ fn send_on(
     user: &[u8],
     body: Body<'_>,
 ) -> Result<(), NetError> {
-    let tried = match body {
-        Body::Borrowed(bytes) => match send_now_on(ctx, node, p, &spec, user, bytes) {
+    // An owned buffer whose bytes can be read in place (a vector, shared bytes, a host pool
+    // block) goes the same way: UCX copies a short message at once, and the buffer is free.
+    let tried = match body.as_slice() {
+        Some(bytes) => match send_now_on(ctx, node, p, &spec, user, bytes) {
             Now::Done(r) => return r,
             Now::Later { tried } => tried,
         },
-        Body::Buf(_) => false,
+        None => false,
     };
     send_later(ctx, node, p, spec, user, body, tried)
 }

@@ -543,6 +543,7 @@ fn insert_rail(
             pending: Vec::new(),
         });
         p.remote_count = remote_count;
+        net.rails_changed();
         match p.rails.iter().position(|r| r.remote == remote) {
             Some(at) => Some(std::mem::replace(&mut p.rails[at], rail)),
             None => {
@@ -705,6 +706,7 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
     let removed = if gone {
         let at = p.rails.iter().position(|x| x.remote == remote);
         let old = at.map(|at| p.rails.swap_remove(at));
+        net.rails_changed();
         if p.rails.is_empty() && p.pending.is_empty() {
             peers.remove(&node);
         }
@@ -801,6 +803,7 @@ pub(super) fn service_pending(net: &NetState, node: NodeId, generation: u64) {
         Ok(info) if current.is_none_or(|c| c <= info.incarnation) => {
             let secret = q.rail.conn.session_secret().cloned();
             p.remote_count = q.remote_count;
+            net.rails_changed();
             let old = match p.rails.iter().position(|r| r.remote == remote) {
                 Some(at) => Some(std::mem::replace(&mut p.rails[at], q.rail)),
                 None => {
@@ -946,6 +949,7 @@ pub(super) fn close_all(net: &NetState) {
         close_rail(net, node, remote, now);
     }
     net.peers.borrow_mut().clear();
+    net.rails_changed();
 }
 
 fn fail_error(node: NodeId, reason: FailReason) -> NetError {

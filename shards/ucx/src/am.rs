@@ -196,6 +196,14 @@ unsafe extern "C" fn am_recv(
         let desc = attr & ffi::UCP_AM_RECV_ATTR_FLAG_DATA != 0;
         let kept = rndv || desc;
         let ran = match &slot.handler {
+            // Bytes in place (the short messages of the hot path): nothing kept, nothing to
+            // book-keep, and a panic is caught (and counted) by `guard` around this callback.
+            SlotHandler::Inline(h) if !kept => {
+                // SAFETY: as below; no descriptor (neither flag set).
+                let incoming = unsafe { incoming(worker_ref, rndv, desc, data, length) };
+                h(header, incoming);
+                return status::UCS_OK;
+            }
             SlotHandler::Inline(h) => {
                 // SAFETY: inside UCX's AM callback with its `data` and `length`; the handler
                 // gets it for this call only (`InlineHandler`'s lifetime is the call's).
