@@ -373,6 +373,10 @@ fn for_this_shard(node: &Node, msg: &AmView<'_>) -> Result<u64, String> {
 }
 
 /// The client's handler of [`ECHO_REPLY`]: the `am-lat` ping-pong, one round trip per call.
+/// The next ping goes out as soon as the echo is known to be the one awaited, on its rail
+/// (its sequence number and sender); the rest of the bookkeeping (the content check, the
+/// histogram, the progress bar) is done while it travels, as a latency-minded application
+/// answers first and accounts afterwards.
 fn on_echo_reply(w: &Waits, node: &Node, msg: &AmView<'_>) {
     let now = Instant::now();
     w.answered.set(w.answered.get() + 1);
@@ -382,39 +386,50 @@ fn on_echo_reply(w: &Waits, node: &Node, msg: &AmView<'_>) {
         w.fail("an echo that no ping-pong waits for".into());
         return;
     };
-    if let Err(e) = p.check(node, msg) {
+    if let Err(e) = p.check_route(node, msg) {
         p.done = true;
         drop(slot);
         w.fail(e);
         return;
     }
-    if p.warmup > 0 {
+    let (measured, sent) = (p.warmup == 0, p.sent);
+    let last = measured && !more_at(p.budget, p.figures.msgs + 1, p.t0, now);
+    if !last {
+        p.seq += 1;
+        p.sent = now;
+        // The next ping goes back on the rail the echo came in on (the target's), as an
+        // answer from the handler: no look-up of the current shard.
+        if let Err(e) = msg.reply(ECHO, &header(p.me, p.seq, 0), &p.payload) {
+            p.done = true;
+            let e = format!("echo ping #{}: {e}", p.seq);
+            drop(slot);
+            w.fail(e);
+            return;
+        }
+    }
+    // The echo just received: its bytes, then its figures.
+    if let Err(e) = p.check_payload(msg, p.seq - u64::from(!last)) {
+        p.done = true;
+        drop(slot);
+        w.fail(e);
+        return;
+    }
+    if !measured {
         p.warmup -= 1;
         if p.warmup == 0 {
             p.t0 = now;
             p.mesh_at_t0 = mesh_taken(node.shard_ctx());
         }
-    } else {
-        record(&mut p.figures, now - p.sent);
-        p.figures.msgs += 1;
-        p.progress.tick(p.budget, p.figures.msgs, p.t0);
-        if !more_at(p.budget, p.figures.msgs, p.t0, now) {
-            p.figures.elapsed = now - p.t0;
-            p.done = true;
-            drop(slot);
-            w.wake();
-            return;
-        }
+        return;
     }
-    p.seq += 1;
-    p.sent = now;
-    // The next ping goes back on the rail the echo came in on (the target's), as an answer
-    // from the handler: no look-up of the current shard.
-    if let Err(e) = msg.reply(ECHO, &header(p.me, p.seq, 0), &p.payload) {
+    record(&mut p.figures, now - sent);
+    p.figures.msgs += 1;
+    p.progress.tick(p.budget, p.figures.msgs, p.t0);
+    if last {
+        p.figures.elapsed = now - p.t0;
         p.done = true;
-        let e = format!("echo ping #{}: {e}", p.seq);
         drop(slot);
-        w.fail(e);
+        w.wake();
     }
 }
 
@@ -640,12 +655,13 @@ impl Waits {
 
 impl PingPong {
     /// The length of every answer, and the content of every [`CONTENT_CHECK_EVERY`]-th.
-    fn check(&self, node: &Node, msg: &AmView<'_>) -> Result<(), String> {
+    /// Whether `msg` is the echo awaited (sequence number) and came on the target's rail, which
+    /// the next ping answers it on.
+    fn check_route(&self, node: &Node, msg: &AmView<'_>) -> Result<(), String> {
         let seq = for_this_shard(node, msg)?;
         if seq != self.seq {
             return Err(format!("echo #{seq} when #{} was expected", self.seq));
         }
-        // The next ping answers this echo on its rail: it must be the target's.
         let from = msg.from();
         if from.node_id() != self.target.node_id()
             || self
@@ -658,6 +674,12 @@ impl PingPong {
                 self.target
             ));
         }
+        Ok(())
+    }
+
+    /// Whether echo `seq` (`msg`) brought the ping's bytes back: its length always, its bytes
+    /// every [`CONTENT_CHECK_EVERY`]th.
+    fn check_payload(&self, msg: &AmView<'_>, seq: u64) -> Result<(), String> {
         let got = msg.payload();
         if got.len() != self.payload.len() {
             return Err(format!(
