@@ -492,6 +492,10 @@ pub fn fit_idle_rounds(rounds: u32, took: Duration) -> u32 {
     fit.clamp(u128::from(MIN_IDLE_ROUNDS), u128::from(IDLE_ROUNDS)) as u32
 }
 
+/// An idle round calls the dispatch hook only on the first round of a poll and every this
+/// many rounds (see `spin`): a round whose `progress` reported no event has nothing for it.
+const DISPATCH_LOOK: u32 = 64;
+
 /// Recorded inputs dispatched per round at most, so that a flood on one connection cannot keep
 /// the driver from progressing UCX, taking the mesh's lanes and yielding to timers and tasks.
 pub const DISPATCH_BUDGET: usize = 64;
@@ -640,15 +644,20 @@ fn spin(task: &DriverTask, idle_rounds: u32) -> Found {
     let executor = glommio::executor();
     // Set by a task since the last poll (see `Driver::wake`): other tasks are runnable.
     let kicked = task.kick.replace(Kick::None);
-    for _ in 0..idle_rounds {
+    for i in 0..idle_rounds {
         // See "Backlog" in `run`'s docs.
-        let events = if task.backlog.get() {
-            0
-        } else {
-            task.worker.progress()
-        };
+        let backlog = task.backlog.get();
+        let events = if backlog { 0 } else { task.worker.progress() };
         let round = task.stats.rounds.get();
-        let done = dispatch.map_or(Dispatched::default(), |d| d(DISPATCH_BUDGET, round));
+        // What the dispatch takes comes from UCX's callbacks (in a `progress` that reports
+        // events), from a backlog, or from tasks, which run only between polls: a round with
+        // none of these has nothing to dispatch. Looked at anyway every `DISPATCH_LOOK`th
+        // round, in case a callback ran in a `progress` that reported no event.
+        let look = events > 0 || backlog || i % DISPATCH_LOOK == 0;
+        let done = match dispatch {
+            Some(d) if look => d(DISPATCH_BUDGET, round),
+            _ => Dispatched::default(),
+        };
         task.backlog.set(done.backlog);
         let hooked = hook.is_some_and(|hook| hook.poll());
         task.stats.rounds.set(round + 1);
