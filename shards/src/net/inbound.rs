@@ -1110,7 +1110,7 @@ fn deliver_rndv(
     let len = rndv.len();
     let c = ctx.clone();
     let buf = ctx.rndv_buffer(len);
-    glommio::spawn_local(async move {
+    start_now(async move {
         match buf.pull(&c, node, rndv).await {
             Ok(buf) => dispatch(
                 &c,
@@ -1124,8 +1124,22 @@ fn deliver_rndv(
             ),
             Err(_) => c.net().count(|s| s.declined += 1),
         }
-    })
-    .detach();
+    });
+}
+
+/// Runs `fut` (a rendezvous pull and what follows it) as far as it goes now, on the driver's
+/// stack, and the rest in a task: the pull's receive is posted to UCX at once (its first
+/// poll), not when a task spawned for it first runs, after the driver yields; a pull UCX
+/// completes at once (a shared-memory get) is handed over with no task at all. The first poll
+/// has no waker to keep: every later one, the task's, registers its own.
+fn start_now(fut: impl Future<Output = ()> + 'static) {
+    let mut fut = Box::pin(fut);
+    let first = fut
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+    if first.is_pending() {
+        glommio::spawn_local(fut).detach();
+    }
 }
 
 /// Pulls rendezvous data from `node` into `buf`, within [`NetConfig::rndv_timeout`].
@@ -1482,13 +1496,12 @@ where
             return;
         };
         let (c, on_data, pull) = (ctx.clone(), on_data.clone(), pull.clone());
-        glommio::spawn_local(async move {
+        start_now(async move {
             let res = pull(c.clone(), node, rndv, buf).await;
             if res.is_err() {
                 c.net().count(|s| s.declined += 1);
             }
             on_data(&c, node, &header, res);
-        })
-        .detach();
+        });
     })
 }
