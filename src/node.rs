@@ -1216,6 +1216,13 @@ impl<'a> AmView<'a> {
         self.frame.payload()
     }
 
+    /// When the shard took the message from UCX: the clock reading its dispatch took anyway
+    /// (one per round of the progress driver, by the first frame that needs it), so that a
+    /// handler timing messages reads no clock of its own.
+    pub fn arrived(&self) -> std::time::Instant {
+        self.frame.arrived()
+    }
+
     /// Answers at once, as [`AmMsg::reply`] does: on the rail the message came in on, with no
     /// task and, when UCX takes it in place, no copy. `header` and `payload` may be the
     /// message's own (an echo).

@@ -952,6 +952,13 @@ mod tests {
     /// before it looked at its queues; with a 10 µs timer that is almost every start (without
     /// a nudger, a run of this loop hung on its first or second executor, 2026-11-27). The
     /// nudger's signals end each such park until the task has run.
+    ///
+    /// A timer shorter than the executor's own loop (from installing the timer to looking at
+    /// it) fires before every look: glommio then runs nothing ever, nudged or not (a livelock,
+    /// not a park). A debug build's loop took longer than 10 µs on the VM of 2026-12-01 (this
+    /// test hung there, the same at the commit before, which had passed in CI), so a debug
+    /// build uses 20 µs, which still parks some starts there (each ended by a nudge, 20 ms).
+    /// Shards use a 1 ms timer ([`crate::PREEMPT_TIMER`]).
     #[test]
     fn an_executor_parked_before_its_first_task_is_nudged_until_it_runs() {
         for i in 0..10 {
@@ -959,7 +966,11 @@ mod tests {
             let t = std::thread::spawn(move || {
                 let Ok(ex) = LocalExecutorBuilder::new(GPlacement::Unbound)
                     .io_memory(64 << 10)
-                    .preempt_timer(Duration::from_micros(10))
+                    .preempt_timer(Duration::from_micros(if cfg!(debug_assertions) {
+                        20
+                    } else {
+                        10
+                    }))
                     .make()
                 else {
                     eprintln!("skipped: no glommio executor here (io_uring or memlock missing)");

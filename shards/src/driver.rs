@@ -2,8 +2,8 @@
 //!
 //! One task per shard, in the shard's default task queue, calls [`Worker::progress`] in a loop
 //! (application frames with eager data are handled inside it, in UCX's callback), dispatching
-//! what UCX's callbacks recorded right after each call (handlers run inline; see "The hot path"
-//! at `run`) and yielding to the shard's other tasks once a round found work,
+//! what UCX's callbacks recorded right after each call that reported events (handlers run
+//! inline; see "The hot path" at `run`) and yielding to the shard's other tasks once a round found work,
 //! while events keep coming and for a spin window ([`DriverConfig::spin`]) after the last
 //! application event (liveness traffic starts none: see below). When the window has passed,
 //! it arms the worker and sleeps until the worker's event fd is readable.
@@ -217,7 +217,9 @@ pub(crate) trait RoundHook {
 /// The hook as the driver holds it.
 pub(crate) type PollHook = Rc<dyn RoundHook>;
 
-/// The net layer's dispatch, called right after every `progress` (see "The hot path") with a
+/// The net layer's dispatch, called right after a `progress` that reported events, while a
+/// backlog waits, and on the first and last round of a poll and every `DISPATCH_LOOK`th
+/// (an idle round has nothing for it: see `spin`; "The hot path"), with a
 /// budget and the round's number ([`DriverStats::rounds`]): handles at most `budget` of the
 /// inputs UCX's callbacks recorded, calling their handlers inline, and returns how many it
 /// handled and whether inputs are left (the budget ran out).
@@ -360,8 +362,8 @@ impl Driver {
         let _ = self.hook.set(hook);
     }
 
-    /// Call `hook` right after every `progress` from now on (the net layer's dispatch of what
-    /// UCX's callbacks recorded). Set once, when the shard starts: a later call is ignored.
+    /// Call `hook` after `progress` from now on, as [`DispatchHook`] says (the net layer's
+    /// dispatch of what UCX's callbacks recorded). Set once, when the shard starts: a later call is ignored.
     pub(crate) fn set_dispatch_hook(&self, hook: DispatchHook) {
         let _ = self.dispatch.set(hook);
     }
@@ -492,8 +494,9 @@ pub fn fit_idle_rounds(rounds: u32, took: Duration) -> u32 {
     fit.clamp(u128::from(MIN_IDLE_ROUNDS), u128::from(IDLE_ROUNDS)) as u32
 }
 
-/// An idle round calls the dispatch hook only on the first round of a poll and every this
-/// many rounds (see `spin`): a round whose `progress` reported no event has nothing for it.
+/// An idle round calls the dispatch hook only on the first and last round of a poll and every
+/// this many rounds (see `spin`): a round whose `progress` reported no event has nothing for
+/// it.
 const DISPATCH_LOOK: u32 = 64;
 
 /// Recorded inputs dispatched per round at most, so that a flood on one connection cannot keep
@@ -653,7 +656,8 @@ fn spin(task: &DriverTask, idle_rounds: u32) -> Found {
         // events), from a backlog, or from tasks, which run only between polls: a round with
         // none of these has nothing to dispatch. Looked at anyway every `DISPATCH_LOOK`th
         // round, in case a callback ran in a `progress` that reported no event.
-        let look = events > 0 || backlog || i % DISPATCH_LOOK == 0;
+        // And on the last idle round, so that nothing recorded waits through a sleep.
+        let look = events > 0 || backlog || i % DISPATCH_LOOK == 0 || i + 1 == idle_rounds;
         let done = match dispatch {
             Some(d) if look => d(DISPATCH_BUDGET, round),
             _ => Dispatched::default(),

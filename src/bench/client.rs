@@ -378,7 +378,8 @@ fn for_this_shard(node: &Node, msg: &AmView<'_>) -> Result<u64, String> {
 /// histogram, the progress bar) is done while it travels, as a latency-minded application
 /// answers first and accounts afterwards.
 fn on_echo_reply(w: &Waits, node: &Node, msg: &AmView<'_>) {
-    let now = Instant::now();
+    // The dispatch's clock reading (no second one between the echo and the next ping).
+    let now = msg.arrived();
     w.answered.set(w.answered.get() + 1);
     let mut slot = w.pingpong.borrow_mut();
     let Some(p) = slot.as_mut().filter(|p| !p.done) else {

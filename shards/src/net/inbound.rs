@@ -510,8 +510,8 @@ fn dispatch_inline(
     user: &[u8],
     eager: Eager<'_>,
 ) {
-    // Cleared at the end, and by the driver's dispatch hook after every `progress` should this
-    // end early (a panic outside the handler, caught further up in UCX's callback wrapper).
+    // Cleared at the end, and by the driver's dispatch hook after the `progress` (it reports
+    // the event) should this end early (a panic outside the handler, caught further up in UCX's callback wrapper).
     net.dispatching.set(true);
     let left = net.inline_left.get().saturating_sub(1);
     net.inline_left.set(left);
@@ -682,7 +682,7 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
 
 /// Feeds an application frame's header to the connection of its rail (from `node`'s shard
 /// `header.src_shard`; dropped as unauthenticated without one) and, if its handler gets it,
-/// the rail (for the handler's answer: see [`NetState::with_inline_rail`]). The connection's
+/// the rail (for the handler's answer: see [`NetState::set_inline_rail`]). The connection's
 /// follow-up work, if the frame left it some, is done now, or recorded for the driver when the
 /// frame is being dispatched inside UCX's callback (`in_callback`).
 #[inline]
@@ -1478,8 +1478,9 @@ impl ShardCtx {
 }
 
 /// A rendezvous handler: `choose` picks the buffer on the progress driver (`None` declines the
-/// data);
-/// a task then pulls the data into it with `pull` and hands the result to `on_data`.
+/// data); `pull` then pulls the data into it (posted at once, on the driver's stack: see
+/// `start_now`) and `on_data` gets the result, from the dispatch itself when UCX completed the
+/// pull at once, else from a task.
 fn rndv_handler<B, C, D, P, F>(choose: C, on_data: D, pull: P) -> RndvHandler
 where
     B: 'static,

@@ -108,6 +108,16 @@
 //! until UCX completes them; the driver is told ([`ShardCtx::wake_driver`]) so that it yields
 //! to the sender at its next round.
 //!
+//! Finding the rail costs no lookup on the common paths. Each rail keeps what a send reads
+//! (its data-header template, made once when its connection becomes ready and dropped when
+//! it no longer can send; its queue, endpoint and backlog) in one `Rc` beside its connection.
+//! While a frame's handler runs, the dispatch holds the rail the frame came in on, so the
+//! handler's answer on that rail (an echo, an RPC reply: [`ShardCtx::reply_now`], a send
+//! naming the frame's shard) goes straight to it; and a send or route from a task finds the
+//! rail the last one looked up when it goes to the same place (a one-entry cache the shard
+//! forgets whenever its rails change, and which never yields a rail that has gone). Anything
+//! else takes the lookup.
+//!
 //! A frame from a node with no connection that is not a well-formed `Hello` from that same
 //! node, and any non-handshake frame of a connection that is not `Ready`, is dropped and
 //! counted ([`NetStats::dropped_unauthenticated`]).
@@ -741,7 +751,9 @@ pub(crate) struct CachedRoute {
     tx: Rc<session::RailTx>,
 }
 
-/// Forgets the rail of the frame whose handler ran ([`NetState::set_inline_rail`]).
+/// Forgets the rail of the frame whose handler ran ([`NetState::set_inline_rail`]). It does
+/// not restore an earlier one: dispatches do not nest (a frame that arrives during another's
+/// dispatch is recorded, `NetState::dispatching`).
 pub(crate) struct InlineRailGuard<'a>(&'a RefCell<Option<InlineRail>>);
 
 impl Drop for InlineRailGuard<'_> {
@@ -772,8 +784,7 @@ impl Handlers {
     #[inline]
     fn get(&self, id: AmId) -> Option<AnyHandler> {
         if let Ok(last) = self.last.try_borrow() {
-            if let Some((i, h)) = last.as_ref().filter(|(i, _)| *i == id) {
-                debug_assert_eq!(*i, id);
+            if let Some((_, h)) = last.as_ref().filter(|(i, _)| *i == id) {
                 return Some(h.clone());
             }
         }
@@ -1190,9 +1201,11 @@ impl NetState {
     /// routes looked up before may no longer hold.
     pub(super) fn rails_changed(&self) {
         // A borrow is held only for the length of a comparison: this never finds one.
-        if let Ok(mut c) = self.route_cache.try_borrow_mut() {
-            *c = None;
-        }
+        let cleared = self.route_cache.try_borrow_mut().map(|mut c| *c = None);
+        debug_assert!(
+            cleared.is_ok(),
+            "route cache borrowed while the rails change"
+        );
     }
 
     /// Sets `rail` as the rail of the frame whose handler is about to run, until the guard is

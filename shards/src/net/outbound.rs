@@ -206,7 +206,8 @@ pub(super) fn check_kind(kind: FrameKind) -> Result<(), NetError> {
 
 /// The size checks every send makes first: the payload against
 /// [`super::NetConfig::max_message_size`], the user header against [`MAX_USER_HEADER`] and what
-/// the worker's UCX carries in one AM header.
+/// the worker's UCX carries in one AM header. (`known_rail` makes the same tests to let a
+/// frame take the fast path: a check added here belongs there too.)
 #[inline]
 pub(super) fn check_sizes(net: &NetState, user: usize, payload: usize) -> Result<(), NetError> {
     let max = net.settings.cfg.max_message_size;
@@ -308,8 +309,8 @@ fn known_rail(
 }
 
 /// [`send`] to `dest` routed from this shard: the rail this shard holds to the remote shard
-/// `dest` names (or its default one), found with one lookup; [`NetError::OtherShard`] when
-/// another local shard holds that rail.
+/// `dest` names (or its default one), known without a lookup ([`known_rail`]) or found with
+/// one; [`NetError::OtherShard`] when another local shard holds that rail.
 #[inline]
 pub(super) fn send_routed(
     ctx: &ShardCtx,
@@ -324,7 +325,7 @@ pub(super) fn send_routed(
     route_and_send(ctx, dest, spec, user, body)
 }
 
-/// [`send_routed`] past the rail of the frame being dispatched.
+/// [`send_routed`] past the rails known without a lookup: routed and looked up.
 #[inline(never)]
 fn route_and_send(
     ctx: &ShardCtx,
@@ -379,7 +380,8 @@ fn send_on(
 enum Now {
     /// Sent in place, or failed for good.
     Done(Result<(), NetError>),
-    /// To post or queue; `tried`: UCX was asked to take it in place and could not.
+    /// To post or queue; `tried`: not to be asked in place again (UCX could not take it, or
+    /// it is too long for a send from inside a callback).
     Later { tried: bool },
 }
 
