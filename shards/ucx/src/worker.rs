@@ -39,11 +39,11 @@ pub(crate) struct WorkerInner {
     /// Set while a UCX callback runs, so that a re-entrant `progress` is refused.
     pub(crate) in_progress: Cell<bool>,
     /// The bytes of a send from inside a callback (`Endpoint::am_send_now`), reused.
-    pub(crate) cb_scratch: Cell<Option<Box<[u8; crate::am::MAX_IN_CALLBACK]>>>,
+    pub(crate) cb_scratch: Cell<Vec<u8>>,
     /// Requests UCX returned for sends from inside a callback, with the bytes it reads until
     /// they complete: freed after a later `progress` (never seen with UCX 1.12 to 1.22).
     #[allow(clippy::type_complexity)]
-    pub(crate) deferred: RefCell<Vec<(*mut c_void, Box<[u8; crate::am::MAX_IN_CALLBACK]>)>>,
+    pub(crate) deferred: RefCell<Vec<(*mut c_void, Vec<u8>)>>,
     /// Set when the last owner is gone and teardown has begun.
     pub(crate) dying: Cell<bool>,
     pub(crate) wakeup: bool,
@@ -138,7 +138,7 @@ impl Worker {
                 am_slots: RefCell::new(Vec::new()),
                 am_cb_descs: RefCell::new(Vec::new()),
                 in_progress: Cell::new(false),
-                cb_scratch: Cell::new(None),
+                cb_scratch: Cell::new(Vec::new()),
                 deferred: RefCell::new(Vec::new()),
                 dying: Cell::new(false),
                 wakeup: context.inner.features.wakeup,
