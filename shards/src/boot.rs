@@ -955,22 +955,21 @@ mod tests {
     ///
     /// A timer shorter than the executor's own loop (from installing the timer to looking at
     /// it) fires before every look: glommio then runs nothing ever, nudged or not (a livelock,
-    /// not a park). A debug build's loop took longer than 10 µs on the VM of 2026-12-01 (this
-    /// test hung there, the same at the commit before, which had passed in CI), so a debug
-    /// build uses 20 µs, which still parks some starts there (each ended by a nudge, 20 ms).
-    /// Shards use a 1 ms timer ([`crate::PREEMPT_TIMER`]).
+    /// not a park). That loop's length moves by 2x from day to day on the development VM: a
+    /// fixed 10 µs livelocked a debug build on 2026-12-01 and a release build on 2026-12-02
+    /// (both had passed in CI), where 15 µs parked no release start and 20 µs parked one in
+    /// 30. So the timer is 25 µs in release builds and 50 µs in debug ones: starts park now and
+    /// then (each park ended by a nudge, 20 ms), none livelocks at twice today's loop. Shards
+    /// use a 1 ms timer ([`crate::PREEMPT_TIMER`]).
     #[test]
     fn an_executor_parked_before_its_first_task_is_nudged_until_it_runs() {
+        let timer = Duration::from_micros(if cfg!(debug_assertions) { 50 } else { 25 });
         for i in 0..10 {
             let (tx, rx) = std::sync::mpsc::channel();
             let t = std::thread::spawn(move || {
                 let Ok(ex) = LocalExecutorBuilder::new(GPlacement::Unbound)
                     .io_memory(64 << 10)
-                    .preempt_timer(Duration::from_micros(if cfg!(debug_assertions) {
-                        20
-                    } else {
-                        10
-                    }))
+                    .preempt_timer(timer)
                     .make()
                 else {
                     eprintln!("skipped: no glommio executor here (io_uring or memlock missing)");
@@ -983,7 +982,7 @@ mod tests {
             match rx.recv_timeout(Duration::from_secs(20)) {
                 Ok(Some(ran)) => assert!(ran),
                 Ok(None) => return,
-                Err(e) => panic!("executor {i} never ran its task: {e}"),
+                Err(e) => panic!("executor {i} never ran its task (timer {timer:?}): {e}"),
             }
             t.join().unwrap();
         }
