@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::Archived;
+use shardcx_shards::net::request::RECYCLED_REQUEST;
 use shardcx_shards::net::{Dest, Payload};
 use shardcx_shards::proto::rpc::{decode_error, request_prefix, CallFlags};
 use shardcx_shards::proto::{FrameHeader, FrameKind, FunctionId, ReqId};
@@ -218,17 +219,53 @@ impl Rpc {
     /// Sends a one-way call of `F` to `peer`: resolves once it is queued on the connection
     /// (within the default deadline). Nothing comes back, not even the server's errors (it
     /// counts them); a one-way call is not deduplicated.
+    ///
+    /// A call of at most [`RECYCLED_REQUEST`] bytes to a peer whose rail this shard holds is
+    /// sent at once from the shard's request vector (kept for the next call): no allocation,
+    /// no clock reading, no task. Others (a first call that connects, a rail another shard
+    /// holds, a long call) take the general path.
     pub async fn notify<F: RpcFunction>(&self, peer: Peer, args: &F::Args) -> Result<(), RpcError> {
+        let t = target::<F>();
+        let ctx = self.node.shard_ctx();
+        let payload = encode_request(t.schema, CallFlags::ONE_WAY, args, ctx.request_buffer())?;
+        if payload.len() <= RECYCLED_REQUEST {
+            let id = (t.id.get(), ReqId::NONE);
+            match ctx.send_frame_now(peer.dest(), FrameKind::RpcRequest, id, &[], &payload) {
+                Ok(()) => {
+                    ctx.give_request_buffer(payload);
+                    return Ok(());
+                }
+                // Nothing was sent: the general path connects or forwards.
+                Err(NetError::NotConnected { .. } | NetError::OtherShard { .. }) => {}
+                Err(e) => {
+                    return Err(RpcError::from_net(Error::Net(e), self.default_deadline()));
+                }
+            }
+        }
+        self.notify_waiting(peer, t, payload, args).await
+    }
+
+    /// [`Rpc::notify`]'s general path, from its encoded `payload`: connects on first use,
+    /// forwards to the shard holding the rail, waits for room, within the default deadline.
+    async fn notify_waiting<A: RpcType>(
+        &self,
+        peer: Peer,
+        t: Target,
+        payload: Vec<u8>,
+        args: &A,
+    ) -> Result<(), RpcError> {
         let timeout = self.default_deadline();
         let start = Instant::now();
-        let t = target::<F>();
-        let encode = || encode_request(t.schema, CallFlags::ONE_WAY, args, Vec::new());
         let ctx = self.node.shard_ctx();
         let (node, dest) = (peer.node_id(), peer.dest());
         let mut connected = false;
+        let mut payload = Some(payload);
         let op = async {
             loop {
-                let payload = encode()?;
+                let payload = match payload.take() {
+                    Some(p) => p,
+                    None => encode_request(t.schema, CallFlags::ONE_WAY, args, Vec::new())?,
+                };
                 let sent = ctx
                     .send_frame(
                         dest,

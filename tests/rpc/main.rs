@@ -571,15 +571,23 @@ fn a_replayed_request_runs_once() {
 fn one_way_calls_run_without_an_answer() {
     let _g = serial();
     let (out, stats) = pair(server(), false, |node: Node, peer: Peer| async move {
-        node.rpc().notify::<Count>(peer, &()).await.unwrap();
+        // The first connects (the general path); the next go out at once from the shard's
+        // request vector (the immediate path), an answered call between them.
+        for _ in 0..3 {
+            node.rpc().notify::<Count>(peer, &()).await.unwrap();
+        }
+        node.rpc().call::<Count>(peer, &()).await.unwrap();
+        for _ in 0..2 {
+            node.rpc().notify::<Count>(peer, &()).await.unwrap();
+        }
         wait_for("one-way calls ran", Duration::from_secs(5), || {
-            COUNT.load(Ordering::SeqCst) >= 2
+            COUNT.load(Ordering::SeqCst) >= 12
         })
         .await;
     });
     assert_eq!(out.len(), 2);
-    assert_eq!(COUNT.load(Ordering::SeqCst), 2);
-    assert_eq!((stats.one_way, stats.served), (2, 0), "{stats:?}");
+    assert_eq!(COUNT.load(Ordering::SeqCst), 12);
+    assert_eq!((stats.one_way, stats.served), (10, 2), "{stats:?}");
 }
 
 #[test]

@@ -208,8 +208,12 @@ async fn request_local(
     let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
     let now = start.map_or_else(|| net.now(), super::timestamp_of);
     let deadline = now.saturating_add(timeout);
-    // The last answered request's waiter when there is one: no allocation per request.
-    let waiter = net.spare_waiter.take().unwrap_or_else(Slot::new);
+    // An answered request's waiter when there is one: no allocation per request.
+    let waiter = net
+        .spare_waiters
+        .borrow_mut()
+        .pop()
+        .unwrap_or_else(Slot::new);
     let req_id = net.pending.borrow_mut().insert(
         deadline,
         Pending {
@@ -260,18 +264,25 @@ async fn request_local(
     let answer = waiter.wait().await;
     // Every answer is given after its entry left the table (reply, expiry, failure, drain).
     guard.armed = false;
-    // Nothing else holds the waiter once its entry is gone: kept for the next request.
+    // Nothing else holds the waiter once its entry is gone: kept for a next request.
     if Rc::strong_count(&waiter) == 1 {
-        waiter.reset();
-        net.spare_waiter.set(Some(waiter));
+        let mut spare = net.spare_waiters.borrow_mut();
+        if spare.len() < SPARE_WAITERS {
+            waiter.reset();
+            spare.push(waiter);
+        }
     }
     answer
 }
 
+/// The most answered requests' waiters a shard keeps for the next requests (a window of this
+/// many calls in flight together allocates no waiter).
+pub(super) const SPARE_WAITERS: usize = 256;
+
 /// Requests up to this long are sent from their vector in place, and the vector is kept for the
 /// next request's encoding ([`ShardCtx::request_buffer`]): no allocation per request. Longer
 /// ones are handed to the sender (not copied when UCX keeps them).
-pub(super) const RECYCLED_REQUEST: usize = 1024;
+pub const RECYCLED_REQUEST: usize = 1024;
 
 impl ShardCtx {
     /// An empty vector to encode a request's payload into, for [`ShardCtx::request`] and the
@@ -280,6 +291,13 @@ impl ShardCtx {
     /// their vector back once sent, so a stream of calls allocates none.
     pub fn request_buffer(&self) -> Vec<u8> {
         self.net().spare_request.take()
+    }
+
+    /// Gives back a vector from [`ShardCtx::request_buffer`] whose bytes were sent in place
+    /// (with [`ShardCtx::send_frame_now`], say), for the next request's encoding: kept if it
+    /// has more room than the one kept and at most twice [`RECYCLED_REQUEST`], else dropped.
+    pub fn give_request_buffer(&self, payload: Vec<u8>) {
+        self.net().spare_request.give(payload);
     }
 
     /// Sends a request of `kind` ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`] or
