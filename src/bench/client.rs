@@ -976,7 +976,9 @@ impl Session {
             }
             Ok::<(), BenchError>(())
         };
-        let window_trip = || async {
+        // The window's futures live in boxes made for the first window and reused after.
+        let mut calls = Window::default();
+        let window_trip = async || {
             if one_way {
                 // As `am-rate`: one-way, and the last one answered (after the others, on the
                 // same rail and handled in order).
@@ -985,7 +987,8 @@ impl Session {
                 }
                 return call().await;
             }
-            join_all((0..window).map(|_| call()))
+            calls
+                .run(window, call)
                 .await
                 .into_iter()
                 .collect::<Result<(), BenchError>>()
@@ -1211,62 +1214,88 @@ pub(super) fn record(f: &mut Figures, took: Duration) {
     f.hist.saturating_record(ns.max(1));
 }
 
-/// Runs `futures` together on the calling task and returns their outputs in order. Each
-/// future is polled again only when its own waker fires, so a window of `n` calls costs `O(n)`
-/// polls, not `O(n^2)`.
-async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    let mut pending: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
-    let n = pending.len();
-    let mut out: Vec<Option<F::Output>> = (0..n).map(|_| None).collect();
-    let ready = Arc::new(Ready {
-        // Every future is polled once first.
-        woken: Mutex::new((0..n).collect()),
-        task: Mutex::new(None),
-    });
-    let wakers: Vec<Waker> = (0..n)
-        .map(|index| {
-            Waker::from(Arc::new(Slot {
-                index,
-                ready: ready.clone(),
-            }))
-        })
-        .collect();
-    let mut left = n;
-    std::future::poll_fn(|cx| {
-        *lock(&ready.task) = Some(cx.waker().clone());
-        loop {
-            let woken = std::mem::take(&mut *lock(&ready.woken));
-            if woken.is_empty() {
-                break;
-            }
-            for i in woken {
-                if out[i].is_some() {
-                    continue;
-                }
-                let mut fcx = Context::from_waker(&wakers[i]);
-                if let Poll::Ready(v) = pending[i].as_mut().poll(&mut fcx) {
-                    out[i] = Some(v);
-                    left -= 1;
-                }
-            }
-        }
-        if left == 0 {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
-    })
-    .await;
-    out.into_iter().flatten().collect()
+/// Futures run together on the calling task, window after window ([`Window::run`]): the boxes
+/// that hold them and their wakers are made for the first window and kept, and each later
+/// window's futures are written into the same boxes, so a window allocates nothing per future
+/// (as `ucx_perftest`'s loop allocates nothing per message). Each future is polled again only
+/// when its own waker fires, so a window of `n` costs `O(n)` polls, not `O(n^2)`.
+struct Window<F> {
+    futures: Vec<Pin<Box<F>>>,
+    wakers: Vec<Waker>,
+    ready: Arc<Ready>,
 }
 
-/// The futures of a [`join_all`] that asked to be polled again, and the task polling them.
+impl<F> Default for Window<F> {
+    fn default() -> Self {
+        Self {
+            futures: Vec::new(),
+            wakers: Vec::new(),
+            ready: Arc::new(Ready {
+                woken: Mutex::new(Vec::new()),
+                task: Mutex::new(None),
+            }),
+        }
+    }
+}
+
+impl<F: Future> Window<F> {
+    /// Runs `n` futures made by `make` together and returns their outputs in order.
+    async fn run(&mut self, n: usize, mut make: impl FnMut() -> F) -> Vec<F::Output> {
+        for i in 0..n {
+            match self.futures.get_mut(i) {
+                Some(f) => f.set(make()),
+                None => {
+                    self.futures.push(Box::pin(make()));
+                    self.wakers.push(Waker::from(Arc::new(Slot {
+                        index: i,
+                        ready: self.ready.clone(),
+                    })));
+                }
+            }
+        }
+        let mut out: Vec<Option<F::Output>> = (0..n).map(|_| None).collect();
+        // Every future is polled once first (a wake left over from the window before, of a
+        // future already done then, finds its output slot empty: the future is new, polled
+        // once more than it asked for, which is harmless).
+        lock(&self.ready.woken).extend(0..n);
+        let mut left = n;
+        let (futures, wakers, ready) = (&mut self.futures, &self.wakers, &self.ready);
+        std::future::poll_fn(|cx| {
+            *lock(&ready.task) = Some(cx.waker().clone());
+            loop {
+                let woken = std::mem::take(&mut *lock(&ready.woken));
+                if woken.is_empty() {
+                    break;
+                }
+                for i in woken {
+                    if i >= n || out[i].is_some() {
+                        continue;
+                    }
+                    let mut fcx = Context::from_waker(&wakers[i]);
+                    if let Poll::Ready(v) = futures[i].as_mut().poll(&mut fcx) {
+                        out[i] = Some(v);
+                        left -= 1;
+                    }
+                }
+            }
+            if left == 0 {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
+        out.into_iter().flatten().collect()
+    }
+}
+
+/// The futures of a [`Window`] that asked to be polled again, and the task polling them.
 struct Ready {
     woken: Mutex<Vec<usize>>,
     task: Mutex<Option<Waker>>,
 }
 
-/// The waker of one future of a [`join_all`].
+/// The waker of one future of a [`Window`].
 struct Slot {
     index: usize,
     ready: Arc<Ready>,
@@ -1391,20 +1420,44 @@ mod tests {
     }
 
     #[test]
-    fn join_all_keeps_order_and_polls_only_the_woken() {
+    fn a_window_keeps_order_polls_only_the_woken_and_reuses_its_boxes() {
         let polls = Rc::new(Cell::new(0));
         let waits = [5u32, 0, 3, 9, 1, 0, 2];
-        let futs = waits.iter().enumerate().map(|(value, &left)| Countdown {
-            left,
-            polls: polls.clone(),
-            value,
-        });
-        let out = futures_lite::future::block_on(join_all(futs));
-        assert_eq!(out, (0..waits.len()).collect::<Vec<_>>());
-        // Each future is polled once more than it waits: never again after it is ready, and
-        // never for another future's wake-up.
-        let want: u32 = waits.iter().map(|w| w + 1).sum();
-        assert_eq!(polls.get(), want);
-        assert!(futures_lite::future::block_on(join_all(Vec::<Countdown>::new())).is_empty());
+        let mut window = Window::default();
+        let mut boxes = Vec::new();
+        for round in 0..3 {
+            let mut next = 0;
+            let make = || {
+                let (value, left) = (next, waits[next]);
+                next += 1;
+                Countdown {
+                    left,
+                    polls: polls.clone(),
+                    value: value + 100 * round,
+                }
+            };
+            polls.set(0);
+            let out = futures_lite::future::block_on(window.run(waits.len(), make));
+            let want: Vec<usize> = (0..waits.len()).map(|v| v + 100 * round).collect();
+            assert_eq!(out, want, "round {round}");
+            // Each future is polled once more than it waits: never again after it is ready,
+            // and never for another future's wake-up.
+            let polled: u32 = waits.iter().map(|w| w + 1).sum();
+            assert_eq!(polls.get(), polled, "round {round}");
+            // The same boxes every window.
+            let at: Vec<*const Countdown> =
+                window.futures.iter().map(|f| &**f as *const _).collect();
+            if round == 0 {
+                boxes = at;
+            } else {
+                assert_eq!(at, boxes, "round {round}");
+            }
+        }
+        assert!(
+            futures_lite::future::block_on(Window::<Countdown>::default().run(0, || {
+                unreachable!("no future is made for an empty window")
+            }))
+            .is_empty()
+        );
     }
 }

@@ -879,8 +879,10 @@ pub(crate) struct NetState {
     /// The vector of the last short request sent, for the next one's encoding
     /// ([`ShardCtx::request_buffer`]).
     spare_request: crate::SpareVec,
-    /// The waiter of the last request answered on this shard, for the next one (`request`).
-    spare_waiter: Cell<Option<Rc<Slot<request::Reply>>>>,
+    /// The waiters of requests answered on this shard, for the next ones (`request`): up to
+    /// [`request::SPARE_WAITERS`], so that a window of calls in flight together allocates
+    /// none once the first window has run.
+    spare_waiters: RefCell<Vec<Rc<Slot<request::Reply>>>>,
     /// The [`Bans`] generation this shard last closed rails for.
     bans_seen: Cell<u64>,
     /// The most bytes one rail's backlog held ([`NetStats::backlog_peak_bytes`], which is
@@ -1125,7 +1127,7 @@ impl NetState {
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
             inline_bytes: Cell::new(None),
             spare_request: crate::SpareVec::new(0, 2 * request::RECYCLED_REQUEST),
-            spare_waiter: Cell::new(None),
+            spare_waiters: RefCell::new(Vec::new()),
             closed: Cell::new(false),
             max_am_header: worker.max_am_header(),
             recv_cache,
