@@ -405,28 +405,53 @@ fn parse_data_header<'a>(
 
 impl NetState {
     /// A payload of eager bytes UCX delivered in place, for a frame dispatched inside its
-    /// callback: copied into the shard's reused buffer (no allocation while no frame keeps the
-    /// previous one; a frame that does keeps its copy, and a new buffer is made).
+    /// callback: copied into one of the shard's reused buffers. They are tried oldest first
+    /// (frames kept past their dispatch, replies waiting for their callers' tasks, are let go
+    /// of in about the order they came), so while at most [`INLINE_BUFFERS`] frames are kept
+    /// at once, none allocates; a buffer that grew past [`MAX_INLINE_BUFFER`] is not kept.
     fn inline_payload(&self, bytes: &[u8]) -> Payload {
         if bytes.is_empty() {
             return Payload::empty();
         }
-        let buf = match self.inline_bytes.take() {
+        let mut ring = self.inline_bytes.borrow_mut();
+        let reused = match ring.pop_front() {
             Some(mut b) => match Rc::get_mut(&mut b) {
                 Some(v) => {
                     v.clear();
                     v.extend_from_slice(bytes);
-                    b
+                    Some(b)
                 }
-                None => Rc::new(bytes.to_vec()),
+                None => {
+                    // Still kept by its frame: tried again after the others.
+                    ring.push_back(b);
+                    None
+                }
             },
+            None => None,
+        };
+        let buf = match reused {
+            Some(b) => b,
+            None if ring.len() >= INLINE_BUFFERS => {
+                // Every buffer is kept: this copy is the frame's own.
+                return Payload(PayloadInner::Shared(Rc::new(bytes.to_vec())));
+            }
             None => Rc::new(bytes.to_vec()),
         };
-        let payload = Payload(PayloadInner::Shared(buf.clone()));
-        self.inline_bytes.set(Some(buf));
-        payload
+        if buf.capacity() <= MAX_INLINE_BUFFER {
+            ring.push_back(buf.clone());
+        }
+        Payload(PayloadInner::Shared(buf))
     }
 }
+
+/// The most buffers a shard keeps for eager payloads copied out of UCX's callback
+/// ([`NetState::inline_payload`]): a window of this many answers awaited together (RPC replies
+/// read by their callers' tasks) is received with no allocation.
+const INLINE_BUFFERS: usize = 128;
+
+/// A buffer for eager payloads larger than this (a raised rendezvous threshold) is used once
+/// and not kept.
+const MAX_INLINE_BUFFER: usize = 16 << 10;
 
 /// Registers the shard's UCX AM handlers. Control frames are recorded for the driver's
 /// dispatch; application frames with eager data are dispatched inside the callback when

@@ -873,9 +873,9 @@ pub(crate) struct NetState {
     /// round (one `progress` call can deliver thousands over tcp: handled in one go, they
     /// would keep the shard's timers, heartbeats and other tasks waiting).
     inline_left: Cell<usize>,
-    /// The buffer short eager payloads are copied into for an inline dispatch, reused while
-    /// no frame keeps it ([`inbound`]).
-    inline_bytes: Cell<Option<Rc<Vec<u8>>>>,
+    /// The buffers short eager payloads are copied into for an inline dispatch, oldest
+    /// first, each reused once no frame keeps it ([`inbound`]).
+    inline_bytes: RefCell<VecDeque<Rc<Vec<u8>>>>,
     /// The vector of the last short request sent, for the next one's encoding
     /// ([`ShardCtx::request_buffer`]).
     spare_request: crate::SpareVec,
@@ -1125,7 +1125,7 @@ impl NetState {
             inline_rail: RefCell::new(None),
             route_cache: RefCell::new(None),
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
-            inline_bytes: Cell::new(None),
+            inline_bytes: RefCell::new(VecDeque::new()),
             spare_request: crate::SpareVec::new(0, 2 * request::RECYCLED_REQUEST),
             spare_waiters: RefCell::new(Vec::new()),
             closed: Cell::new(false),
