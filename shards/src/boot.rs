@@ -958,7 +958,7 @@ mod tests {
     /// not a park). That loop's length moves by 2x from day to day on the development VM: a
     /// fixed 10 µs livelocked a debug build on 2026-12-01 and a release build on 2026-12-02
     /// (both had passed in CI), where 15 µs parked no release start and 20 µs parked one in
-    /// 30. So the timer is 25 µs in release builds and 50 µs in debug ones: starts park now and
+    /// 30 (hand runs of this test with the timer edited, 2026-12-02). So the timer is 25 µs in release builds and 50 µs in debug ones: starts park now and
     /// then (each park ended by a nudge, 20 ms), none livelocks at twice today's loop. Shards
     /// use a 1 ms timer ([`crate::PREEMPT_TIMER`]).
     #[test]

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::Archived;
-use shardcx_shards::net::request::RECYCLED_REQUEST;
 use shardcx_shards::net::{Dest, Payload};
 use shardcx_shards::proto::rpc::{decode_error, request_prefix, CallFlags};
 use shardcx_shards::proto::{FrameHeader, FrameKind, FunctionId, ReqId};
@@ -220,52 +219,41 @@ impl Rpc {
     /// (within the default deadline). Nothing comes back, not even the server's errors (it
     /// counts them); a one-way call is not deduplicated.
     ///
-    /// A call of at most [`RECYCLED_REQUEST`] bytes to a peer whose rail this shard holds is
-    /// sent at once from the shard's request vector (kept for the next call): no allocation,
-    /// no clock reading, no task. Others (a first call that connects, a rail another shard
-    /// holds, a long call) take the general path.
+    /// To a peer whose rail this shard holds the call is sent at once from the shard's request
+    /// vector ([`ShardCtx::send_one_way_now`](shardcx_shards::ShardCtx::send_one_way_now)): no
+    /// allocation, clock reading or task for a call of at most 1 KiB. A first call that
+    /// connects, or one to a rail another shard holds, takes the general path.
     pub async fn notify<F: RpcFunction>(&self, peer: Peer, args: &F::Args) -> Result<(), RpcError> {
         let t = target::<F>();
         let ctx = self.node.shard_ctx();
         let payload = encode_request(t.schema, CallFlags::ONE_WAY, args, ctx.request_buffer())?;
-        if payload.len() <= RECYCLED_REQUEST {
-            let id = (t.id.get(), ReqId::NONE);
-            match ctx.send_frame_now(peer.dest(), FrameKind::RpcRequest, id, &[], &payload) {
-                Ok(()) => {
-                    ctx.give_request_buffer(payload);
-                    return Ok(());
-                }
-                // Nothing was sent: the general path connects or forwards.
-                Err(NetError::NotConnected { .. } | NetError::OtherShard { .. }) => {}
-                Err(e) => {
-                    return Err(RpcError::from_net(Error::Net(e), self.default_deadline()));
-                }
+        match ctx.send_one_way_now(peer.dest(), FrameKind::RpcRequest, t.id.get(), payload) {
+            Ok(()) => Ok(()),
+            // Nothing was sent: the general path connects or forwards.
+            Err(NetError::NotConnected { .. } | NetError::OtherShard { .. }) => {
+                self.notify_waiting(peer, t, args).await
             }
+            Err(e) => Err(RpcError::from_net(Error::Net(e), self.default_deadline())),
         }
-        self.notify_waiting(peer, t, payload, args).await
     }
 
-    /// [`Rpc::notify`]'s general path, from its encoded `payload`: connects on first use,
-    /// forwards to the shard holding the rail, waits for room, within the default deadline.
+    /// [`Rpc::notify`]'s general path: connects on first use and forwards to the shard holding
+    /// the rail, within the default deadline.
     async fn notify_waiting<A: RpcType>(
         &self,
         peer: Peer,
         t: Target,
-        payload: Vec<u8>,
         args: &A,
     ) -> Result<(), RpcError> {
         let timeout = self.default_deadline();
         let start = Instant::now();
+        let encode = || encode_request(t.schema, CallFlags::ONE_WAY, args, Vec::new());
         let ctx = self.node.shard_ctx();
         let (node, dest) = (peer.node_id(), peer.dest());
         let mut connected = false;
-        let mut payload = Some(payload);
         let op = async {
             loop {
-                let payload = match payload.take() {
-                    Some(p) => p,
-                    None => encode_request(t.schema, CallFlags::ONE_WAY, args, Vec::new())?,
-                };
+                let payload = encode()?;
                 let sent = ctx
                     .send_frame(
                         dest,

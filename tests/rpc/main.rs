@@ -578,7 +578,15 @@ fn one_way_calls_run_without_an_answer() {
         }
         node.rpc().call::<Count>(peer, &()).await.unwrap();
         for _ in 0..2 {
+            // The shard's request vector, taken here, comes back only from the immediate
+            // path (the general one hands its vector to the send).
+            let ctx = node.shard_ctx();
+            drop(ctx.request_buffer());
             node.rpc().notify::<Count>(peer, &()).await.unwrap();
+            assert!(
+                ctx.request_buffer().capacity() > 0,
+                "a one-way call to a connected peer took the general path"
+            );
         }
         wait_for("one-way calls ran", Duration::from_secs(5), || {
             COUNT.load(Ordering::SeqCst) >= 12

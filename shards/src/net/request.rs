@@ -42,7 +42,7 @@ use futures_lite::future;
 use glommio::timer::sleep;
 
 use super::inbound::Payload;
-use super::outbound::{send, Body, FrameSpec};
+use super::outbound::{send, send_routed, Body, FrameSpec};
 use super::{Dest, NetError, Route, Slot, MAX_REQUEST_TIMEOUT};
 use crate::boot::ShardCtx;
 use crate::proto::wire::{ttl_from_deadline, NO_DEADLINE_TTL};
@@ -239,16 +239,9 @@ async fn request_local(
         },
         armed: true,
     };
-    if payload.len() <= RECYCLED_REQUEST {
-        // Sent in place (copied when UCX cannot take it at once), and the vector kept.
-        let sent = send(ctx, (node, remote), spec, &[], Body::Borrowed(&payload));
-        // Kept unless it is smaller than the spare (a request forwarded from another shard,
-        // made as a small vector, does not displace this shard's encoding buffer).
-        net.spare_request.give(payload);
-        sent?;
-    } else {
-        send(ctx, (node, remote), spec, &[], Body::Buf(payload.into()))?;
-    }
+    send_encoded(ctx, payload, |body| {
+        send(ctx, (node, remote), spec, &[], body)
+    })?;
     if net.closed.get() {
         let got = future::or(async { Some(waiter.wait().await) }, async {
             sleep(deadline.saturating_duration_since(net.now())).await;
@@ -275,6 +268,26 @@ async fn request_local(
     answer
 }
 
+/// Sends an encoded request `payload` with `send`: one of at most [`RECYCLED_REQUEST`] bytes from
+/// its vector in place (copied when UCX cannot take it at once), the vector then kept for the
+/// next request's encoding ([`ShardCtx::request_buffer`]), sent or not; a longer one handed over
+/// whole (not copied when UCX keeps it).
+fn send_encoded(
+    ctx: &ShardCtx,
+    payload: Vec<u8>,
+    send: impl FnOnce(Body<'_>) -> Result<(), NetError>,
+) -> Result<(), NetError> {
+    if payload.len() <= RECYCLED_REQUEST {
+        let sent = send(Body::Borrowed(&payload));
+        // Kept unless it is smaller than the spare (a request forwarded from another shard,
+        // made as a small vector, does not displace this shard's encoding buffer).
+        ctx.net().spare_request.give(payload);
+        sent
+    } else {
+        send(Body::Buf(payload.into()))
+    }
+}
+
 /// The most answered requests' waiters a shard keeps for the next requests (a window of this
 /// many calls in flight together allocates no waiter).
 pub(super) const SPARE_WAITERS: usize = 256;
@@ -282,7 +295,7 @@ pub(super) const SPARE_WAITERS: usize = 256;
 /// Requests up to this long are sent from their vector in place, and the vector is kept for the
 /// next request's encoding ([`ShardCtx::request_buffer`]): no allocation per request. Longer
 /// ones are handed to the sender (not copied when UCX keeps them).
-pub const RECYCLED_REQUEST: usize = 1024;
+pub(super) const RECYCLED_REQUEST: usize = 1024;
 
 impl ShardCtx {
     /// An empty vector to encode a request's payload into, for [`ShardCtx::request`] and the
@@ -293,11 +306,30 @@ impl ShardCtx {
         self.net().spare_request.take()
     }
 
-    /// Gives back a vector from [`ShardCtx::request_buffer`] whose bytes were sent in place
-    /// (with [`ShardCtx::send_frame_now`], say), for the next request's encoding: kept if it
-    /// has more room than the one kept and at most twice [`RECYCLED_REQUEST`], else dropped.
-    pub fn give_request_buffer(&self, payload: Vec<u8>) {
-        self.net().spare_request.give(payload);
+    /// Sends a one-way request frame of `kind` (no request id: nothing answers it) with `id`
+    /// and `payload`, encoded in [`ShardCtx::request_buffer`]'s vector, to `dest` at once from
+    /// this shard, as [`ShardCtx::send_frame_now`] does: a payload of at most 1 KiB goes from
+    /// the vector in place and the vector is kept for the next request's encoding (sent or
+    /// not), so a stream of them allocates nothing; a longer one is handed over whole. With
+    /// the errors of [`ShardCtx::send_frame_now`], before anything is sent (the vector is
+    /// gone then: encode again for [`ShardCtx::send_frame`]).
+    pub fn send_one_way_now(
+        &self,
+        dest: impl Into<Dest>,
+        kind: FrameKind,
+        id: u32,
+        payload: Vec<u8>,
+    ) -> Result<(), NetError> {
+        let dest = dest.into();
+        let spec = FrameSpec {
+            kind,
+            id,
+            req_id: ReqId::NONE,
+            ttl_ns: NO_DEADLINE_TTL,
+        };
+        send_encoded(self, payload, |body| {
+            send_routed(self, dest, spec, &[], body)
+        })
     }
 
     /// Sends a request of `kind` ([`FrameKind::RpcRequest`], [`FrameKind::RmaPut`] or
