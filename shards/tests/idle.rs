@@ -12,17 +12,17 @@ use shardcx_shards::{Placement, ShardCtx, ShardsBuilder};
 
 const PING: u16 = 7;
 
-/// utime + stime of the calling thread, in clock ticks (USER_HZ, 100 on Linux). Per thread,
-/// not per process: the other tests of this binary run at the same time and are busy.
-fn thread_cpu_ticks() -> u64 {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    // Fields after the command: state is index 0, utime is field 14 overall (index 11 here).
-    let utime: u64 = f.get(11).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let stime: u64 = f.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
-    assert!(!f.is_empty(), "cannot read /proc/thread-self/stat");
-    utime + stime
+/// Nanoseconds the calling thread has run on a CPU (`/proc/thread-self/schedstat`, the
+/// scheduler's own sum, exact to the nanosecond; `stat`'s utime + stime are the same sum cut to
+/// 10 ms ticks). Per thread, not per process: the other tests of this binary run at the same
+/// time and are busy.
+fn thread_cpu_ns() -> u64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat")
+        .expect("cannot read /proc/thread-self/schedstat");
+    stat.split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("schedstat starts with the thread's run time in ns")
 }
 
 fn builder() -> ShardsBuilder {
@@ -49,26 +49,80 @@ async fn exchange(ctx: &ShardCtx, book: &Mutex<Vec<Option<WorkerAddress>>>) -> W
     }
 }
 
+/// What one idle shard did over [`IDLE_WINDOW`].
+#[derive(Debug, Clone, Copy)]
+struct Idle {
+    /// Run time of the shard's thread, in µs.
+    cpu_us: u64,
+    /// Times its driver went to sleep.
+    sleeps: u64,
+    /// Progress rounds its driver ran.
+    rounds: u64,
+}
+
+const IDLE_WINDOW: Duration = Duration::from_secs(2);
+
+/// Idle shards sleep: their drivers go to sleep about once per bounded sleep
+/// (`driver::MAX_SLEEP`, 50 ms) and run a few idle rounds per wake-up, and their threads use
+/// a small fraction of a core. The counts are exact whatever the machine's load; the CPU time
+/// depends on the build and the machine (2026-12-02, this VM, whole binary running: debug
+/// 11-22 ms per shard in 2 s, release 5-7 ms, 40 sleeps and 2,300-6,100 rounds each), so
+/// its bound only tells sleeping from polling (a shard that never sleeps uses the whole 2 s).
+/// The CI run of 2026-12-01 saw one shard charged 80 ms (`stat` ticks) in one such window:
+/// the figures of both shards are in the message, and one window over the CPU bound is
+/// measured again before the test fails, while the counts must hold in each.
 #[test]
 fn idle_pool_sleeps() {
-    let ticks = builder()
+    let per_shard = builder()
         .run(|ctx: Rc<ShardCtx>| async move {
             // Let both drivers go to sleep first.
             glommio::timer::sleep(Duration::from_millis(200)).await;
-            // Each shard measures its own thread over the same 2 s.
-            let before = thread_cpu_ticks();
-            glommio::timer::sleep(Duration::from_secs(2)).await;
-            let used = thread_cpu_ticks() - before;
-            assert!(ctx.driver_sleeps() > 0, "the driver never slept");
-            used
+            let mut windows = Vec::new();
+            for _ in 0..2 {
+                // Each shard measures its own thread over the same window.
+                let (cpu, sleeps, rounds) =
+                    (thread_cpu_ns(), ctx.driver_sleeps(), ctx.progress_rounds());
+                glommio::timer::sleep(IDLE_WINDOW).await;
+                windows.push(Idle {
+                    cpu_us: (thread_cpu_ns() - cpu) / 1000,
+                    sleeps: ctx.driver_sleeps() - sleeps,
+                    rounds: ctx.progress_rounds() - rounds,
+                });
+            }
+            windows
         })
         .unwrap();
-    let used: u64 = ticks.iter().sum();
-    // 5% of one core over 2 s is 10 ticks at 100 Hz, for both shards together.
-    assert!(
-        used < 10,
-        "idle 2-shard pool used {used} ticks (10 ms each) in 2 s: {ticks:?}"
-    );
+    // At most one sleep per 50 ms of the window, and a few wake-ups more for timers that end a
+    // sleep early (this test's own); at least a quarter of that, for a loaded machine.
+    let most_sleeps = IDLE_WINDOW.as_millis() as u64 / 50 + 10;
+    // An idle poll runs at most IDLE_ROUNDS (256) rounds, and a wake-up two or three polls.
+    let most_rounds = most_sleeps * 4 * 256;
+    // A tenth of a core per shard: ten times what a debug build uses here.
+    let most_cpu_us = IDLE_WINDOW.as_micros() as u64 / 10;
+    let all: Vec<_> = per_shard.iter().flatten().collect();
+    for w in &all {
+        assert!(
+            (most_sleeps / 4..=most_sleeps).contains(&w.sleeps),
+            "an idle shard's driver slept {} times in {IDLE_WINDOW:?} \
+             (expected {}..={most_sleeps}): {per_shard:?}",
+            w.sleeps,
+            most_sleeps / 4
+        );
+        assert!(
+            w.rounds <= most_rounds,
+            "an idle shard's driver ran {} progress rounds in {IDLE_WINDOW:?} \
+             (at most {most_rounds}): {per_shard:?}",
+            w.rounds
+        );
+    }
+    // Every shard under the bound in at least one of its two windows.
+    for (shard, windows) in per_shard.iter().enumerate() {
+        assert!(
+            windows.iter().any(|w| w.cpu_us < most_cpu_us),
+            "idle shard {shard} used more than {most_cpu_us} us of CPU in each {IDLE_WINDOW:?} \
+             window: {per_shard:?}"
+        );
+    }
 }
 
 #[test]
