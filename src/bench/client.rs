@@ -990,7 +990,6 @@ impl Session {
             calls
                 .run(window, call)
                 .await
-                .into_iter()
                 .collect::<Result<(), BenchError>>()
         };
         let w = window as u64;
@@ -1216,16 +1215,22 @@ pub(super) fn record(f: &mut Figures, took: Duration) {
 
 /// Futures run together on the calling task, window after window ([`Window::run`]): the boxes
 /// that hold them and their wakers are made for the first window and kept, and each later
-/// window's futures are written into the same boxes, so a window allocates nothing per future
-/// (as `ucx_perftest`'s loop allocates nothing per message). Each future is polled again only
+/// window's futures are written into the same boxes; the list of woken futures and the outputs
+/// are vectors kept from window to window too, so a window allocates nothing (as
+/// `ucx_perftest`'s loop allocates nothing per message). Each future is polled again only
 /// when its own waker fires, so a window of `n` costs `O(n)` polls, not `O(n^2)`.
-struct Window<F> {
+struct Window<F: Future> {
     futures: Vec<Pin<Box<F>>>,
     wakers: Vec<Waker>,
     ready: Arc<Ready>,
+    /// The outputs of the window being run, by index.
+    out: Vec<Option<F::Output>>,
+    /// The woken list taken from `ready` while its futures are polled (then cleared and
+    /// swapped back in, its capacity kept).
+    polling: Vec<usize>,
 }
 
-impl<F> Default for Window<F> {
+impl<F: Future> Default for Window<F> {
     fn default() -> Self {
         Self {
             futures: Vec::new(),
@@ -1234,13 +1239,20 @@ impl<F> Default for Window<F> {
                 woken: Mutex::new(Vec::new()),
                 task: Mutex::new(None),
             }),
+            out: Vec::new(),
+            polling: Vec::new(),
         }
     }
 }
 
 impl<F: Future> Window<F> {
-    /// Runs `n` futures made by `make` together and returns their outputs in order.
-    async fn run(&mut self, n: usize, mut make: impl FnMut() -> F) -> Vec<F::Output> {
+    /// Runs `n` futures made by `make` together and returns their outputs in order (drained
+    /// from a vector the window keeps).
+    async fn run(
+        &mut self,
+        n: usize,
+        mut make: impl FnMut() -> F,
+    ) -> impl Iterator<Item = F::Output> + '_ {
         for i in 0..n {
             match self.futures.get_mut(i) {
                 Some(f) => f.set(make()),
@@ -1253,21 +1265,24 @@ impl<F: Future> Window<F> {
                 }
             }
         }
-        let mut out: Vec<Option<F::Output>> = (0..n).map(|_| None).collect();
+        self.out.clear();
+        self.out.resize_with(n, || None);
         // Every future is polled once first (a wake left over from the window before, of a
         // future already done then, finds its output slot empty: the future is new, polled
         // once more than it asked for, which is harmless).
         lock(&self.ready.woken).extend(0..n);
         let mut left = n;
         let (futures, wakers, ready) = (&mut self.futures, &self.wakers, &self.ready);
+        let (out, polling) = (&mut self.out, &mut self.polling);
         std::future::poll_fn(|cx| {
             *lock(&ready.task) = Some(cx.waker().clone());
             loop {
-                let woken = std::mem::take(&mut *lock(&ready.woken));
-                if woken.is_empty() {
+                // The woken list and the one polled trade places: both keep their capacity.
+                std::mem::swap(&mut *lock(&ready.woken), polling);
+                if polling.is_empty() {
                     break;
                 }
-                for i in woken {
+                for &i in polling.iter() {
                     if i >= n || out[i].is_some() {
                         continue;
                     }
@@ -1277,6 +1292,7 @@ impl<F: Future> Window<F> {
                         left -= 1;
                     }
                 }
+                polling.clear();
             }
             if left == 0 {
                 Poll::Ready(())
@@ -1285,7 +1301,7 @@ impl<F: Future> Window<F> {
             }
         })
         .await;
-        out.into_iter().flatten().collect()
+        self.out.drain(..).flatten()
     }
 }
 
@@ -1437,16 +1453,28 @@ mod tests {
                 }
             };
             polls.set(0);
-            let out = futures_lite::future::block_on(window.run(waits.len(), make));
+            let out: Vec<usize> =
+                futures_lite::future::block_on(window.run(waits.len(), make)).collect();
             let want: Vec<usize> = (0..waits.len()).map(|v| v + 100 * round).collect();
             assert_eq!(out, want, "round {round}");
             // Each future is polled once more than it waits: never again after it is ready,
             // and never for another future's wake-up.
             let polled: u32 = waits.iter().map(|w| w + 1).sum();
             assert_eq!(polls.get(), polled, "round {round}");
-            // The same boxes every window.
-            let at: Vec<*const Countdown> =
-                window.futures.iter().map(|f| &**f as *const _).collect();
+            // The same boxes every window, and the same vector for the outputs (nothing
+            // allocated after the first window).
+            let mut at: Vec<*const ()> = window
+                .futures
+                .iter()
+                .map(|f| &**f as *const Countdown as *const ())
+                .collect();
+            at.push(window.out.as_ptr() as *const ());
+            // The two woken lists trade places (either may be either) and both keep their
+            // room: a list taken out would leave an empty one, with none.
+            assert!(
+                window.polling.capacity() > 0 && lock(&window.ready.woken).capacity() > 0,
+                "round {round}: a woken list lost its room"
+            );
             if round == 0 {
                 boxes = at;
             } else {
@@ -1457,7 +1485,8 @@ mod tests {
             futures_lite::future::block_on(Window::<Countdown>::default().run(0, || {
                 unreachable!("no future is made for an empty window")
             }))
-            .is_empty()
+            .next()
+            .is_none()
         );
     }
 }
