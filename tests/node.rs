@@ -1146,3 +1146,108 @@ fn a_node_that_ends_right_after_a_rendezvous_send_still_delivers_it() {
         .sum();
     assert_eq!(got, NODES, "last messages received intact");
 }
+
+const MODE_ECHO: AmId = AmId::new(12);
+const MODE_ECHOED: AmId = AmId::new(13);
+
+/// Nodes whose endpoints use different UCX error modes (NONE, as for shared memory, and PEER,
+/// the default with tcp) connect either way and exchange messages, on every rail. In UCX 1.12,
+/// the answering node's endpoint in its own mode to a peer whose endpoint was in the other one
+/// crashed the answering process (SIGSEGV in `ucp_ep_create`, after "asymmetric endpoint
+/// configuration is not supported, error handling level mismatch", before any handshake): any
+/// client could kill a node so. The answering side now takes the peer's mode
+/// (`shardcx_ucx::Endpoint::answer_worker`); before, this test's process died.
+#[test]
+fn nodes_whose_endpoints_use_other_error_modes_still_talk() {
+    use shardcx::shards::NetConfig;
+    use shardcx::ucx::ErrorMode;
+    let _g = serial();
+    const ROUNDS: u32 = 20;
+    for (server_mode, client_mode) in [
+        (ErrorMode::None, ErrorMode::Peer),
+        (ErrorMode::Peer, ErrorMode::None),
+    ] {
+        let cfg = |mode| NetConfig {
+            error_mode: Some(mode),
+            ..NetConfig::default()
+        };
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let server = std::thread::spawn(move || {
+            node(31, KEY)
+                .net(cfg(server_mode))
+                .listen("127.0.0.1:0".parse().unwrap())
+                .on_am(MODE_ECHO, || {
+                    |_: &Node, msg: AmMsg| {
+                        // The connection may have gone meanwhile: the client then counts a loss.
+                        let _ = msg.reply(MODE_ECHOED, msg.header(), msg.payload());
+                    }
+                })
+                .run(move |node: Node| {
+                    let (tx, stop) = (tx.clone(), stop2.clone());
+                    async move {
+                        if node.shard() == ShardId::new(0) {
+                            let _ = tx.send(node.listen_addr().unwrap());
+                        }
+                        let deadline = Instant::now() + LIMIT;
+                        while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
+                            sleep(Duration::from_millis(5)).await;
+                        }
+                    }
+                })
+                .unwrap()
+        });
+        let addr = rx.recv_timeout(LIMIT).expect("server did not start");
+        let echoed = within(move || {
+            node(32, KEY)
+                .net(cfg(client_mode))
+                .on_am(MODE_ECHOED, || {
+                    |_: &Node, msg: AmMsg| {
+                        let seq = u32::from_le_bytes(msg.header()[..4].try_into().unwrap());
+                        ACKS.with(|a| {
+                            if let Some(tx) = a.borrow().as_ref() {
+                                let sum = msg.payload().iter().map(|&b| u64::from(b)).sum();
+                                let _ = tx.try_send((seq, sum));
+                            }
+                        });
+                    }
+                })
+                .run(move |node: Node| async move {
+                    let (tx, rx) = local_channel::new_unbounded();
+                    ACKS.with(|a| *a.borrow_mut() = Some(tx));
+                    let server = node.connect(addr).await.map_err(|e| e.to_string())?;
+                    let mut got = 0;
+                    for seq in 0..ROUNDS {
+                        // Each client shard on its own rail, to the server shard of its index
+                        // (whose inline reply goes back on that rail).
+                        let body = payload(node.shard().get(), seq);
+                        server
+                            .am_send(MODE_ECHO, &seq.to_le_bytes(), &body)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        let answer = glommio::timer::timeout(Duration::from_secs(10), async {
+                            Ok(rx.recv().await)
+                        })
+                        .await
+                        .map_err(|e| format!("no echo of message {seq}: {e}"))?;
+                        let want: u64 = body.iter().map(|&b| u64::from(b)).sum();
+                        if answer == Some((seq, want)) {
+                            got += 1;
+                        }
+                    }
+                    Ok::<u32, String>(got)
+                })
+                .expect("client node")
+        });
+        stop.store(true, Ordering::Release);
+        within(move || server.join().expect("server panicked"));
+        for got in &echoed {
+            assert_eq!(
+                got,
+                &Ok(ROUNDS),
+                "server in mode {server_mode:?}, client in {client_mode:?}"
+            );
+        }
+    }
+}

@@ -172,6 +172,15 @@
 //! [`ErrorMode::None`] otherwise; heartbeats detect dead peers in both cases. The bootstrap
 //! is a plain TCP exchange outside UCX, so any transport list can connect.
 //!
+//! The endpoint that answers a `Hello` or `Join` takes the mode of the peer's endpoint it came
+//! on ([`Endpoint::answer_worker`](crate::ucx::Endpoint::answer_worker)), not this node's: in
+//! UCX 1.12, asking for the other mode there crashed the answering process in `ucp_ep_create`
+//! (a node with endpoints in mode NONE, `shardcx node --transport shm` under `UCX_TLS=tcp`,
+//! connected to by one in mode PEER, or the other way round: any client could kill a node so,
+//! before any handshake). Such a pair talks in the connecting side's mode; a node whose
+//! endpoints were asked for PEER may so hold a rail in mode NONE (from a client in that mode),
+//! closed with a flush where it would have been forced (UCX refuses to force-close it).
+//!
 //! ## Limits (what is not here yet)
 //!
 //! - A failed session is not re-established by itself (`max_reconnect_attempts` is 0): call

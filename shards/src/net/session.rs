@@ -975,11 +975,14 @@ fn rail_config(ctx: &ShardCtx, net: &NetState, psk: PreSharedKey) -> ConnConfig 
         .conn_config(&net.settings, psk, shard_count_u16(ctx), ctx.id())
 }
 
-/// An endpoint to the worker address a `Hello` or `Join` carried; `None` (counted as
-/// malformed) when UCX refuses the address.
+/// An endpoint to the worker address a `Hello` or `Join` carried, in the error mode of the
+/// endpoint the peer sent it on (`Endpoint::answer_worker`: in UCX 1.12 asking for another
+/// mode crashed this process, so a peer configured otherwise, or a client that wants to,
+/// could kill a node before any handshake); `None` (counted as malformed) when UCX refuses the
+/// address.
 fn endpoint_to(ctx: &ShardCtx, net: &NetState, addr: &[u8]) -> Option<Endpoint> {
     let address = WorkerAddress::from_bytes(addr.to_vec());
-    let ep = Endpoint::connect_to_worker(ctx.worker(), &address, net.ep_options()).ok();
+    let ep = Endpoint::answer_worker(ctx.worker(), &address, net.ep_options()).ok();
     if ep.is_none() {
         net.count(|s| s.dropped_malformed += 1);
     }

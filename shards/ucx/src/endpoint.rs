@@ -157,6 +157,8 @@ pub(crate) fn socket_addr_from(storage: *const c_void) -> Option<SocketAddr> {
 pub(crate) enum Target<'a> {
     Sock(&'a SocketAddr),
     Worker(&'a WorkerAddress),
+    /// A worker whose endpoint to this one exists: its mode is adopted ([`Endpoint::answer_worker`]).
+    Answer(&'a WorkerAddress),
     Conn(sys::ucp_conn_request_h),
 }
 
@@ -175,6 +177,23 @@ impl Endpoint {
         opts: EpOptions,
     ) -> Result<Self> {
         Self::create(&worker.inner, Target::Worker(addr), opts)
+    }
+
+    /// An endpoint that answers one the peer at `addr` opened to this worker (the peer's
+    /// messages already came in on it), in the error mode the peer chose: no error mode is
+    /// asked of UCX (`opts.error_mode` is kept for how the endpoint closes), so UCX takes the
+    /// internal endpoint the peer's connection request made, in the peer's mode; where there is
+    /// none, the new endpoint has UCX's default, `UCP_ERR_HANDLING_MODE_NONE`. The error
+    /// handler is set either way.
+    ///
+    /// Why: UCX 1.12's `ucp_ep_create` given a mode other than that internal endpoint's logs
+    /// "asymmetric endpoint configuration is not supported, error handling level mismatch",
+    /// destroys the internal endpoint and goes on using it (`ucp_ep_create_to_worker_addr`'s
+    /// caller in `ucp_ep.c`): the process crashes in `ucp_stream_ep_activate`. A peer that
+    /// opened its endpoint in the other mode, on purpose or misconfigured, so crashed the node
+    /// that answered it, before any handshake.
+    pub fn answer_worker(worker: &Worker, addr: &WorkerAddress, opts: EpOptions) -> Result<Self> {
+        Self::create(&worker.inner, Target::Answer(addr), opts)
     }
 
     /// Accept a connection request from a [`crate::Listener`].
@@ -207,6 +226,10 @@ impl Endpoint {
             }
             ErrorMode::None => sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE,
         };
+        if matches!(target, Target::Answer(_)) {
+            // The peer's mode, whichever it is (see `answer_worker`).
+            mask = ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        }
         let mut address = ptr::null();
         let mut flags = 0;
         let mut conn_request = ptr::null_mut();
@@ -215,7 +238,7 @@ impl Endpoint {
                 mask |= ffi::UCP_EP_PARAM_FIELD_SOCK_ADDR | ffi::UCP_EP_PARAM_FIELD_FLAGS;
                 flags = ffi::UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
             }
-            Target::Worker(a) => {
+            Target::Worker(a) | Target::Answer(a) => {
                 mask |= ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
                 address = a.as_bytes().as_ptr().cast::<sys::ucp_address_t>();
             }
@@ -347,15 +370,29 @@ impl EpInner {
             _ => 0,
         };
         let ep = self.handle.replace(ptr::null_mut());
-        let extra = ParamExtra {
-            flags: Some(flags),
-            ..ParamExtra::default()
+        let post = |flags| {
+            let extra = ParamExtra {
+                flags: Some(flags),
+                ..ParamExtra::default()
+            };
+            request::post(&self.worker, CbKind::Send, extra, &[], &[], |param, _| {
+                // SAFETY: ucp.h (`ucp_ep_close_nbx`): the endpoint is live and closed once (the
+                // handle is swapped out above; a second post only follows a refusal that left
+                // it untouched, see below); force mode only with error mode PEER, as required.
+                unsafe { sys::ucp_ep_close_nbx(ep, param) }
+            })
         };
-        let posted = request::post(&self.worker, CbKind::Send, extra, &[], &[], |param, _| {
-            // SAFETY: ucp.h (`ucp_ep_close_nbx`): the endpoint is live and closed once (the
-            // handle is swapped out above); force mode only with error mode PEER, as required.
-            unsafe { sys::ucp_ep_close_nbx(ep, param) }
-        });
+        let mut posted = post(flags);
+        // An endpoint made by `answer_worker` may be in mode NONE whatever `self.mode` says
+        // (the peer's): UCX refuses to force-close it with `UCS_ERR_INVALID_PARAM` before it
+        // does anything (`ucp_ep_close_nbx` in UCX 1.12), so it is closed with a flush.
+        if flags != 0 {
+            if let Posted::Now(c) = &posted {
+                if c.result() == Err(Error::InvalidParam) {
+                    posted = post(0);
+                }
+            }
+        }
         Some(match posted {
             Posted::Now(c) => c.result().map(|_| None),
             Posted::Later(f) => Ok(Some(f)),
