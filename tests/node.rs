@@ -125,13 +125,7 @@ fn start_server(
             .run(move |node: Node| {
                 let (tx, stop) = (tx.clone(), stop2.clone());
                 async move {
-                    if node.shard() == ShardId::new(0) {
-                        let _ = tx.send(node.listen_addr().unwrap());
-                    }
-                    let deadline = Instant::now() + LIMIT;
-                    while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
-                        sleep(Duration::from_millis(5)).await;
-                    }
+                    serve_until_stopped(&node, &tx, &stop).await;
                     ServerReport {
                         received: RECEIVED.with(Cell::get),
                         bad: BAD.with(Cell::get),
@@ -145,6 +139,18 @@ fn start_server(
     });
     let addr = rx.recv_timeout(LIMIT).expect("server did not start");
     (addr, stop, h)
+}
+
+/// A serving node's shard: shard 0 sends the listening address on `tx`; every shard then serves
+/// until `stop` is set (or `LIMIT` has passed).
+async fn serve_until_stopped(node: &Node, tx: &mpsc::Sender<SocketAddr>, stop: &AtomicBool) {
+    if node.shard() == ShardId::new(0) {
+        let _ = tx.send(node.listen_addr().unwrap());
+    }
+    let deadline = Instant::now() + LIMIT;
+    while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
+        sleep(Duration::from_millis(5)).await;
+    }
 }
 
 fn stop_server(
@@ -1186,15 +1192,7 @@ fn nodes_whose_endpoints_use_other_error_modes_still_talk() {
                 })
                 .run(move |node: Node| {
                     let (tx, stop) = (tx.clone(), stop2.clone());
-                    async move {
-                        if node.shard() == ShardId::new(0) {
-                            let _ = tx.send(node.listen_addr().unwrap());
-                        }
-                        let deadline = Instant::now() + LIMIT;
-                        while !stop.load(Ordering::Acquire) && Instant::now() < deadline {
-                            sleep(Duration::from_millis(5)).await;
-                        }
-                    }
+                    async move { serve_until_stopped(&node, &tx, &stop).await }
                 })
                 .unwrap()
         });
