@@ -168,6 +168,12 @@ impl Communicator {
     /// order. Collective: every shard of every node calls it, and it returns once all have,
     /// or fails at `timeout`.
     ///
+    /// A rank may have its world before another does (the last messages of the members'
+    /// all-gather still on their way to it): when a node leaves at once and a rank's next
+    /// operation fails for it, that rank revokes the world, and a slower rank's `world` fails
+    /// with [`CollectiveError::Revoked`] (see "Failure" in the
+    /// [module docs](crate::collective)); it goes on as after any failure, with a new world.
+    ///
     /// The other nodes must be connected (a session with each, from any shard, either way)
     /// or their listen addresses known ([`crate::NodeBuilder::peer_addr`]: then they are
     /// connected to here); it waits for their sessions until the deadline

@@ -61,7 +61,10 @@
 //!
 //! A failure revokes the communicator, on the rank that failed and on every rank its abort
 //! reaches (also a rank that has already finished that operation and waits in the next one:
-//! the rank that failed will not come): from then on every operation on it fails at once
+//! the rank that failed will not come; and a rank still in an operation that others have
+//! finished: a rank may return while its last messages are on their way to a slower one, so
+//! a rank that fails the next operation can fail that one on the slower rank with
+//! [`CollectiveError::Revoked`]): from then on every operation on it fails at once
 //! with [`CollectiveError::Revoked`] ([`Communicator::revoked`] says by whom and why). The
 //! ranks then make a new communicator: [`Communicator::shrink`] (the survivors only, in the
 //! same order: the ranks whose nodes have not lost their connection since the communicator
