@@ -218,18 +218,25 @@ impl Endpoint {
             // SAFETY: plain data, all-zero valid; unused for these targets.
             _ => (unsafe { std::mem::zeroed() }, 0),
         };
-        let mut mask = ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-        let err_mode = match opts.error_mode {
-            ErrorMode::Peer => {
-                mask |= ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER;
-                sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER
-            }
-            ErrorMode::None => sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE,
+        use sys::ucp_err_handling_mode_t::{
+            UCP_ERR_HANDLING_MODE_NONE, UCP_ERR_HANDLING_MODE_PEER,
         };
-        if matches!(target, Target::Answer(_)) {
-            // The peer's mode, whichever it is (see `answer_worker`).
-            mask = ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER;
-        }
+        let (mut mask, err_mode) = match (&target, opts.error_mode) {
+            // No mode asked: the peer's, whichever it is (see `answer_worker`); `err_mode` is
+            // not read.
+            (Target::Answer(_), _) => (
+                ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                UCP_ERR_HANDLING_MODE_NONE,
+            ),
+            (_, ErrorMode::Peer) => (
+                ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                UCP_ERR_HANDLING_MODE_PEER,
+            ),
+            (_, ErrorMode::None) => (
+                ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                UCP_ERR_HANDLING_MODE_NONE,
+            ),
+        };
         let mut address = ptr::null();
         let mut flags = 0;
         let mut conn_request = ptr::null_mut();
@@ -378,7 +385,11 @@ impl EpInner {
             request::post(&self.worker, CbKind::Send, extra, &[], &[], |param, _| {
                 // SAFETY: ucp.h (`ucp_ep_close_nbx`): the endpoint is live and closed once (the
                 // handle is swapped out above; a second post only follows a refusal that left
-                // it untouched, see below); force mode only with error mode PEER, as required.
+                // it untouched, see below). Force mode is asked only of an endpoint made with
+                // error mode PEER, as ucp.h requires, or of one made by `answer_worker`, which
+                // may be in the peer's mode NONE: UCX 1.12 then returns UCS_ERR_INVALID_PARAM
+                // before it touches the endpoint (`ucp_ep_close_nbx` in ucp_ep.c checks the
+                // flag against the endpoint's mode first), and the flush below is posted.
                 unsafe { sys::ucp_ep_close_nbx(ep, param) }
             })
         };

@@ -257,3 +257,64 @@ fn auto_traits() {
     send_sync::<Error>();
     send_sync::<shardcx_ucx::WakeupFd>();
 }
+
+/// An endpoint made by `answer_worker` takes the mode of the peer's endpoint, whatever its own
+/// options say: here the peer's is in mode NONE, the answering one is asked for PEER. Its
+/// forced close, which UCX refuses for an endpoint in mode NONE (`UCS_ERR_INVALID_PARAM`), is
+/// posted again as a flush and ends well; the answer went through before it.
+#[test]
+fn answering_endpoint_in_the_peers_mode_none_closes_when_forced() {
+    use shardcx_ucx::ErrorMode;
+    let a_context = context("tcp", Features::all());
+    let b_context = context("tcp", Features::all());
+    let a = Worker::new(&a_context).expect("worker a");
+    let b = Worker::new(&b_context).expect("worker b");
+    let none = EpOptions {
+        error_mode: ErrorMode::None,
+    };
+    let peer = EpOptions {
+        error_mode: ErrorMode::Peer,
+    };
+    let got: Rc<RefCell<Vec<Vec<u8>>>> = Rc::default();
+    for (w, id) in [(&a, 31u16), (&b, 30)] {
+        let got = got.clone();
+        w.set_am_handler(id, move |hdr, _| got.borrow_mut().push(hdr.to_vec()))
+            .expect("handler");
+    }
+    let ab = Endpoint::connect_to_worker(&a, &b.address().expect("addr b"), none).expect("a->b");
+    let (res, _) = bounded(
+        &[&a, &b],
+        ab.am_send(30, b"hello", vec![1u8; 8], AmProto::Eager),
+    );
+    res.expect("a->b");
+    let t0 = Instant::now();
+    while got.borrow().is_empty() && t0.elapsed() < Duration::from_secs(30) {
+        a.progress();
+        b.progress();
+    }
+    assert_eq!(
+        got.borrow().as_slice(),
+        [b"hello".to_vec()],
+        "b got a's message"
+    );
+    // b answers on the endpoint a's wire-up made (mode NONE), though it asks for PEER.
+    let ba = Endpoint::answer_worker(&b, &a.address().expect("addr a"), peer).expect("answer");
+    let (res, _) = bounded(
+        &[&a, &b],
+        ba.am_send(31, b"answer", vec![2u8; 8], AmProto::Eager),
+    );
+    res.expect("b->a");
+    let t0 = Instant::now();
+    while got.borrow().len() < 2 && t0.elapsed() < Duration::from_secs(30) {
+        a.progress();
+        b.progress();
+    }
+    assert_eq!(got.borrow().len(), 2, "a got the answer");
+    let closed = bounded(&[&a, &b], ba.close(CloseMode::Force));
+    assert_eq!(closed, Ok(()), "the forced close of the answering endpoint");
+    assert_eq!(
+        bounded(&[&a, &b], ab.close(CloseMode::Flush)),
+        Ok(()),
+        "a's endpoint"
+    );
+}
