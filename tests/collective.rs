@@ -47,7 +47,7 @@ macro_rules! ensure {
 /// stops) and one whose next operation then failed would revoke the communicator, and that
 /// fails the slower rank's `world` with `Revoked` (the failure semantics of the module docs:
 /// an abort reaches a rank still in an operation another has finished). About one run in
-/// fifteen of `shrink_survives_the_loss_of_the_lowest_rank` failed so (CI of 2026-12-02).
+/// twenty of `shrink_survives_the_loss_of_the_lowest_rank` failed so (CI of 2026-12-02).
 fn world<R, F, Fut>(layout: &[usize], body: F) -> Vec<R>
 where
     R: Send + 'static,

@@ -180,6 +180,9 @@
 //! before any handshake). Such a pair talks in the connecting side's mode; a node whose
 //! endpoints were asked for PEER may so hold a rail in mode NONE (from a client in that mode),
 //! closed with a flush where it would have been forced (UCX refuses to force-close it).
+//! The connecting side's `ucp_ep_create` asks for its own mode: were the peer to have made an
+//! endpoint toward it first (two nodes of different modes dialling each other at the same
+//! moment, see the limits below), UCX 1.12 could match that one and crash there the same way.
 //!
 //! ## Limits (what is not here yet)
 //!
