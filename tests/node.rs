@@ -1161,8 +1161,9 @@ const MODE_ECHOED: AmId = AmId::new(13);
 /// the answering node's endpoint in its own mode to a peer whose endpoint was in the other one
 /// crashed the answering process (SIGSEGV in `ucp_ep_create`, after "asymmetric endpoint
 /// configuration is not supported, error handling level mismatch", before any handshake): any
-/// client could kill a node so. The answering side now takes the peer's mode
-/// (`shardcx_ucx::Endpoint::answer_worker`); before, this test's process died.
+/// client could kill a node so. A `Hello` or `Join` now says its sender's mode, and the
+/// answering endpoint is made in it (see "Error modes" in `shardcx_shards::net`); before,
+/// this test's process died.
 #[test]
 fn nodes_whose_endpoints_use_other_error_modes_still_talk() {
     use shardcx::shards::NetConfig;

@@ -19,8 +19,8 @@ use common::{
     ShardReport, A, B, LIMIT,
 };
 use shardcx_shards::net::{
-    bootstrap::fetch_directory_blocking, data_am_header, frame_am_header, Dest, Directory, Frame,
-    NetConfig, DATA_AM, FRAME_AM,
+    bootstrap::fetch_directory_blocking, data_am_header, frame_am_header, opening_am_header, Dest,
+    Directory, Frame, NetConfig, DATA_AM, FRAME_AM,
 };
 use shardcx_shards::proto::handshake::{HandshakeMessage, RejectReason, SESSION_SECRET_LEN};
 use shardcx_shards::proto::wire::{decode_frame, MAX_WIRE_VERSION};
@@ -694,6 +694,100 @@ fn intrusion_with(
         answers,
         a_join_retries,
     }
+}
+
+/// A `Hello` is answered on an endpoint in the error mode its AM header says, whatever the
+/// answering node's own (B's is PEER, over tcp), also where the answer comes first: a plain UCX
+/// process sends B a `Hello` from worker `x` carrying worker `y`'s address, so B's endpoint to
+/// `y` exists (and wires up) before `y` has any endpoint to B; `y` then gets B's `Welcome`,
+/// dials B in the said mode and sends on that endpoint.
+///
+/// Regression: B answered with an endpoint in no mode (UCX's default, NONE, where the peer's
+/// wire-up had not come first), and `y` in mode PEER died in `ucp_ep_create` (SIGSEGV after
+/// "asymmetric endpoint configuration is not supported"; the same pair the other way round
+/// dies in `ucp_wireup_init_lanes`, "endpoint reconfiguration not supported yet", which the
+/// fault suite's R8 met with 64 client shards connecting at once). Before that B answered in
+/// its own mode, and `y` in mode NONE died the same way.
+#[test]
+fn an_opening_is_answered_in_the_error_mode_it_says() {
+    let _g = serial();
+    for mode in [ErrorMode::Peer, ErrorMode::None] {
+        let b = Server::start(echo_server(B, 1, &Hits::default()));
+        let addr = b.addr;
+        let got = join_bounded(
+            std::thread::spawn(move || answered_before_dialling(addr, mode)),
+            "the plain UCX peer",
+        );
+        let reports = b.stop();
+        assert_eq!(
+            got,
+            [(FrameKind::Welcome, ShardId::new(0), None)],
+            "what y got back, in mode {mode:?}"
+        );
+        assert_eq!(reports[0].stats.handshakes, 0, "{:?}", reports[0].stats);
+    }
+}
+
+/// The plain UCX side of [`an_opening_is_answered_in_the_error_mode_it_says`]: what worker `y`
+/// got back (each frame's kind, sending shard and reject reason).
+fn answered_before_dialling(addr: SocketAddr, mode: ErrorMode) -> Answers {
+    let mut cfg = Config::from_env().unwrap();
+    cfg.set("TLS", "tcp").unwrap();
+    let ctx = Context::new(&cfg, UcxFeatures::messaging()).unwrap();
+    let (x, y) = (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap());
+    let got: Rc<std::cell::RefCell<Answers>> = Rc::default();
+    let g = got.clone();
+    y.set_am_handler(FRAME_AM, move |_, p| {
+        let AmPayload::Data(data) = p else { return };
+        let bytes = data.into_vec();
+        if let Ok((header, _)) = decode_frame(&bytes, &Limits::default()) {
+            g.borrow_mut().push((header.kind, header.src_shard, None));
+        }
+    })
+    .unwrap();
+    let opts = EpOptions { error_mode: mode };
+    let dir = fetch_directory_blocking(addr, Duration::from_secs(5)).expect("a directory");
+    let y_addr = y.address().unwrap().as_bytes().to_vec();
+    let frame = forged_opening(
+        &dir,
+        true,
+        (X, Incarnation::new(7), ShardId::new(0)),
+        ShardId::new(0),
+    );
+    let header = opening_am_header(X, u32::try_from(y_addr.len()).unwrap(), mode);
+    let mut payload = y_addr;
+    payload.extend_from_slice(&frame);
+    let to_b = Endpoint::connect_to_worker(&x, &dir.workers[0], opts).unwrap();
+    let (r, _) = x.block_on(to_b.am_send(FRAME_AM, &header, payload, AmProto::Eager));
+    r.expect("x's send");
+    let progress_until = |d: Duration, until: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + d;
+        while Instant::now() < deadline && !until() {
+            x.progress();
+            y.progress();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    };
+    // B's endpoint to y wires up before its first frame goes out: y has that wire-up once the
+    // `Welcome` is in.
+    progress_until(Duration::from_secs(5), &|| !got.borrow().is_empty());
+    let y_to_b = Endpoint::connect_to_worker(&y, &dir.workers[0], opts).unwrap();
+    let fh = FrameHeader {
+        id: PING.get(),
+        payload_len: 8,
+        ..FrameHeader::new(FrameKind::Am)
+    };
+    let (r, _) = y.block_on(y_to_b.am_send(
+        DATA_AM,
+        &data_am_header(X, &fh, &[]),
+        vec![9u8; 8],
+        AmProto::Eager,
+    ));
+    r.expect("y's send on its own endpoint");
+    progress_until(Duration::from_millis(200), &|| false);
+    drop((to_b, y_to_b));
+    let answers = got.borrow().clone();
+    answers
 }
 
 /// A `Join` from a node with no session with B (an endpoint that never authenticated) is

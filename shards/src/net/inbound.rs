@@ -27,7 +27,7 @@ use crate::proto::wire::decode_frame;
 use crate::proto::{
     AmId, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ShardId, State, Timestamp, WireError,
 };
-use crate::ucx::{AlignedBuf, AmData, AmIncoming, AmPayload, AmRndv, IoBufMut};
+use crate::ucx::{AlignedBuf, AmData, AmIncoming, AmPayload, AmRndv, ErrorMode, IoBufMut};
 
 /// A handler of application frames (an AM id's, or a request kind's).
 pub(super) type FrameHandler = Rc<dyn Fn(&Rc<ShardCtx>, Frame)>;
@@ -172,6 +172,8 @@ pub(super) enum Inbound {
     Control {
         node: NodeId,
         addr_len: usize,
+        /// The error mode the header said (a `Hello`'s or `Join`'s sender's endpoint).
+        mode: Option<ErrorMode>,
         bytes: Vec<u8>,
     },
     TooLarge,
@@ -468,9 +470,10 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
             let item = match (parse_am_header(header), payload) {
                 // Refused before it is copied out of UCX's buffer.
                 (Some(_), AmPayload::Data(d)) if d.len() > cap => Inbound::TooLarge,
-                (Some((node, addr_len)), AmPayload::Data(d)) => Inbound::Control {
+                (Some((node, addr_len, mode)), AmPayload::Data(d)) => Inbound::Control {
                     node,
                     addr_len,
+                    mode,
                     bytes: d.into_vec(),
                 },
                 _ => Inbound::Malformed,
@@ -773,8 +776,9 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) -> 
         Inbound::Control {
             node,
             addr_len,
+            mode,
             bytes,
-        } => return handle_control(ctx, net, node, addr_len, &bytes, now),
+        } => return handle_control(ctx, net, node, (addr_len, mode), &bytes, now),
         Inbound::Service { node, remote } => session::service(net, node, remote),
         Inbound::Malformed => net.count(|s| s.dropped_malformed += 1),
         Inbound::TooLarge => net.count(|s| s.dropped_too_large += 1),
@@ -825,7 +829,7 @@ fn handle_control(
     ctx: &Rc<ShardCtx>,
     net: &NetState,
     node: NodeId,
-    addr_len: usize,
+    (addr_len, mode): (usize, Option<ErrorMode>),
     bytes: &[u8],
     now: Timestamp,
 ) -> bool {
@@ -833,6 +837,7 @@ fn handle_control(
         net.count(|s| s.dropped_malformed += 1);
         return false;
     };
+    let from = session::Opener { addr, mode };
     let (header, payload) = match decode_frame(frame, &net.limits) {
         Ok(hp) => hp,
         Err(e) => {
@@ -883,7 +888,7 @@ fn handle_control(
         Some(false) | None => {
             header.kind.is_handshake()
                 && matches!(header.kind, FrameKind::Hello | FrameKind::Join)
-                && accept_opening(ctx, net, node, addr, &header, payload)
+                && accept_opening(ctx, net, node, from, &header, payload)
         }
     };
     if !takes {
@@ -907,7 +912,7 @@ fn handle_control(
     if let (Received::Dropped(DropReason::Opening), Some(ready)) = (received, ready) {
         // Not a dropped frame: it is answered beside the rail, which goes on as it was.
         if let Some(generation) =
-            session::open_beside(ctx, net, node, addr, &header, payload, ready)
+            session::open_beside(ctx, net, node, from, &header, payload, ready)
         {
             feed_pending(net, node, generation, (&header, payload), now);
         }

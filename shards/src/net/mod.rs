@@ -50,12 +50,16 @@
 //!
 //! ```text
 //!  0  u64  sender's NodeId
-//!  8  u32  addr_len: length of the sender's worker address that starts the payload (Hello only)
-//! 12  u32  reserved, zero
+//!  8  u32  addr_len: length of the sender's worker address that starts the payload (Hello
+//!           and Join only, else 0)
+//! 12  u8   mode: the UCX error mode of the sender's endpoint (Hello and Join: 1 none, 2 peer;
+//!           0 in other frames, and "not said", answered in the receiver's own mode)
+//! 13  [3]  reserved, zero
 //! ```
 //!
 //! and whose payload is the worker address (`addr_len` bytes) followed by the proto frame (the
-//! 48-byte [`FrameHeader`] and its payload).
+//! 48-byte [`FrameHeader`] and its payload). The receiver of a `Hello` or `Join` makes its
+//! endpoint to that address in that mode (see "Error modes" below).
 //!
 //! Application frames (active messages, requests, replies, cancels) travel as [`DATA_AM`]:
 //! the UCX AM header is the frame's *data header* (proto's `wire` module, "Data header": the
@@ -172,17 +176,30 @@
 //! [`ErrorMode::None`] otherwise; heartbeats detect dead peers in both cases. The bootstrap
 //! is a plain TCP exchange outside UCX, so any transport list can connect.
 //!
-//! The endpoint that answers a `Hello` or `Join` takes the mode of the peer's endpoint it came
-//! on ([`Endpoint::answer_worker`](crate::ucx::Endpoint::answer_worker)), not this node's: in
-//! UCX 1.12, asking for the other mode there crashed the answering process in `ucp_ep_create`
-//! (a node with endpoints in mode NONE, `shardcx node --transport shm` under `UCX_TLS=tcp`,
-//! connected to by one in mode PEER, or the other way round: any client could kill a node so,
-//! before any handshake). Such a pair talks in the connecting side's mode; a node whose
-//! endpoints were asked for PEER may so hold a rail in mode NONE (from a client in that mode),
-//! closed with a flush where it would have been forced (UCX refuses to force-close it).
+//! The two endpoints of a pair must be in one mode: UCX 1.12 matches the endpoint a worker
+//! makes toward a peer with the one the peer made toward it, and dies when their modes differ
+//! (`ucs_fatal("endpoint reconfiguration not supported yet")` in `ucp_wireup_init_lanes`, or a
+//! SIGSEGV after `ucp_ep_create` logs "asymmetric endpoint configuration is not supported").
+//! So a `Hello` or `Join` says the mode of the endpoint it was sent on (the `mode` byte of its
+//! AM header, above), and the endpoint that answers it is made in that mode, not this node's
+//! (`session::endpoint_to`). Such a pair talks in the connecting side's mode: a node whose own
+//! endpoints use PEER may hold a rail in mode NONE (from a shared-memory client), whose peer's
+//! failure only heartbeats detect. An opening that says no mode (a build before 2026-12-03) is
+//! answered in this node's own mode.
+//!
+//! History: until 2026-12-02 the answering endpoint asked for this node's mode, and a peer in
+//! the other one crashed the node before any handshake (`shardcx node --transport tcp` under
+//! `UCX_TLS=tcp`, connected to by `shardcx bench --transport shm`). The next fix asked UCX for
+//! no mode, to adopt the internal endpoint the peer's wire-up made; but where that wire-up had
+//! not arrived yet (the answering endpoint then gets UCX's default, NONE, and sends a wire-up
+//! of its own), a peer in mode PEER died in `ucp_wireup_init_lanes` on receiving it (the fault
+//! suite's R8, 64 client shards connecting at once, saw it on 2026-12-02).
+//!
 //! The connecting side's `ucp_ep_create` asks for its own mode: were the peer to have made an
 //! endpoint toward it first (two nodes of different modes dialling each other at the same
 //! moment, see the limits below), UCX 1.12 could match that one and crash there the same way.
+//! UCX trusts what its peers' wire-up messages say: a modified peer that says one mode and
+//! opens its endpoint in the other can still crash a node.
 //!
 //! ## Limits (what is not here yet)
 //!
@@ -974,11 +991,23 @@ impl<'a> Reader<'a> {
 }
 
 /// The routing part of a UCX AM header ([`FRAME_AM`], and the start of a [`DATA_AM`] one) from
-/// `node` whose payload starts with an address of `addr_len` bytes.
+/// `node` whose payload starts with an address of `addr_len` bytes (no error mode said).
 pub fn frame_am_header(node: NodeId, addr_len: u32) -> [u8; AM_HEADER_LEN] {
     let mut h = [0u8; AM_HEADER_LEN];
     h[..8].copy_from_slice(&node.get().to_le_bytes());
     h[8..12].copy_from_slice(&addr_len.to_le_bytes());
+    h
+}
+
+/// The [`FRAME_AM`] header of a `Hello` or `Join` from `node` whose payload starts with its
+/// worker address (`addr_len` bytes), sent on an endpoint in error mode `mode`: the receiver
+/// answers in that mode (see "Error modes" in the module docs).
+pub fn opening_am_header(node: NodeId, addr_len: u32, mode: ErrorMode) -> [u8; AM_HEADER_LEN] {
+    let mut h = frame_am_header(node, addr_len);
+    h[12] = match mode {
+        ErrorMode::None => 1,
+        ErrorMode::Peer => 2,
+    };
     h
 }
 
@@ -992,14 +1021,23 @@ pub fn data_am_header(node: NodeId, header: &FrameHeader, user: &[u8]) -> Vec<u8
     h
 }
 
-fn parse_am_header(h: &[u8]) -> Option<(NodeId, usize)> {
-    if h.len() != AM_HEADER_LEN || h[12..].iter().any(|&b| b != 0) {
+/// A [`FRAME_AM`] header's sender, address length and the error mode it said (`None` when not
+/// said); `None` when malformed (a wrong length, an address too long, an unknown mode, a
+/// reserved byte set).
+fn parse_am_header(h: &[u8]) -> Option<(NodeId, usize, Option<ErrorMode>)> {
+    if h.len() != AM_HEADER_LEN || h[13..].iter().any(|&b| b != 0) {
         return None;
     }
+    let mode = match h[12] {
+        0 => None,
+        1 => Some(ErrorMode::None),
+        2 => Some(ErrorMode::Peer),
+        _ => return None,
+    };
     let mut r = Reader(h);
     let node = NodeId::new(r.u64()?);
     let addr_len = r.u32()? as usize;
-    (addr_len <= MAX_ADDR_LEN).then_some((node, addr_len))
+    (addr_len <= MAX_ADDR_LEN).then_some((node, addr_len, mode))
 }
 
 impl<T> Queue<T> {
@@ -1601,11 +1639,18 @@ mod tests {
     #[test]
     fn am_header_round_trip() {
         let h = frame_am_header(NodeId::new(42), 17);
-        assert_eq!(parse_am_header(&h), Some((NodeId::new(42), 17)));
+        assert_eq!(parse_am_header(&h), Some((NodeId::new(42), 17, None)));
         assert_eq!(parse_am_header(&h[..8]), None);
         let mut bad = h;
         bad[15] = 1;
         assert_eq!(parse_am_header(&bad), None);
+        for mode in [ErrorMode::None, ErrorMode::Peer] {
+            let h = opening_am_header(NodeId::new(7), 300, mode);
+            assert_eq!(parse_am_header(&h), Some((NodeId::new(7), 300, Some(mode))));
+        }
+        let mut bad = h;
+        bad[12] = 3;
+        assert_eq!(parse_am_header(&bad), None, "an unknown mode");
     }
 
     #[test]

@@ -96,7 +96,7 @@ use glommio::timer::{sleep, Timer};
 use super::bootstrap::Directory;
 use super::outbound::{self, Backlog, Outbound};
 use super::request::send_cancel;
-use super::{frame_am_header, NetError, NetState, Queue, RemoteNode, Slot};
+use super::{frame_am_header, opening_am_header, NetError, NetState, Queue, RemoteNode, Slot};
 use crate::boot::ShardCtx;
 use crate::proto::conn::{FailReason, Received};
 use crate::proto::handshake::{
@@ -107,7 +107,7 @@ use crate::proto::{
     ConnConfig, Connection, Event, FrameHeader, FrameKind, Incarnation, NodeId, PreSharedKey, Rail,
     Rails, ReqId, Seeds, SessionSecret, ShardId, State, Timestamp,
 };
-use crate::ucx::{Endpoint, WorkerAddress};
+use crate::ucx::{Endpoint, EpOptions, ErrorMode, WorkerAddress};
 
 type Waiter = Rc<Queue<Result<RemoteNode, NetError>>>;
 
@@ -313,10 +313,11 @@ pub(super) fn accept_opening(
     ctx: &Rc<ShardCtx>,
     net: &NetState,
     node: NodeId,
-    addr: &[u8],
+    from: Opener<'_>,
     header: &FrameHeader,
     payload: &[u8],
 ) -> bool {
+    let addr = from.addr;
     let msg = match HandshakeMessage::decode(header.kind, payload) {
         Ok(msg @ HandshakeMessage::Hello(_)) | Ok(msg @ HandshakeMessage::Join(_)) => msg,
         Ok(_) => {
@@ -328,12 +329,12 @@ pub(super) fn accept_opening(
             return false;
         }
     };
-    let (from, count) = match &msg {
+    let (claimed, count) = match &msg {
         HandshakeMessage::Hello(h) => (h.node_id, h.shard_count),
         HandshakeMessage::Join(j) => (j.node_id, j.shard_count),
         _ => return false,
     };
-    if from != node || addr.is_empty() {
+    if claimed != node || addr.is_empty() {
         net.count(|s| s.dropped_malformed += 1);
         return false;
     }
@@ -353,7 +354,7 @@ pub(super) fn accept_opening(
         return false;
     };
     let cfg = rail_config(ctx, net, psk);
-    let Some(ep) = endpoint_to(ctx, net, addr) else {
+    let Some(ep) = endpoint_to(ctx, net, from) else {
         return false;
     };
     if net.settings.bans.is_banned(node) {
@@ -416,11 +417,12 @@ pub(super) fn open_beside(
     ctx: &Rc<ShardCtx>,
     net: &NetState,
     node: NodeId,
-    addr: &[u8],
+    from: Opener<'_>,
     header: &FrameHeader,
     payload: &[u8],
     ready: PeerInfo,
 ) -> Option<u64> {
+    let addr = from.addr;
     let hello = match HandshakeMessage::decode(header.kind, payload) {
         Ok(HandshakeMessage::Hello(h)) if h.node_id == node && !addr.is_empty() => h,
         _ => {
@@ -445,7 +447,7 @@ pub(super) fn open_beside(
     }
     let seeds = seeds().ok()?;
     let cfg = rail_config(ctx, net, psk);
-    let ep = endpoint_to(ctx, net, addr)?;
+    let ep = endpoint_to(ctx, net, from)?;
     let conn = Connection::server_beside(net.now(), cfg, seeds, ready);
     let rail = make_rail(ctx, net, node, remote, conn, ep);
     let generation = rail.generation;
@@ -633,7 +635,8 @@ pub(super) fn service(net: &NetState, node: NodeId, remote: ShardId) {
             let mut payload = net.my_address.clone();
             payload.extend_from_slice(&frame);
             let len = u32::try_from(net.my_address.len()).unwrap_or(u32::MAX);
-            (frame_am_header(net.settings.node_id, len), payload)
+            let mode = net.settings.error_mode;
+            (opening_am_header(net.settings.node_id, len, mode), payload)
         } else {
             (frame_am_header(net.settings.node_id, 0), frame)
         };
@@ -975,14 +978,24 @@ fn rail_config(ctx: &ShardCtx, net: &NetState, psk: PreSharedKey) -> ConnConfig 
         .conn_config(&net.settings, psk, shard_count_u16(ctx), ctx.id())
 }
 
+/// Who sent a `Hello` or `Join`: the worker address it carried and the error mode of the
+/// endpoint it came on, as its AM header says (`None` when not said).
+#[derive(Clone, Copy)]
+pub(super) struct Opener<'a> {
+    pub(super) addr: &'a [u8],
+    pub(super) mode: Option<ErrorMode>,
+}
+
 /// An endpoint to the worker address a `Hello` or `Join` carried, in the error mode of the
-/// endpoint the peer sent it on (`Endpoint::answer_worker`: in UCX 1.12 asking for another
-/// mode crashed this process, so a peer configured otherwise, or a client that wants to,
-/// could kill a node before any handshake); `None` (counted as malformed) when UCX refuses the
-/// address.
-fn endpoint_to(ctx: &ShardCtx, net: &NetState, addr: &[u8]) -> Option<Endpoint> {
-    let address = WorkerAddress::from_bytes(addr.to_vec());
-    let ep = Endpoint::answer_worker(ctx.worker(), &address, net.ep_options()).ok();
+/// endpoint the peer sent it on (this node's own when the opening says none): UCX 1.12 kills
+/// a process whose endpoint meets one in the other mode (see "Error modes" in the `net`
+/// docs). `None` (counted as malformed) when UCX refuses the address.
+fn endpoint_to(ctx: &ShardCtx, net: &NetState, from: Opener<'_>) -> Option<Endpoint> {
+    let address = WorkerAddress::from_bytes(from.addr.to_vec());
+    let opts = EpOptions {
+        error_mode: from.mode.unwrap_or(net.settings.error_mode),
+    };
+    let ep = Endpoint::connect_to_worker(ctx.worker(), &address, opts).ok();
     if ep.is_none() {
         net.count(|s| s.dropped_malformed += 1);
     }

@@ -157,8 +157,6 @@ pub(crate) fn socket_addr_from(storage: *const c_void) -> Option<SocketAddr> {
 pub(crate) enum Target<'a> {
     Sock(&'a SocketAddr),
     Worker(&'a WorkerAddress),
-    /// A worker whose endpoint to this one exists: its mode is adopted ([`Endpoint::answer_worker`]).
-    Answer(&'a WorkerAddress),
     Conn(sys::ucp_conn_request_h),
 }
 
@@ -177,23 +175,6 @@ impl Endpoint {
         opts: EpOptions,
     ) -> Result<Self> {
         Self::create(&worker.inner, Target::Worker(addr), opts)
-    }
-
-    /// An endpoint that answers one the peer at `addr` opened to this worker (the peer's
-    /// messages already came in on it), in the error mode the peer chose: no error mode is
-    /// asked of UCX (`opts.error_mode` is kept for how the endpoint closes), so UCX takes the
-    /// internal endpoint the peer's connection request made, in the peer's mode; where there is
-    /// none, the new endpoint has UCX's default, `UCP_ERR_HANDLING_MODE_NONE`. The error
-    /// handler is set either way.
-    ///
-    /// Why: UCX 1.12's `ucp_ep_create` given a mode other than that internal endpoint's logs
-    /// "asymmetric endpoint configuration is not supported, error handling level mismatch",
-    /// destroys the internal endpoint and goes on using it (`ucp_ep_create_to_worker_addr`'s
-    /// caller in `ucp_ep.c`): the process crashes in `ucp_stream_ep_activate`. A peer that
-    /// opened its endpoint in the other mode, on purpose or misconfigured, so crashed the node
-    /// that answered it, before any handshake.
-    pub fn answer_worker(worker: &Worker, addr: &WorkerAddress, opts: EpOptions) -> Result<Self> {
-        Self::create(&worker.inner, Target::Answer(addr), opts)
     }
 
     /// Accept a connection request from a [`crate::Listener`].
@@ -218,24 +199,13 @@ impl Endpoint {
             // SAFETY: plain data, all-zero valid; unused for these targets.
             _ => (unsafe { std::mem::zeroed() }, 0),
         };
-        use sys::ucp_err_handling_mode_t::{
-            UCP_ERR_HANDLING_MODE_NONE, UCP_ERR_HANDLING_MODE_PEER,
-        };
-        let (mut mask, err_mode) = match (&target, opts.error_mode) {
-            // No mode asked: the peer's, whichever it is (see `answer_worker`); `err_mode` is
-            // not read.
-            (Target::Answer(_), _) => (
-                ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                UCP_ERR_HANDLING_MODE_NONE,
-            ),
-            (_, ErrorMode::Peer) => (
-                ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                UCP_ERR_HANDLING_MODE_PEER,
-            ),
-            (_, ErrorMode::None) => (
-                ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
-                UCP_ERR_HANDLING_MODE_NONE,
-            ),
+        let mut mask = ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        let err_mode = match opts.error_mode {
+            ErrorMode::Peer => {
+                mask |= ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER;
+                sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER
+            }
+            ErrorMode::None => sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE,
         };
         let mut address = ptr::null();
         let mut flags = 0;
@@ -245,7 +215,7 @@ impl Endpoint {
                 mask |= ffi::UCP_EP_PARAM_FIELD_SOCK_ADDR | ffi::UCP_EP_PARAM_FIELD_FLAGS;
                 flags = ffi::UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
             }
-            Target::Worker(a) | Target::Answer(a) => {
+            Target::Worker(a) => {
                 mask |= ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
                 address = a.as_bytes().as_ptr().cast::<sys::ucp_address_t>();
             }
@@ -377,33 +347,15 @@ impl EpInner {
             _ => 0,
         };
         let ep = self.handle.replace(ptr::null_mut());
-        let post = |flags| {
-            let extra = ParamExtra {
-                flags: Some(flags),
-                ..ParamExtra::default()
-            };
-            request::post(&self.worker, CbKind::Send, extra, &[], &[], |param, _| {
-                // SAFETY: ucp.h (`ucp_ep_close_nbx`): the endpoint is live and closed once (the
-                // handle is swapped out above; a second post only follows a refusal that left
-                // it untouched, see below). Force mode is asked only of an endpoint made with
-                // error mode PEER, as ucp.h requires, or of one made by `answer_worker`, which
-                // may be in the peer's mode NONE: UCX 1.12 then returns UCS_ERR_INVALID_PARAM
-                // before it touches the endpoint (`ucp_ep_close_nbx` in ucp_ep.c checks the
-                // flag against the endpoint's mode first), and the flush below is posted.
-                unsafe { sys::ucp_ep_close_nbx(ep, param) }
-            })
+        let extra = ParamExtra {
+            flags: Some(flags),
+            ..ParamExtra::default()
         };
-        let mut posted = post(flags);
-        // An endpoint made by `answer_worker` may be in mode NONE whatever `self.mode` says
-        // (the peer's): UCX refuses to force-close it with `UCS_ERR_INVALID_PARAM` before it
-        // does anything (`ucp_ep_close_nbx` in UCX 1.12), so it is closed with a flush.
-        if flags != 0 {
-            if let Posted::Now(c) = &posted {
-                if c.result() == Err(Error::InvalidParam) {
-                    posted = post(0);
-                }
-            }
-        }
+        let posted = request::post(&self.worker, CbKind::Send, extra, &[], &[], |param, _| {
+            // SAFETY: ucp.h (`ucp_ep_close_nbx`): the endpoint is live and closed once (the
+            // handle is swapped out above); force mode only with error mode PEER, as required.
+            unsafe { sys::ucp_ep_close_nbx(ep, param) }
+        });
         Some(match posted {
             Posted::Now(c) => c.result().map(|_| None),
             Posted::Later(f) => Ok(Some(f)),
