@@ -15,7 +15,7 @@ use super::buffers::{recv_vec, RecycledBuf};
 use super::request::{is_reply_kind, is_request_kind, reply_fits};
 use super::session::{self, accept_opening};
 use super::{
-    parse_am_header, InlineRail, NetError, NetState, DATA_AM, FRAME_AM, MAX_ADDR_LEN,
+    parse_am_header, ControlHead, InlineRail, NetError, NetState, DATA_AM, FRAME_AM, MAX_ADDR_LEN,
     MAX_USER_HEADER,
 };
 use crate::boot::ShardCtx;
@@ -27,7 +27,7 @@ use crate::proto::wire::decode_frame;
 use crate::proto::{
     AmId, FrameHeader, FrameKind, Incarnation, Limits, NodeId, ShardId, State, Timestamp, WireError,
 };
-use crate::ucx::{AlignedBuf, AmData, AmIncoming, AmPayload, AmRndv, ErrorMode, IoBufMut};
+use crate::ucx::{AlignedBuf, AmData, AmIncoming, AmPayload, AmRndv, IoBufMut};
 
 /// A handler of application frames (an AM id's, or a request kind's).
 pub(super) type FrameHandler = Rc<dyn Fn(&Rc<ShardCtx>, Frame)>;
@@ -170,10 +170,7 @@ pub(super) enum Inbound {
     },
     /// A [`FRAME_AM`] message: a control frame (and, for a hello, the sender's address).
     Control {
-        node: NodeId,
-        addr_len: usize,
-        /// The error mode the header said (a `Hello`'s or `Join`'s sender's endpoint).
-        mode: Option<ErrorMode>,
+        head: ControlHead,
         bytes: Vec<u8>,
     },
     TooLarge,
@@ -470,10 +467,8 @@ pub(super) fn register(ctx: &Rc<ShardCtx>) -> Result<(), crate::BootError> {
             let item = match (parse_am_header(header), payload) {
                 // Refused before it is copied out of UCX's buffer.
                 (Some(_), AmPayload::Data(d)) if d.len() > cap => Inbound::TooLarge,
-                (Some((node, addr_len, mode)), AmPayload::Data(d)) => Inbound::Control {
-                    node,
-                    addr_len,
-                    mode,
+                (Some(head), AmPayload::Data(d)) => Inbound::Control {
+                    head,
                     bytes: d.into_vec(),
                 },
                 _ => Inbound::Malformed,
@@ -773,12 +768,7 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) -> 
                 }
             }
         }
-        Inbound::Control {
-            node,
-            addr_len,
-            mode,
-            bytes,
-        } => return handle_control(ctx, net, node, (addr_len, mode), &bytes, now),
+        Inbound::Control { head, bytes } => return handle_control(ctx, net, head, &bytes, now),
         Inbound::Service { node, remote } => session::service(net, node, remote),
         Inbound::Malformed => net.count(|s| s.dropped_malformed += 1),
         Inbound::TooLarge => net.count(|s| s.dropped_too_large += 1),
@@ -828,11 +818,15 @@ fn handle(ctx: &Rc<ShardCtx>, net: &NetState, item: Inbound, now: Timestamp) -> 
 fn handle_control(
     ctx: &Rc<ShardCtx>,
     net: &NetState,
-    node: NodeId,
-    (addr_len, mode): (usize, Option<ErrorMode>),
+    head: ControlHead,
     bytes: &[u8],
     now: Timestamp,
 ) -> bool {
+    let ControlHead {
+        node,
+        addr_len,
+        mode,
+    } = head;
     let (Some(addr), Some(frame)) = (bytes.get(..addr_len), bytes.get(addr_len..)) else {
         net.count(|s| s.dropped_malformed += 1);
         return false;

@@ -1021,10 +1021,20 @@ pub fn data_am_header(node: NodeId, header: &FrameHeader, user: &[u8]) -> Vec<u8
     h
 }
 
-/// A [`FRAME_AM`] header's sender, address length and the error mode it said (`None` when not
-/// said); `None` when malformed (a wrong length, an address too long, an unknown mode, a
-/// reserved byte set).
-fn parse_am_header(h: &[u8]) -> Option<(NodeId, usize, Option<ErrorMode>)> {
+/// What a [`FRAME_AM`] header says (see "Frames on UCX" in the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ControlHead {
+    /// The sender.
+    node: NodeId,
+    /// Length of the worker address that starts the payload (0: none).
+    addr_len: usize,
+    /// The error mode of the sender's endpoint (`None` when not said).
+    mode: Option<ErrorMode>,
+}
+
+/// A [`FRAME_AM`] header; `None` when malformed (a wrong length, an address too long, an
+/// unknown mode, a reserved byte set).
+fn parse_am_header(h: &[u8]) -> Option<ControlHead> {
     if h.len() != AM_HEADER_LEN || h[13..].iter().any(|&b| b != 0) {
         return None;
     }
@@ -1037,7 +1047,11 @@ fn parse_am_header(h: &[u8]) -> Option<(NodeId, usize, Option<ErrorMode>)> {
     let mut r = Reader(h);
     let node = NodeId::new(r.u64()?);
     let addr_len = r.u32()? as usize;
-    (addr_len <= MAX_ADDR_LEN).then_some((node, addr_len, mode))
+    (addr_len <= MAX_ADDR_LEN).then_some(ControlHead {
+        node,
+        addr_len,
+        mode,
+    })
 }
 
 impl<T> Queue<T> {
@@ -1639,14 +1653,19 @@ mod tests {
     #[test]
     fn am_header_round_trip() {
         let h = frame_am_header(NodeId::new(42), 17);
-        assert_eq!(parse_am_header(&h), Some((NodeId::new(42), 17, None)));
+        let head = |node, addr_len, mode| ControlHead {
+            node: NodeId::new(node),
+            addr_len,
+            mode,
+        };
+        assert_eq!(parse_am_header(&h), Some(head(42, 17, None)));
         assert_eq!(parse_am_header(&h[..8]), None);
         let mut bad = h;
         bad[15] = 1;
         assert_eq!(parse_am_header(&bad), None);
         for mode in [ErrorMode::None, ErrorMode::Peer] {
             let h = opening_am_header(NodeId::new(7), 300, mode);
-            assert_eq!(parse_am_header(&h), Some((NodeId::new(7), 300, Some(mode))));
+            assert_eq!(parse_am_header(&h), Some(head(7, 300, Some(mode))));
         }
         let mut bad = h;
         bad[12] = 3;

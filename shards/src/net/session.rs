@@ -107,7 +107,7 @@ use crate::proto::{
     ConnConfig, Connection, Event, FrameHeader, FrameKind, Incarnation, NodeId, PreSharedKey, Rail,
     Rails, ReqId, Seeds, SessionSecret, ShardId, State, Timestamp,
 };
-use crate::ucx::{Endpoint, EpOptions, ErrorMode, WorkerAddress};
+use crate::ucx::{Endpoint, ErrorMode, WorkerAddress};
 
 type Waiter = Rc<Queue<Result<RemoteNode, NetError>>>;
 
@@ -992,9 +992,10 @@ pub(super) struct Opener<'a> {
 /// docs). `None` (counted as malformed) when UCX refuses the address.
 fn endpoint_to(ctx: &ShardCtx, net: &NetState, from: Opener<'_>) -> Option<Endpoint> {
     let address = WorkerAddress::from_bytes(from.addr.to_vec());
-    let opts = EpOptions {
-        error_mode: from.mode.unwrap_or(net.settings.error_mode),
-    };
+    let mut opts = net.ep_options();
+    if let Some(mode) = from.mode {
+        opts.error_mode = mode;
+    }
     let ep = Endpoint::connect_to_worker(ctx.worker(), &address, opts).ok();
     if ep.is_none() {
         net.count(|s| s.dropped_malformed += 1);
