@@ -1078,7 +1078,7 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
                         s.delivered += 1;
                         s.traffic(&header, true);
                     });
-                    p.waiter.push(Ok((header, frame.payload)));
+                    p.waiter.answer(net, Ok((header, frame.payload)));
                 }
                 None => net.count(|s| s.dropped_unmatched += 1),
             }

@@ -270,6 +270,7 @@ pub use inbound::{preempt_due, Frame, FrameView, Incoming, Payload, RndvBuf};
 
 use inbound::{AnyHandler, Inbound, RndvHandler};
 use request::Pending;
+pub use request::{ReplyHandler, SentRequest};
 use session::PeerRails;
 
 /// UCX active-message id of control frames between connected nodes (see the module docs).
@@ -1350,7 +1351,7 @@ pub(crate) async fn shutdown(ctx: &Rc<ShardCtx>, drain: Duration) {
     tracing::debug!("shutdown: connections closed");
     let left = net.pending.borrow_mut().drain();
     for (_, p) in left {
-        p.waiter.push(Err(NetError::ShuttingDown));
+        p.waiter.answer(net, Err(NetError::ShuttingDown));
     }
     session::run_lost_hooks(net, None, &NetError::ShuttingDown);
     net.closed.set(true);

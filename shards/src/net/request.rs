@@ -59,7 +59,40 @@ pub(crate) struct Pending {
     pub(super) kind: FrameKind,
     /// The frame's `id` (for the [`FrameKind::RpcCancel`] sent when it times out).
     pub(super) id: u32,
-    pub(super) waiter: Rc<Slot<Reply>>,
+    pub(super) waiter: Waiter,
+}
+
+/// The handler of requests sent with [`ShardCtx::request_then`]: called on the sending shard
+/// with the token the request was sent with and its answer (the reply's header and payload, or
+/// the request's error). Registered once and shared by every request that names it: a request
+/// sent this way allocates nothing.
+pub type ReplyHandler = Rc<dyn Fn(u64, Result<(FrameHeader, Payload), NetError>)>;
+
+/// Who gets a pending request's answer.
+pub(crate) enum Waiter {
+    /// The task of [`ShardCtx::request`] and the like, woken.
+    Task(Rc<Slot<Reply>>),
+    /// The handler of [`ShardCtx::request_then`], called at once with the request's token.
+    Handler(ReplyHandler, u64),
+}
+
+impl Waiter {
+    /// Gives the request's answer to its waiter. Called with no borrow of the net state held:
+    /// a handler may send (another request, too). A handler that panics loses only this
+    /// answer, counted in [`NetStats::handler_panics`](super::NetStats::handler_panics).
+    pub(super) fn answer(self, net: &super::NetState, reply: Reply) {
+        match self {
+            Waiter::Task(slot) => slot.push(reply),
+            Waiter::Handler(handler, token) => {
+                let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    handler(token, reply);
+                }));
+                if called.is_err() {
+                    net.count(|s| s.handler_panics += 1);
+                }
+            }
+        }
+    }
 }
 
 /// Kinds a [`ShardCtx::request`] may send.
@@ -221,7 +254,7 @@ async fn request_local(
             remote,
             kind,
             id,
-            waiter: waiter.clone(),
+            waiter: Waiter::Task(waiter.clone()),
         },
     );
     let spec = FrameSpec {
@@ -474,6 +507,126 @@ impl ShardCtx {
                 owner,
             }),
         }
+    }
+}
+
+/// A request sent with [`ShardCtx::request_then`], for [`ShardCtx::cancel_request`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SentRequest {
+    rail: (NodeId, ShardId),
+    kind: FrameKind,
+    id: u32,
+    req_id: ReqId,
+}
+
+impl SentRequest {
+    /// The request id it went out with (fresh on this shard, never reused on its rail).
+    pub fn req_id(&self) -> ReqId {
+        self.req_id
+    }
+
+    /// The node and remote shard of the rail it went out on.
+    pub fn rail(&self) -> (NodeId, ShardId) {
+        self.rail
+    }
+}
+
+impl ShardCtx {
+    /// Sends a request as [`ShardCtx::request_here`] does, on a rail of this shard, and returns
+    /// at once: its answer goes to `handler`, called with `token` on this shard, inline where
+    /// the answer is found — by the progress driver right after the reply's dispatch, by the
+    /// net task when the deadline passes ([`NetError::TimedOut`]), when the rail fails or
+    /// closes, or at shutdown — exactly once per request sent, and never before this returns.
+    /// No task is woken and, with a short payload, nothing is allocated: the handler may send
+    /// the next request itself (a ping-pong or a sliding window of calls driven from replies).
+    ///
+    /// The deadline counts from the shard's batch clock ([`timeout`] at most
+    /// [`MAX_REQUEST_TIMEOUT`]); `ttl` is what the frame announces to the receiver. Errors,
+    /// before anything is sent and with the handler not called: those of
+    /// [`ShardCtx::request_here`] ([`NetError::OtherShard`] when another shard holds the rail),
+    /// [`NetError::BadKind`] for a kind that is not a request, [`NetError::ShuttingDown`] once
+    /// this node's net task has ended, and the send's own.
+    ///
+    /// [`timeout`]: Duration
+    pub fn request_then(
+        self: &Rc<Self>,
+        dest: impl Into<Dest>,
+        (kind, id): (FrameKind, u32),
+        payload: Vec<u8>,
+        (timeout, ttl): (Duration, Duration),
+        (handler, token): (&ReplyHandler, u64),
+    ) -> Result<SentRequest, NetError> {
+        if !is_request_kind(kind) {
+            return Err(NetError::BadKind {
+                kind,
+                op: "send a request",
+            });
+        }
+        self.check_len(&payload)?;
+        let dest = dest.into();
+        let node = dest.node;
+        let remote = match self.route(dest)? {
+            Route::Here(remote) => remote,
+            Route::There(owner) => return Err(NetError::OtherShard { node, owner }),
+        };
+        let net = self.net();
+        if net.closed.get() {
+            return Err(NetError::ShuttingDown);
+        }
+        let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
+        let now = net.now();
+        let deadline = now.saturating_add(timeout);
+        let req_id = net.pending.borrow_mut().insert(
+            deadline,
+            Pending {
+                node,
+                remote,
+                kind,
+                id,
+                waiter: Waiter::Handler(handler.clone(), token),
+            },
+        );
+        let spec = FrameSpec {
+            kind,
+            id,
+            req_id,
+            ttl_ns: ttl_from_deadline(now, now.saturating_add(ttl.min(timeout))),
+        };
+        let sent = send_encoded(self, payload, |body| {
+            send(self, (node, remote), spec, &[], body)
+        });
+        if let Err(e) = sent {
+            // Never sent: nothing to cancel on the receiver, and the handler is not called.
+            net.pending.borrow_mut().cancel(req_id);
+            return Err(e);
+        }
+        if deadline < net.timer_at.get() {
+            net.rearm();
+        }
+        Ok(SentRequest {
+            rail: (node, remote),
+            kind,
+            id,
+            req_id,
+        })
+    }
+
+    /// Gives up a request sent with [`ShardCtx::request_then`]: its handler is not called for
+    /// it, and an [`FrameKind::RpcRequest`] is followed by an [`FrameKind::RpcCancel`] frame.
+    /// Whether it was still pending (`false`: answered, failed or given up already).
+    pub fn cancel_request(&self, sent: &SentRequest) -> bool {
+        let net = self.net();
+        let was_pending = {
+            let mut pending = net.pending.borrow_mut();
+            let ours = pending.get(sent.req_id).is_some_and(|p| {
+                (p.node, p.remote) == sent.rail && matches!(p.waiter, Waiter::Handler(..))
+            });
+            ours && pending.cancel(sent.req_id).is_some()
+        };
+        if was_pending && sent.kind == FrameKind::RpcRequest {
+            send_cancel(self, sent.rail, sent.id, sent.req_id);
+        }
+        was_pending
     }
 }
 

@@ -105,7 +105,7 @@ use crate::proto::handshake::{
 use crate::proto::wire::DataTemplate;
 use crate::proto::{
     ConnConfig, Connection, Event, FrameHeader, FrameKind, Incarnation, NodeId, PreSharedKey, Rail,
-    Rails, ReqId, Seeds, SessionSecret, ShardId, State, Timestamp,
+    Rails, Seeds, SessionSecret, ShardId, State, Timestamp,
 };
 use crate::ucx::{Endpoint, ErrorMode, WorkerAddress};
 
@@ -866,16 +866,13 @@ pub(super) fn service_pending(net: &NetState, node: NodeId, generation: u64) {
 
 /// Fails every request pending on this shard on the rail to `(node, remote)` with `err`.
 fn fail_pending(net: &NetState, node: NodeId, remote: ShardId, err: &NetError) {
-    let mut pending = net.pending.borrow_mut();
-    let ids: Vec<ReqId> = pending
-        .iter()
-        .filter(|(_, p)| p.node == node && p.remote == remote)
-        .map(|(id, _)| id)
-        .collect();
-    for id in ids {
-        if let Some(p) = pending.cancel(id) {
-            p.waiter.push(Err(err.clone()));
-        }
+    // Taken out first: a reply handler may send another request (into the table).
+    let failed = net
+        .pending
+        .borrow_mut()
+        .drain_where(|_, p| p.node == node && p.remote == remote);
+    for (_, p) in failed {
+        p.waiter.answer(net, Err(err.clone()));
     }
 }
 
@@ -1385,7 +1382,8 @@ fn handle_timeouts(ctx: &ShardCtx, net: &NetState) {
         if p.kind == FrameKind::RpcRequest {
             send_cancel(ctx, (p.node, p.remote), p.id, req_id);
         }
-        p.waiter.push(Err(NetError::TimedOut { what: "request" }));
+        p.waiter
+            .answer(net, Err(NetError::TimedOut { what: "request" }));
     }
     let due: Vec<(NodeId, ShardId)> = net
         .peers
