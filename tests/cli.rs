@@ -92,7 +92,7 @@ fn a_tiny_bench_writes_the_documented_json() {
         .args([
             "bench",
             "--test",
-            "am-lat,am-rate,tag-lat,rpc-lat,rpc-rate,rpc-notify,put-bw,hop",
+            "am-lat,am-rate,tag-lat,rpc-lat,rpc-lat-inline,rpc-rate,rpc-rate-inline,rpc-notify,put-bw,hop",
             "--size",
             "8,4k",
         ])
@@ -119,13 +119,15 @@ fn a_tiny_bench_writes_the_documented_json() {
         "{stdout}"
     );
     let j = std::fs::read_to_string(&json).unwrap();
-    // 7 tests at 2 sizes and 2 shard counts, hop once (2 shards).
-    assert_eq!(j.matches("\"test\": ").count(), 7 * 2 * 2 + 1, "{j}");
+    // 9 tests at 2 sizes and 2 shard counts, hop once (2 shards).
+    assert_eq!(j.matches("\"test\": ").count(), 9 * 2 * 2 + 1, "{j}");
     for field in [
         "\"test\": \"am-lat\"",
         "\"test\": \"hop\"",
         "\"test\": \"rpc-lat\"",
         "\"test\": \"rpc-rate\"",
+        "\"test\": \"rpc-lat-inline\"",
+        "\"test\": \"rpc-rate-inline\"",
         "\"test\": \"rpc-notify\"",
         "\"size\": 4096",
         "\"shards\": 2",

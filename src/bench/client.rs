@@ -44,6 +44,7 @@ use crate::cuda::CudaMode;
 use crate::rma::TrustedDescriptor;
 
 mod device;
+mod inline;
 use crate::{AmId, AmView, Node, OwnedAmMsg, Peer, TAG_MASK_EXACT};
 
 /// Deadline of every operation and answer of a benchmark.
@@ -777,6 +778,11 @@ impl Session {
             Test::AmBw => self.am_stream(size, capped, budget, warmup, progress).await,
             Test::TagLat => self.tag_lat(size, budget, warmup, progress).await,
             Test::RpcLat => self.rpc_lat(size, budget, warmup, progress).await,
+            Test::RpcLatInline => self.rpc_lat_inline(size, budget, warmup, progress).await,
+            Test::RpcRateInline => {
+                self.rpc_rate_inline(size, cfg.window, budget, warmup, progress)
+                    .await
+            }
             Test::RpcRate | Test::RpcNotify => {
                 let one_way = test == Test::RpcNotify;
                 self.rpc_rate(one_way, size, cfg.window, budget, warmup, progress)

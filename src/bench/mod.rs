@@ -34,7 +34,9 @@
 //! | `am-bw` | as `am-rate`, for large sizes (window capped to 8 MiB in flight, the server shard's default pool) | one window |
 //! | `tag-lat` | tag send of `size` bytes, the peer's tag receive sends it back | round trip |
 //! | `rpc-lat` | a typed call ([`RpcEcho`]): a `Vec<u8>` of `size` bytes, answered with the same bytes | round trip |
+//! | `rpc-lat-inline` | as `rpc-lat`, the reply answered into a [`crate::rpc::Caller`]'s handler, which checks it and makes the next call (no task woken per call, as `am-lat`'s client) | round trip |
 //! | `rpc-rate` | `window` typed calls ([`RpcSink`]) in flight together, each answered with the length it got | one window (start `window` calls, get every reply) |
+//! | `rpc-rate-inline` | `window` [`RpcSink`] calls in flight, the window sliding: each reply's handler ([`crate::rpc::Caller`]) makes the next call | `window` replies in a row |
 //! | `rpc-notify` | as `am-rate`, with RPC: `window - 1` one-way calls ([`RpcSink`], [`crate::rpc::Rpc::notify`]), then one answered call | one window |
 //! | `put-bw` | a checked-mode put of `size` bytes, `window` in flight | one put (its completion) |
 //! | `get-bw` | a checked-mode get of `size` bytes, `window` in flight | one get |
@@ -74,7 +76,10 @@
 //! calls started together, and the next window starts when all of them have their reply.
 //! `rpc-notify` sends what `am-rate` sends (one-way messages, one answer per window) through the
 //! RPC layer: compare it with `am-rate` for the layer's cost per message, and `rpc-rate` for
-//! what answered calls cost.
+//! what answered calls cost. `rpc-lat-inline` and `rpc-rate-inline` make the same calls through
+//! a [`crate::rpc::Caller`]: each reply goes to a handler run on the progress driver, which
+//! checks it and makes the next call, as `am-lat`'s client does; the awaited tests pay a task
+//! wake-up per reply on top (about half a microsecond on these VMs).
 //!
 //! Latencies are **round trips**, in microseconds, from hdrhistogram (3 significant digits),
 //! recorded after the warm-up. ucx_perftest's latency tests print half a round trip;
@@ -304,8 +309,14 @@ pub enum Test {
     TagLat,
     /// Typed RPC round trips, one call at a time.
     RpcLat,
+    /// As `RpcLat`, each reply answered into a [`crate::rpc::Caller`]'s handler, which makes
+    /// the next call (no task woken per call, as `AmLat`'s client).
+    RpcLatInline,
     /// Typed RPCs with a window of calls in flight.
     RpcRate,
+    /// Typed RPCs with a sliding window of calls in flight, each reply's handler making the
+    /// next call ([`crate::rpc::Caller`]).
+    RpcRateInline,
     /// One-way typed RPCs with a window, the last one answered (as `AmRate`).
     RpcNotify,
     /// Checked-mode puts with a window.
@@ -419,13 +430,15 @@ pub struct Measurement {
 
 impl Test {
     /// Every test, in the order the suite runs them.
-    pub const ALL: [Test; 11] = [
+    pub const ALL: [Test; 13] = [
         Test::AmLat,
         Test::AmRate,
         Test::AmBw,
         Test::TagLat,
         Test::RpcLat,
+        Test::RpcLatInline,
         Test::RpcRate,
+        Test::RpcRateInline,
         Test::RpcNotify,
         Test::PutBw,
         Test::GetBw,
@@ -441,7 +454,9 @@ impl Test {
             Test::AmBw => "am-bw",
             Test::TagLat => "tag-lat",
             Test::RpcLat => "rpc-lat",
+            Test::RpcLatInline => "rpc-lat-inline",
             Test::RpcRate => "rpc-rate",
+            Test::RpcRateInline => "rpc-rate-inline",
             Test::RpcNotify => "rpc-notify",
             Test::PutBw => "put-bw",
             Test::GetBw => "get-bw",
@@ -458,8 +473,8 @@ impl Test {
     /// Message sizes run when `--size` is not given.
     pub fn default_sizes(self) -> &'static [usize] {
         match self {
-            Test::AmLat | Test::RpcLat => &[8, 4096],
-            Test::AmRate | Test::RpcRate | Test::RpcNotify => &[64],
+            Test::AmLat | Test::RpcLat | Test::RpcLatInline => &[8, 4096],
+            Test::AmRate | Test::RpcRate | Test::RpcRateInline | Test::RpcNotify => &[64],
             Test::AmBw => &[64 << 10, 1 << 20, 16 << 20],
             Test::TagLat => &[8],
             Test::PutBw | Test::GetBw | Test::PutTrustedBw => &[4096, 1 << 20],
@@ -472,9 +487,11 @@ impl Test {
     pub fn default_iters(self, size: usize) -> u64 {
         let by_bytes = |budget: u64, lo: u64, hi: u64| (budget / size.max(1) as u64).clamp(lo, hi);
         match self {
-            Test::AmLat | Test::TagLat | Test::RpcLat => by_bytes(64 << 20, 200, 10_000),
+            Test::AmLat | Test::TagLat | Test::RpcLat | Test::RpcLatInline => {
+                by_bytes(64 << 20, 200, 10_000)
+            }
             // Messages or calls (not windows).
-            Test::AmRate | Test::RpcRate | Test::RpcNotify => 100_000,
+            Test::AmRate | Test::RpcRate | Test::RpcRateInline | Test::RpcNotify => 100_000,
             Test::AmBw => by_bytes(256 << 20, 16, 100_000),
             Test::PutBw | Test::GetBw | Test::PutTrustedBw => by_bytes(64 << 20, 64, 10_000),
             Test::Hop => 10_000,
@@ -484,8 +501,9 @@ impl Test {
     /// What one latency sample is, for table headings.
     pub fn sample(self) -> &'static str {
         match self {
-            Test::AmLat | Test::TagLat | Test::RpcLat => "round trip",
+            Test::AmLat | Test::TagLat | Test::RpcLat | Test::RpcLatInline => "round trip",
             Test::AmRate | Test::AmBw | Test::RpcRate | Test::RpcNotify => "per window",
+            Test::RpcRateInline => "per window's worth of replies",
             Test::PutBw | Test::GetBw | Test::PutTrustedBw => "per operation, window in flight",
             Test::Hop => "per hop",
         }

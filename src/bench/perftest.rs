@@ -236,7 +236,9 @@ pub fn counterpart(test: Test) -> Option<Counterpart> {
         Test::TagLat => ("tag_lat", Metric::P50Us),
         Test::PutBw => ("ucp_put_bw", Metric::MbPerS),
         Test::RpcLat
+        | Test::RpcLatInline
         | Test::RpcRate
+        | Test::RpcRateInline
         | Test::RpcNotify
         | Test::GetBw
         | Test::PutTrustedBw

@@ -100,8 +100,9 @@ struct BenchArgs {
     /// --trusted-rma).
     #[arg(long, value_name = "ADDR")]
     connect: Option<SocketAddr>,
-    /// Tests to run: am-lat, am-rate, am-bw, tag-lat, rpc-lat, rpc-rate, rpc-notify, put-bw,
-    /// get-bw, put-trusted-bw, hop (default: all of these; put-trusted-bw is skipped over tcp),
+    /// Tests to run: am-lat, am-rate, am-bw, tag-lat, rpc-lat, rpc-lat-inline, rpc-rate,
+    /// rpc-rate-inline, rpc-notify, put-bw, get-bw, put-trusted-bw, hop (default: all of these;
+    /// put-trusted-bw is skipped over tcp; the -inline ones answer each reply into a handler),
     /// and the collectives barrier, bcast, allreduce, allgather, reduce-scatter, alltoall (run
     /// only when named: two nodes of --shards shards each in this process, one world).
     #[arg(long = "test", value_delimiter = ',', value_parser = test, value_name = "LIST")]
@@ -119,7 +120,7 @@ struct BenchArgs {
     /// Iterations before measuring (default: iters/10, at most 1000).
     #[arg(long, value_name = "N")]
     warmup: Option<u64>,
-    /// Operations in flight for am-rate, am-bw, rpc-rate, rpc-notify, put-bw, get-bw and
+    /// Operations in flight for am-rate, am-bw, rpc-rate, rpc-rate-inline, rpc-notify, put-bw, get-bw and
     /// put-trusted-bw (the bandwidth tests keep at most 8 MiB in flight).
     #[arg(long, default_value_t = 64, value_parser = positive, value_name = "N")]
     window: u64,

@@ -44,10 +44,10 @@ enum ReplyBuf {
 
 /// What identifies the function called, on the wire.
 #[derive(Clone, Copy)]
-struct Target {
-    id: FunctionId,
-    schema: u64,
-    idempotent: bool,
+pub(super) struct Target {
+    pub(super) id: FunctionId,
+    pub(super) schema: u64,
+    pub(super) idempotent: bool,
 }
 
 impl Node {
@@ -361,15 +361,7 @@ impl Rpc {
                 .await
                 .map_err(|e| RpcError::from_net(e, timeout))??
         };
-        match header.kind {
-            FrameKind::RpcResponse => Ok(bytes),
-            FrameKind::RpcError => {
-                let body = decode_error(bytes.as_slice())
-                    .map_err(|e| RpcError::BadReply(format!("malformed error reply: {e}")))?;
-                Err(RpcError::from_body(&body, t.id, t.schema, len))
-            }
-            other => Err(RpcError::BadReply(format!("a {other:?} frame answered"))),
-        }
+        reply_payload(&header, bytes, t, len)
     }
 
     /// Sends the request, connecting on first use, and again for an idempotent function whose
@@ -464,13 +456,32 @@ impl Rpc {
     }
 }
 
+/// A reply frame's payload: the reply's archive for an `RpcResponse`, the server's error for an
+/// `RpcError` (`len`: the arguments' length, for [`RpcError::TooLarge`]; 0 when not known).
+pub(super) fn reply_payload(
+    header: &FrameHeader,
+    bytes: Payload,
+    t: Target,
+    len: u64,
+) -> Result<Payload, RpcError> {
+    match header.kind {
+        FrameKind::RpcResponse => Ok(bytes),
+        FrameKind::RpcError => {
+            let body = decode_error(bytes.as_slice())
+                .map_err(|e| RpcError::BadReply(format!("malformed error reply: {e}")))?;
+            Err(RpcError::from_body(&body, t.id, t.schema, len))
+        }
+        other => Err(RpcError::BadReply(format!("a {other:?} frame answered"))),
+    }
+}
+
 /// The time the server is given out of `left`: a little less (1/16, at most [`MAX_GRACE`]), so
 /// that its `DeadlineExpired` can arrive before the caller's own deadline.
-fn server_ttl(left: Duration) -> Duration {
+pub(super) fn server_ttl(left: Duration) -> Duration {
     left - (left / 16).min(MAX_GRACE)
 }
 
-fn target<F: RpcFunction>() -> Target {
+pub(super) fn target<F: RpcFunction>() -> Target {
     Target {
         id: F::ID,
         schema: F::schema(),
@@ -483,7 +494,7 @@ fn target<F: RpcFunction>() -> Target {
 /// prefix is 16 bytes). For calls, `payload` is the shard's spare request vector
 /// ([`ShardCtx::request_buffer`](shardcx_shards::ShardCtx::request_buffer)), which a short
 /// request gives back once sent: a stream of calls allocates none for its requests.
-fn encode_request<A: RpcType>(
+pub(super) fn encode_request<A: RpcType>(
     schema: u64,
     flags: CallFlags,
     args: &A,
@@ -504,7 +515,7 @@ fn deserialize_reply<R: RpcType>(bytes: &[u8]) -> Result<R, RpcError> {
 }
 
 impl<R: RpcType> ArchivedReply<R> {
-    fn new(bytes: Payload) -> Result<Self, RpcError> {
+    pub(super) fn new(bytes: Payload) -> Result<Self, RpcError> {
         let buf = if (bytes.as_slice().as_ptr() as usize) % ARCHIVE_ALIGN == 0 {
             ReplyBuf::Received(bytes)
         } else {

@@ -20,7 +20,9 @@
 //! A client calls through [`Rpc`] ([`Node::rpc`], [`Rpc::current`]) from any shard:
 //! [`Rpc::call`] returns the deserialized reply, [`Rpc::call_archived`] the validated archive
 //! in its receive buffer ([`ArchivedReply`]), [`Rpc::notify`] sends a one-way call, and the
-//! `_within` forms take their own deadline.
+//! `_within` forms take their own deadline. [`Rpc::caller`] makes a [`Caller`], whose calls
+//! return once sent and whose replies go to a handler run inline on the calling shard (no task
+//! woken per call; see the [`Caller`] docs for what such calls leave out).
 //!
 //! ```no_run
 //! use shardcx::rpc::{Rpc, RpcError};
@@ -159,6 +161,7 @@
 //! - There is no per-shard concurrency limit for async handlers (`Busy` is sent only when a
 //!   function's argument-buffer chooser declines a large call).
 
+mod caller;
 mod client;
 mod error;
 pub(crate) mod latency;
@@ -174,6 +177,7 @@ use rkyv::ser::allocator::ArenaHandle;
 use rkyv::{Archive, Deserialize, Serialize};
 
 pub use crate::registry::Signature;
+pub use caller::{CallHandle, Caller};
 pub use client::{ArchivedReply, Rpc};
 pub use error::RpcError;
 pub use registry::ClusterRegistry;
