@@ -538,19 +538,23 @@ fn a_shorter_request_times_out_at_its_own_deadline() {
     assert!(took < Duration::from_millis(1000), "took {took:?}");
 }
 
-#[test]
-fn pending_requests_fail_when_the_peer_shuts_down() {
-    let _g = serial();
-    let seen = Arc::new(AtomicUsize::new(0));
+/// Node B, whose shards take `RmaPut` requests (counted in `seen`) and never answer them.
+fn silent_b(seen: &Arc<AtomicUsize>) -> NodeB {
     let seen_b = seen.clone();
-    let b = start_b(net_config(), move |ctx: &Rc<ShardCtx>| {
+    start_b(net_config(), move |ctx: &Rc<ShardCtx>| {
         let seen = seen_b.clone();
-        // Takes requests and never answers.
         ctx.set_frame_handler(FrameKind::RmaPut, move |_, _, _, _| {
             seen.fetch_add(1, Ordering::AcqRel);
         })
         .unwrap();
-    });
+    })
+}
+
+#[test]
+fn pending_requests_fail_when_the_peer_shuts_down() {
+    let _g = serial();
+    let seen = Arc::new(AtomicUsize::new(0));
+    let b = silent_b(&seen);
     let addr = b.addr;
     let b_done = b.done.clone();
     const PER_SHARD: usize = 3;
@@ -601,6 +605,84 @@ fn pending_requests_fail_when_the_peer_shuts_down() {
         );
         // Well before the 30 s deadline.
         assert!(took < Duration::from_secs(10), "took {took:?}");
+    }
+}
+
+#[test]
+fn requests_answered_into_a_handler_fail_when_the_peer_shuts_down() {
+    let _g = serial();
+    let seen = Arc::new(AtomicUsize::new(0));
+    let b = silent_b(&seen);
+    let addr = b.addr;
+    let b_done = b.done.clone();
+    const PER_SHARD: u64 = 3;
+    let got = run_a(net_config(), move |ctx| {
+        let (seen, b_done) = (seen.clone(), b_done.clone());
+        async move {
+            ctx.connect(addr).await.expect("connect");
+            // Each answer, and what a request sent from the handler then got (the handler may
+            // send while the failed rail's requests are being answered).
+            let answers: Rc<std::cell::RefCell<Vec<(u64, Result<(), NetError>, bool)>>> =
+                Rc::default();
+            let (a, c) = (answers.clone(), ctx.clone());
+            let ignore: shardcx_shards::net::ReplyHandler = Rc::new(|_, _| {});
+            let handler: shardcx_shards::net::ReplyHandler = Rc::new(move |token, r| {
+                let again = c
+                    .request_then(
+                        B,
+                        (FrameKind::RmaPut, 9),
+                        vec![0u8; 8],
+                        (Duration::from_secs(30), Duration::from_secs(30)),
+                        (&ignore, 0),
+                    )
+                    .is_err();
+                a.borrow_mut().push((token, r.map(|_| ()), again));
+            });
+            for i in 0..PER_SHARD {
+                ctx.request_then(
+                    B,
+                    (FrameKind::RmaPut, i as u32),
+                    vec![0u8; 100],
+                    (Duration::from_secs(30), Duration::from_secs(30)),
+                    (&handler, i),
+                )
+                .expect("sent");
+            }
+            assert!(answers.borrow().is_empty(), "answered before any reply");
+            let (limit, step) = (Duration::from_secs(10), Duration::from_millis(2));
+            wait_for_count(&seen, 2 * PER_SHARD as usize, limit, step).await;
+            b_done.store(true, Ordering::Release);
+            let t0 = Instant::now();
+            while (answers.borrow().len() as u64) < PER_SHARD {
+                assert!(t0.elapsed() < limit, "answers: {:?}", answers.borrow());
+                sleep(step).await;
+            }
+            let out = answers.borrow().clone();
+            (out, ctx.net_stats().handler_panics)
+        }
+    });
+    let _ = b.finish();
+    for (mut answers, panics) in got {
+        assert_eq!(panics, 0);
+        answers.sort_by_key(|a| a.0);
+        assert_eq!(
+            answers.iter().map(|a| a.0).collect::<Vec<_>>(),
+            (0..PER_SHARD).collect::<Vec<_>>(),
+            "each request answered once"
+        );
+        for (_, r, again_refused) in answers {
+            assert!(
+                matches!(
+                    r,
+                    Err(NetError::Closed { node: B }
+                        | NetError::PeerDead { node: B }
+                        | NetError::Transport { node: B })
+                ),
+                "{r:?}"
+            );
+            // The rail is gone by then: a request from the handler is refused, not lost.
+            assert!(again_refused);
+        }
     }
 }
 

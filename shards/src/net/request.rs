@@ -247,22 +247,13 @@ async fn request_local(
         .borrow_mut()
         .pop()
         .unwrap_or_else(Slot::new);
-    let req_id = net.pending.borrow_mut().insert(
-        deadline,
-        Pending {
-            node,
-            remote,
-            kind,
-            id,
-            waiter: Waiter::Task(waiter.clone()),
-        },
+    let spec = enter_pending(
+        net,
+        (node, remote),
+        (kind, id),
+        (now, deadline, ttl.min(timeout)),
+        Waiter::Task(waiter.clone()),
     );
-    let spec = FrameSpec {
-        kind,
-        id,
-        req_id,
-        ttl_ns: ttl_from_deadline(now, now.saturating_add(ttl.min(timeout))),
-    };
     let mut guard = PendingGuard {
         ctx,
         rail: (node, remote),
@@ -299,6 +290,33 @@ async fn request_local(
         }
     }
     answer
+}
+
+/// Enters a request to `rail` in the shard's pending table, due at `deadline`, and returns the
+/// frame to send it with: a fresh request id, `ttl` (from `now`) announced to the receiver.
+fn enter_pending(
+    net: &super::NetState,
+    (node, remote): (NodeId, ShardId),
+    (kind, id): (FrameKind, u32),
+    (now, deadline, ttl): (crate::proto::Timestamp, crate::proto::Timestamp, Duration),
+    waiter: Waiter,
+) -> FrameSpec {
+    let req_id = net.pending.borrow_mut().insert(
+        deadline,
+        Pending {
+            node,
+            remote,
+            kind,
+            id,
+            waiter,
+        },
+    );
+    FrameSpec {
+        kind,
+        id,
+        req_id,
+        ttl_ns: ttl_from_deadline(now, now.saturating_add(ttl)),
+    }
 }
 
 /// Sends an encoded request `payload` with `send`: one of at most [`RECYCLED_REQUEST`] bytes from
@@ -576,22 +594,14 @@ impl ShardCtx {
         let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
         let now = net.now();
         let deadline = now.saturating_add(timeout);
-        let req_id = net.pending.borrow_mut().insert(
-            deadline,
-            Pending {
-                node,
-                remote,
-                kind,
-                id,
-                waiter: Waiter::Handler(handler.clone(), token),
-            },
+        let spec = enter_pending(
+            net,
+            (node, remote),
+            (kind, id),
+            (now, deadline, ttl.min(timeout)),
+            Waiter::Handler(handler.clone(), token),
         );
-        let spec = FrameSpec {
-            kind,
-            id,
-            req_id,
-            ttl_ns: ttl_from_deadline(now, now.saturating_add(ttl.min(timeout))),
-        };
+        let req_id = spec.req_id;
         let sent = send_encoded(self, payload, |body| {
             send(self, (node, remote), spec, &[], body)
         });
