@@ -538,6 +538,10 @@ fn a_shorter_request_times_out_at_its_own_deadline() {
     assert!(took < Duration::from_millis(1000), "took {took:?}");
 }
 
+/// A handler's answer: its token, the request's outcome, and whether a request the handler sent
+/// then was refused.
+type Answered = (u64, Result<(), NetError>, bool);
+
 /// Node B, whose shards take `RmaPut` requests (counted in `seen`) and never answer them.
 fn silent_b(seen: &Arc<AtomicUsize>) -> NodeB {
     let seen_b = seen.clone();
@@ -622,8 +626,7 @@ fn requests_answered_into_a_handler_fail_when_the_peer_shuts_down() {
             ctx.connect(addr).await.expect("connect");
             // Each answer, and what a request sent from the handler then got (the handler may
             // send while the failed rail's requests are being answered).
-            let answers: Rc<std::cell::RefCell<Vec<(u64, Result<(), NetError>, bool)>>> =
-                Rc::default();
+            let answers: Rc<std::cell::RefCell<Vec<Answered>>> = Rc::default();
             let (a, c) = (answers.clone(), ctx.clone());
             let ignore: shardcx_shards::net::ReplyHandler = Rc::new(|_, _| {});
             let handler: shardcx_shards::net::ReplyHandler = Rc::new(move |token, r| {
