@@ -383,6 +383,30 @@ enum Attempt {
     Join(JoinAttempt),
 }
 
+/// What an application frame's header must carry for a ready connection to deliver it
+/// ([`Connection::data_lane`]): a caller that holds one can check a data frame itself, with a
+/// few comparisons, and tell the connection afterwards ([`Connection::heard_data`]); a frame
+/// the lane admits is one [`Connection::handle_frame`] would deliver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataLane {
+    local_shard: ShardId,
+    remote_shard: Option<ShardId>,
+    incarnation: Incarnation,
+    version: u8,
+}
+
+impl DataLane {
+    /// Whether the connection the lane came from delivers an application frame with
+    /// `header` (its kind is not a control kind: the caller checked).
+    #[inline(always)]
+    pub fn admits(&self, header: &FrameHeader) -> bool {
+        header.dst_shard == self.local_shard
+            && header.incarnation == self.incarnation
+            && header.version == self.version
+            && self.remote_shard.is_none_or(|r| r == header.src_shard)
+    }
+}
+
 /// One rail's connection state. See the module docs for states and calling order.
 #[derive(Clone, Debug)]
 pub struct Connection {
@@ -770,6 +794,34 @@ impl Connection {
         self.state = State::Connecting;
         self.start_client_attempt(now);
         Ok(())
+    }
+
+    /// The lane of application frames while the connection is ready and its peer not suspect
+    /// (see [`DataLane`]): `None` otherwise, and frames then go through
+    /// [`Connection::handle_frame`]. Any change of the connection may change it.
+    pub fn data_lane(&self) -> Option<DataLane> {
+        match (self.state, self.peer) {
+            (State::Ready, Some(peer)) if !self.suspect => Some(DataLane {
+                local_shard: self.cfg.local_shard,
+                remote_shard: self.remote_shard,
+                incarnation: peer.incarnation,
+                version: peer.version,
+            }),
+            _ => None,
+        }
+    }
+
+    /// `n` application frames that the caller admitted by this connection's
+    /// [`DataLane`] instead of [`Connection::handle_frame`], the last of them received at `at`:
+    /// counted as delivered, and the peer heard then (as `handle_frame` does for each).
+    pub fn heard_data(&mut self, at: Timestamp, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.stats.delivered += n;
+        if at > self.last_heard {
+            self.heard(at);
+        }
     }
 
     /// Processes one frame received from the peer. `payload` is the frame's payload (empty for
@@ -1435,6 +1487,84 @@ mod tests {
         assert_eq!(s.stats().delivered, 1);
         assert_eq!(s.stats().dropped_stale, 1);
         assert_eq!(s.stats().dropped_malformed, 1);
+    }
+
+    #[test]
+    fn a_data_lane_admits_exactly_what_handle_frame_delivers() {
+        let (mut c, mut s) = ready_pair();
+        let now = Timestamp::from_nanos(1);
+        let lane = s.data_lane().unwrap();
+        let good = c.frame_header(FrameKind::Am).unwrap();
+        // Each field the connection checks, changed one at a time, and the good header.
+        let cases = [
+            good,
+            FrameHeader {
+                incarnation: Incarnation::new(7),
+                ..good
+            },
+            FrameHeader {
+                version: good.version.wrapping_add(1),
+                ..good
+            },
+            FrameHeader {
+                dst_shard: ShardId::new(good.dst_shard.get() + 1),
+                ..good
+            },
+            FrameHeader {
+                src_shard: ShardId::new(good.src_shard.get() + 1),
+                ..good
+            },
+            FrameHeader {
+                kind: FrameKind::RpcRequest,
+                id: 9,
+                ..good
+            },
+        ];
+        for h in cases {
+            let admitted = lane.admits(&h);
+            assert_eq!(
+                admitted,
+                s.handle_frame(now, &h, &[]) == Received::Deliver,
+                "{h:?}"
+            );
+        }
+        assert!(lane.admits(&good));
+        // Only a ready connection whose peer is not suspect has one.
+        assert!(c.data_lane().is_some());
+        c.close(now);
+        assert_eq!(c.data_lane(), None);
+        let s2 = Connection::server(now, cfg(2), seeds(3));
+        assert_eq!(s2.data_lane(), None);
+        // Suspect: no lane until heard again.
+        let quiet = Timestamp::ZERO + Duration::from_millis(25);
+        s.handle_timeout(quiet);
+        assert!(s.is_suspect());
+        assert_eq!(s.data_lane(), None);
+        s.heard_data(quiet, 1);
+        assert!(!s.is_suspect());
+        assert_eq!(s.data_lane(), Some(lane));
+    }
+
+    #[test]
+    fn frames_admitted_by_the_lane_keep_the_peer_alive_once_told() {
+        let (_, mut s) = ready_pair();
+        let ms = |n| Timestamp::ZERO + Duration::from_millis(n);
+        let delivered = s.stats().delivered;
+        // Heard at 35 ms through the lane (10 ms heartbeats, dead after 4): not dead at 60 ms,
+        // which a peer last heard at 0 is.
+        s.heard_data(ms(35), 3);
+        assert_eq!(s.stats().delivered, delivered + 3);
+        // Nothing told: no change.
+        s.heard_data(ms(50), 0);
+        s.handle_timeout(ms(60));
+        assert_eq!(s.state(), State::Ready);
+        let (_, mut t) = ready_pair();
+        t.handle_timeout(ms(60));
+        assert_ne!(t.state(), State::Ready);
+        // An older reading than the last does not move it back.
+        s.heard_data(ms(1), 1);
+        s.handle_timeout(ms(70));
+        assert_eq!(s.state(), State::Ready);
     }
 
     #[test]

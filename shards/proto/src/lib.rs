@@ -102,7 +102,7 @@ pub mod staging;
 pub mod time;
 pub mod wire;
 
-pub use conn::{ConnConfig, Connection, Event, Seeds, State, Transmit};
+pub use conn::{ConnConfig, Connection, DataLane, Event, Seeds, State, Transmit};
 pub use handshake::{
     Features, Handshake, HandshakeConfig, JoinAttempt, PeerInfo, PreSharedKey, SessionSecret,
 };

@@ -705,11 +705,31 @@ pub(super) fn drain(ctx: &Rc<ShardCtx>, budget: usize, round: u64) -> Dispatched
 
 /// Feeds an application frame's header to the connection of its rail (from `node`'s shard
 /// `header.src_shard`; dropped as unauthenticated without one) and, if its handler gets it,
-/// the rail (for the handler's answer: see [`NetState::set_inline_rail`]). The connection's
+/// the rail (for the handler's answer: see [`NetState::set_inline_rail`]). A frame on the rail
+/// the last one came in on is checked by the rail's lane instead, while its connection is
+/// ready ([`NetState::admitted`]: a few comparisons, no lookup). The connection's
 /// follow-up work, if the frame left it some, is done now, or recorded for the driver when the
 /// frame is being dispatched inside UCX's callback (`in_callback`).
 #[inline]
 fn accepted(
+    net: &NetState,
+    node: NodeId,
+    header: &FrameHeader,
+    now: Timestamp,
+    in_callback: bool,
+) -> Option<InlineRail> {
+    let remote = header.src_shard;
+    // The rail the last frame came in on, while its connection is ready: no lookup.
+    if let Some(tx) = net.admitted(node, header, now) {
+        return Some(InlineRail { node, remote, tx });
+    }
+    accepted_looked_up(net, node, header, now, in_callback)
+}
+
+/// [`accepted`] past the rail the last frame came in on: the rail looked up in the peer
+/// table, and the frame fed to its connection.
+#[inline(never)]
+fn accepted_looked_up(
     net: &NetState,
     node: NodeId,
     header: &FrameHeader,
@@ -723,7 +743,13 @@ fn accepted(
         .get_mut(&node)
         .and_then(|p| p.get_mut(remote))
     {
-        Some(r) => (r.data_frame(now, header), Some(&r.tx).cloned()),
+        Some(r) => {
+            let received = r.data_frame(now, header);
+            if matches!(received, Received::Deliver) {
+                net.remember_rx_rail(node, remote, &r.tx);
+            }
+            (received, Some(&r.tx).cloned())
+        }
         None => (Received::Dropped(DropReason::NotReady), None),
     };
     if !matches!(received, Received::Deliver) {

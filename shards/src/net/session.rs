@@ -104,8 +104,8 @@ use crate::proto::handshake::{
 };
 use crate::proto::wire::DataTemplate;
 use crate::proto::{
-    ConnConfig, Connection, Event, FrameHeader, FrameKind, Incarnation, NodeId, PreSharedKey, Rail,
-    Rails, Seeds, SessionSecret, ShardId, State, Timestamp,
+    ConnConfig, Connection, DataLane, Event, FrameHeader, FrameKind, Incarnation, NodeId,
+    PreSharedKey, Rail, Rails, Seeds, SessionSecret, ShardId, State, Timestamp,
 };
 use crate::ucx::{Endpoint, ErrorMode, WorkerAddress};
 
@@ -175,6 +175,14 @@ pub(super) struct RailTx {
     /// Bytes of application frames on this rail that UCX has not completed: queued for the
     /// sender, or posted and in flight ([`super::NetConfig::max_backlog_bytes`]).
     pub(super) backlog: Rc<Backlog>,
+    /// The connection's [`DataLane`] while it is ready and its peer not suspect, kept in step
+    /// with it like `template`: the dispatch of a data frame checks the frame's header against
+    /// it and needs neither the peer table nor the connection ([`RailTx::admit`]).
+    lane: Cell<Option<DataLane>>,
+    /// The frames admitted by `lane` that the connection has not been told of yet, and when
+    /// the last came: told ([`Connection::heard_data`]) before the connection is next changed
+    /// ([`RailConn::conn_mut`]), so its timers see the peer heard.
+    heard: Cell<(Timestamp, u64)>,
 }
 
 /// A rail's connection borrowed for a change ([`RailConn::conn_mut`]): when it is dropped, the
@@ -192,6 +200,7 @@ impl std::fmt::Debug for SessionRecord {
 impl Drop for RailConn {
     fn drop(&mut self) {
         self.tx.template.set(None);
+        self.tx.lane.set(None);
         self.tx.out.close();
     }
 }
@@ -205,6 +214,8 @@ impl RailConn {
     /// The rail's connection, to change: the data-header template follows its state when the
     /// borrow ends.
     pub(super) fn conn_mut(&mut self) -> ConnMut<'_> {
+        let (at, n) = self.tx.heard.replace((Timestamp::ZERO, 0));
+        self.conn.heard_data(at, n);
         ConnMut(self)
     }
 
@@ -228,6 +239,7 @@ impl RailConn {
             .ok()
             .map(|h| DataTemplate::new(self.tx.me, &h));
         self.tx.template.set(t);
+        self.tx.lane.set(self.conn.data_lane());
     }
 }
 
@@ -236,6 +248,21 @@ impl RailTx {
     #[inline]
     pub(super) fn template(&self) -> Option<DataTemplate> {
         self.template.get()
+    }
+
+    /// Whether the rail's connection delivers an application frame with `header` received
+    /// at `now`, told by its [`DataLane`] (false when it has none: the caller then asks the
+    /// connection); an admitted frame is noted for the connection (see `heard`).
+    #[inline]
+    pub(super) fn admit(&self, header: &FrameHeader, now: Timestamp) -> bool {
+        match self.lane.get() {
+            Some(lane) if lane.admits(header) => {
+                let (at, n) = self.heard.get();
+                self.heard.set((at.max(now), n + 1));
+                true
+            }
+            _ => false,
+        }
     }
 }
 
@@ -599,6 +626,8 @@ fn make_rail(
             out,
             ep: weak_ep,
             backlog,
+            lane: Cell::new(None),
+            heard: Cell::new((Timestamp::ZERO, 0)),
         }),
         generation,
         waiters: Vec::new(),
