@@ -824,7 +824,7 @@ impl Handlers {
     }
 
     /// The handler of `id`.
-    #[inline]
+    #[inline(always)]
     fn get(&self, id: AmId) -> Option<AnyHandler> {
         if let Ok(last) = self.last.try_borrow() {
             if let Some((_, h)) = last.as_ref().filter(|(i, _)| *i == id) {
@@ -1336,6 +1336,7 @@ impl NetState {
         InlineRailGuard(&self.inline_rail)
     }
 
+    #[inline(always)]
     fn count(&self, f: impl FnOnce(&mut NetStats)) {
         f(&mut self.stats.borrow_mut());
     }

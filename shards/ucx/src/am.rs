@@ -299,7 +299,10 @@ fn with_cb_desc<R>(
     worker.am_cb_descs.borrow_mut().push((desc, false));
     let r = f();
     let mut running = worker.am_cb_descs.borrow_mut();
+    // Almost always the last one (handlers nest only through a send UCX delivers at once):
+    // popped, not moved down.
     let released = match running.iter().rposition(|&(d, _)| d == desc) {
+        Some(i) if i + 1 == running.len() => running.pop().is_some_and(|(_, r)| r),
         Some(i) => running.remove(i).1,
         None => false,
     };
