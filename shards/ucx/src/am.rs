@@ -637,12 +637,13 @@ impl Endpoint {
     /// with [`Endpoint::am_send`] instead, from a buffer that lives until completion.
     ///
     /// Nothing is allocated and no completion callback runs: this is the path of an inline
-    /// answer from a message handler. Inside a UCX callback (an inline handler,
-    /// [`Worker::set_am_handler_inline`]) the bytes are first copied into a scratch buffer of
-    /// the worker's (a few bytes: only a short message can succeed), so that should a UCX
-    /// release ever answer a forced immediate send with a request, UCX keeps reading memory
-    /// that lives until it is done (the worker holds the buffer and frees the request after a
-    /// later `progress`), not the caller's.
+    /// answer from a message handler, also inside a UCX callback (an inline handler,
+    /// [`Worker::set_am_handler_inline`]), where the bytes are sent from where they are (an
+    /// echo's from UCX's own receive buffer). UCX never answers a forced immediate send with a
+    /// request (`ucp_am_send_nbx` checks the flag before it allocates one, in 1.12 as in the
+    /// releases since); should one ever do, outside a callback the worker is progressed here
+    /// until UCX is done with the bytes, and inside one, where it cannot be, the process is
+    /// stopped rather than let UCX read borrowed bytes after this returns.
     #[inline]
     pub fn am_send_now(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
         self.inner.usable()?;
@@ -663,36 +664,32 @@ impl Endpoint {
         }
     }
 
-    /// [`Endpoint::am_send_now`] inside a UCX callback, from the worker's scratch buffer.
+    /// [`Endpoint::am_send_now`] inside a UCX callback: the bytes sent from where they are.
     ///
-    /// A vector, reused. (A fixed 8 KiB block the worker keeps instead cost 30 instructions
-    /// less per echoed message, and took checked puts over tcp from about 1.9 to 1.2 GB/s,
-    /// `scripts/compare-perftest --tls tcp --tests put-bw`, repeatably; why was not found.)
+    /// (Until 2026-12-03 they were copied into a scratch buffer of the worker's first, kept
+    /// with the request should UCX return one: about 50 instructions per inline answer, for a
+    /// case `ucp_am_send_nbx` rules out.)
     #[inline]
     fn am_send_now_in_callback(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
-        // Longer messages never take UCX's short path: refused before anything is copied.
+        // Longer messages never take UCX's short path: refused before UCX is asked.
         if header.len() + payload.len() > MAX_IN_CALLBACK {
             return Err(Error::NoResource);
         }
-        let worker = &self.inner.worker;
-        let mut scratch = worker.cb_scratch.take();
-        scratch.clear();
-        scratch.extend_from_slice(header);
-        scratch.extend_from_slice(payload);
-        let (h, p) = scratch.split_at(header.len());
-        match status::status_ptr(self.send_imm(id, h, p)) {
-            status::StatusPtr::Done => {
-                worker.cb_scratch.set(scratch);
-                Ok(())
-            }
-            status::StatusPtr::Failed(e) => {
-                worker.cb_scratch.set(scratch);
-                Err(e)
-            }
-            status::StatusPtr::Request(req) => {
-                // UCX reads `scratch` until the request completes: the worker keeps both.
-                worker.deferred.borrow_mut().push((req, scratch));
-                Ok(())
+        match status::status_ptr(self.send_imm(id, header, payload)) {
+            status::StatusPtr::Done => Ok(()),
+            status::StatusPtr::Failed(e) => Err(e),
+            status::StatusPtr::Request(_) => {
+                // ucp.h (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): "fail if the operation cannot be
+                // completed immediately", and `ucp_am_send_nbx` returns UCS_ERR_NO_RESOURCE
+                // before allocating a request (ucp_am.c, 1.12 and later). A UCX that broke
+                // this would read `header` and `payload` (borrowed, maybe UCX's own receive
+                // buffer) after this returns, and a callback cannot progress the worker to
+                // finish the request first: stop here instead.
+                eprintln!(
+                    "shardcx-ucx: UCX returned a request for a forced immediate send inside a \
+                     callback, against ucp.h; stopping the process"
+                );
+                std::process::abort()
             }
         }
     }
@@ -726,7 +723,8 @@ impl Endpoint {
         // endpoint (held by `self`); `header` and `payload` are readable for the call. With
         // forced immediate completion UCX either has copied them when it returns (NULL) or has
         // not started (an error status); should it ever return a request, the callers keep
-        // the bytes readable until it completes (`am_send_now`, `am_send_now_in_callback`).
+        // the bytes readable until it completes (`am_send_now` progresses the worker until
+        // then, `am_send_now_in_callback` never returns).
         unsafe {
             sys::ucp_am_send_nbx(
                 self.inner.handle.get(),

@@ -38,12 +38,6 @@ pub(crate) struct WorkerInner {
     pub(crate) am_cb_descs: RefCell<Vec<(*mut c_void, bool)>>,
     /// Set while a UCX callback runs, so that a re-entrant `progress` is refused.
     pub(crate) in_progress: Cell<bool>,
-    /// The bytes of a send from inside a callback (`Endpoint::am_send_now`), reused.
-    pub(crate) cb_scratch: Cell<Vec<u8>>,
-    /// Requests UCX returned for sends from inside a callback, with the bytes it reads until
-    /// they complete: freed after a later `progress` (never seen with UCX 1.12 to 1.22).
-    #[allow(clippy::type_complexity)]
-    pub(crate) deferred: RefCell<Vec<(*mut c_void, Vec<u8>)>>,
     /// Set when the last owner is gone and teardown has begun.
     pub(crate) dying: Cell<bool>,
     pub(crate) wakeup: bool,
@@ -138,8 +132,6 @@ impl Worker {
                 am_slots: RefCell::new(Vec::new()),
                 am_cb_descs: RefCell::new(Vec::new()),
                 in_progress: Cell::new(false),
-                cb_scratch: Cell::new(Vec::new()),
-                deferred: RefCell::new(Vec::new()),
                 dying: Cell::new(false),
                 wakeup: context.inner.features.wakeup,
                 max_am_header: query_max_am_header(handle),
@@ -287,25 +279,7 @@ impl WorkerInner {
         // `!Send`); not called re-entrantly (guarded above).
         let n = unsafe { sys::ucp_worker_progress(self.handle) };
         self.in_progress.set(false);
-        if !self.deferred.borrow().is_empty() {
-            self.reap_deferred();
-        }
         n
-    }
-
-    /// Frees the deferred requests that have completed, and their bytes.
-    fn reap_deferred(&self) {
-        self.deferred.borrow_mut().retain(|&(req, _)| {
-            // SAFETY: ucp.h (`ucp_request_check_status`): `req` is a live request of this
-            // worker, not yet freed (freed below, once, and then removed from the list).
-            let st = unsafe { ffi::ucp_request_check_status(req) };
-            if st == crate::status::UCS_INPROGRESS {
-                return true;
-            }
-            // SAFETY: ucp.h (`ucp_request_free`): the request has completed; freed once.
-            unsafe { sys::ucp_request_free(req) };
-            false
-        });
     }
 }
 
@@ -336,16 +310,6 @@ impl Drop for WorkerInner {
             self.progress();
             if Instant::now() >= deadline {
                 // Leak what is left: its buffers may still be written by UCX.
-                break;
-            }
-        }
-        while !self.deferred.borrow().is_empty() {
-            self.progress();
-            if Instant::now() >= deadline {
-                // Leak what is left: UCX may still read those bytes.
-                for (_, bytes) in self.deferred.take() {
-                    std::mem::forget(bytes);
-                }
                 break;
             }
         }
