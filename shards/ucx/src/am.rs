@@ -299,11 +299,10 @@ fn with_cb_desc<R>(
     worker.am_cb_descs.borrow_mut().push((desc, false));
     let r = f();
     let mut running = worker.am_cb_descs.borrow_mut();
-    // Almost always the last one (handlers nest only through a send UCX delivers at once):
-    // popped, not moved down.
+    // Calls nest strictly, so this one's descriptor is the last (innermost) one: the swap
+    // removes it in place, and would keep the others found by address were it not.
     let released = match running.iter().rposition(|&(d, _)| d == desc) {
-        Some(i) if i + 1 == running.len() => running.pop().is_some_and(|(_, r)| r),
-        Some(i) => running.remove(i).1,
+        Some(i) => running.swap_remove(i).1,
         None => false,
     };
     (r, released)
@@ -647,49 +646,31 @@ impl Endpoint {
     #[inline]
     pub fn am_send_now(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
         self.inner.usable()?;
-        let worker = &self.inner.worker;
-        if worker.in_progress.get() {
-            return self.am_send_now_in_callback(id, header, payload);
-        }
         match status::status_ptr(self.send_imm(id, header, payload)) {
             status::StatusPtr::Done => Ok(()),
             status::StatusPtr::Failed(e) => Err(e),
             status::StatusPtr::Request(req) => {
-                // Not produced by any UCX release for a forced immediate completion; should a
-                // later one do it, the borrowed bytes must not be left with it: progress here
-                // (not inside a callback: checked above) until UCX is done, then free it.
+                let worker = &self.inner.worker;
+                if worker.in_progress.get() {
+                    // ucp.h (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): "fail if the operation cannot
+                    // be completed immediately", and `ucp_am_send_nbx` returns
+                    // UCS_ERR_NO_RESOURCE before allocating a request (ucp_am.c, 1.12 and
+                    // later). A UCX that broke this would read `header` and `payload`
+                    // (borrowed, maybe UCX's own receive buffer) after this returns, and a
+                    // callback cannot progress the worker to finish the request first: stop
+                    // here instead. (Until 2026-12-03 a send from inside a callback copied its
+                    // bytes into a scratch buffer of the worker's first, kept with such a
+                    // request: about 50 instructions per inline answer.)
+                    eprintln!(
+                        "shardcx-ucx: UCX returned a request for a forced immediate send inside \
+                         a callback, against ucp.h; stopping the process"
+                    );
+                    std::process::abort()
+                }
+                // Outside a callback the borrowed bytes must not be left with it either:
+                // progress here until UCX is done, then free it.
                 finish_in_place(worker, req);
                 Ok(())
-            }
-        }
-    }
-
-    /// [`Endpoint::am_send_now`] inside a UCX callback: the bytes sent from where they are.
-    ///
-    /// (Until 2026-12-03 they were copied into a scratch buffer of the worker's first, kept
-    /// with the request should UCX return one: about 50 instructions per inline answer, for a
-    /// case `ucp_am_send_nbx` rules out.)
-    #[inline]
-    fn am_send_now_in_callback(&self, id: AmIdRaw, header: &[u8], payload: &[u8]) -> Result<()> {
-        // Longer messages never take UCX's short path: refused before UCX is asked.
-        if header.len() + payload.len() > MAX_IN_CALLBACK {
-            return Err(Error::NoResource);
-        }
-        match status::status_ptr(self.send_imm(id, header, payload)) {
-            status::StatusPtr::Done => Ok(()),
-            status::StatusPtr::Failed(e) => Err(e),
-            status::StatusPtr::Request(_) => {
-                // ucp.h (`UCP_OP_ATTR_FLAG_FORCE_IMM_CMPL`): "fail if the operation cannot be
-                // completed immediately", and `ucp_am_send_nbx` returns UCS_ERR_NO_RESOURCE
-                // before allocating a request (ucp_am.c, 1.12 and later). A UCX that broke
-                // this would read `header` and `payload` (borrowed, maybe UCX's own receive
-                // buffer) after this returns, and a callback cannot progress the worker to
-                // finish the request first: stop here instead.
-                eprintln!(
-                    "shardcx-ucx: UCX returned a request for a forced immediate send inside a \
-                     callback, against ucp.h; stopping the process"
-                );
-                std::process::abort()
             }
         }
     }
@@ -724,7 +705,7 @@ impl Endpoint {
         // forced immediate completion UCX either has copied them when it returns (NULL) or has
         // not started (an error status); should it ever return a request, the callers keep
         // the bytes readable until it completes (`am_send_now` progresses the worker until
-        // then, `am_send_now_in_callback` never returns).
+        // then, or inside a callback never returns).
         unsafe {
             sys::ucp_am_send_nbx(
                 self.inner.handle.get(),
@@ -756,10 +737,6 @@ impl Endpoint {
         }
     }
 }
-
-/// Largest message (header and payload) [`Endpoint::am_send_now`] tries inside a UCX callback:
-/// above every transport's short-message limit.
-const MAX_IN_CALLBACK: usize = 8 << 10;
 
 /// Progresses `worker` until `req` (a request UCX returned for an operation on borrowed bytes)
 /// completes, then frees it.
