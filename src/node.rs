@@ -948,7 +948,11 @@ impl Peer {
     /// peer, [`shardcx_shards::NetError::OtherShard`] when another local shard holds the rail
     /// to the shard this peer names).
     pub fn am_send_now(&self, id: AmId, header: &[u8], payload: &[u8]) -> Result<(), Error> {
-        let ctx = current_ctx().ok_or(Error::NotOnShard)?;
+        // Not `ok_or(Error::NotOnShard)`: that builds the error on every call and calls its
+        // drop glue when the shard is there.
+        let Some(ctx) = current_ctx() else {
+            return Err(Error::NotOnShard);
+        };
         send_now(&ctx, self.dest(), id, header, payload)
     }
 
@@ -964,7 +968,9 @@ impl Peer {
         header: &[u8],
         buf: impl Into<crate::SendBuf>,
     ) -> Result<(), Error> {
-        let ctx = current_ctx().ok_or(Error::NotOnShard)?;
+        let Some(ctx) = current_ctx() else {
+            return Err(Error::NotOnShard);
+        };
         if header.len() > MAX_AM_HEADER {
             return Err(Error::HeaderTooLarge { len: header.len() });
         }

@@ -257,7 +257,7 @@ mod report;
 pub mod request;
 mod session;
 
-use std::cell::{Cell, Ref, RefCell};
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
@@ -787,6 +787,15 @@ pub(crate) struct InlineRail {
     tx: Rc<session::RailTx>,
 }
 
+/// How the frame whose handler is about to run came in ([`NetState::set_inline_rail`]).
+pub(crate) enum Arrival {
+    /// On the rail the last frame came in on ([`NetState::rx_rail`]), admitted by its lane:
+    /// the handler's answer finds that rail there, with no reference counted for the call.
+    Lane,
+    /// On this rail, found in the peer table.
+    Rail(InlineRail),
+}
+
 /// A destination looked up, and the rail it routes to ([`NetState::route_cache`]).
 pub(crate) struct CachedRoute {
     dest: Dest,
@@ -797,12 +806,15 @@ pub(crate) struct CachedRoute {
 /// Forgets the rail of the frame whose handler ran ([`NetState::set_inline_rail`]). It does
 /// not restore an earlier one: dispatches do not nest (a frame that arrives during another's
 /// dispatch is recorded, `NetState::dispatching`).
-pub(crate) struct InlineRailGuard<'a>(&'a RefCell<Option<InlineRail>>);
+pub(crate) struct InlineRailGuard<'a>(&'a NetState);
 
 impl Drop for InlineRailGuard<'_> {
     #[inline]
     fn drop(&mut self) {
-        if let Ok(mut slot) = self.0.try_borrow_mut() {
+        if self.0.inline_lane.replace(false) {
+            return;
+        }
+        if let Ok(mut slot) = self.0.inline_rail.try_borrow_mut() {
             *slot = None;
         }
     }
@@ -902,6 +914,9 @@ pub(crate) struct NetState {
     /// so that the handler's answer on that rail finds it with no lookup
     /// ([`NetState::inline_rail_to`]).
     inline_rail: RefCell<Option<InlineRail>>,
+    /// Set instead of `inline_rail` while the handler of a frame its lane admitted runs: its
+    /// rail is the one in `rx_rail` ([`Arrival::Lane`]).
+    inline_lane: Cell<bool>,
     /// The last destination a send or route looked up, and its rail (most calls from a task go
     /// to the peer the last one went to): a hit costs a comparison, not a hash and a probe.
     /// Forgotten whenever this shard's rails change ([`NetState::rails_changed`]); a rail that
@@ -1207,6 +1222,7 @@ impl NetState {
             batch: Cell::new(None),
             dispatching: Cell::new(false),
             inline_rail: RefCell::new(None),
+            inline_lane: Cell::new(false),
             route_cache: RefCell::new(None),
             rx_rail: RefCell::new(None),
             inline_left: Cell::new(crate::driver::DISPATCH_BUDGET),
@@ -1248,13 +1264,19 @@ impl NetState {
     /// The rail of the frame whose handler runs, if it is the one to `(node, remote)` and can
     /// send (a rail replaced meanwhile cannot: the caller then looks the new one up).
     #[inline]
-    fn inline_rail_to(&self, node: NodeId, remote: ShardId) -> Option<Ref<'_, InlineRail>> {
-        let cur = self.inline_rail.try_borrow().ok()?;
-        Ref::filter_map(cur, |c| {
-            c.as_ref()
-                .filter(|r| r.node == node && r.remote == remote && r.tx.template().is_some())
-        })
-        .ok()
+    fn inline_rail_to(&self, node: NodeId, remote: ShardId) -> Option<Rc<session::RailTx>> {
+        // A lane-admitted frame's rail is the last one a frame came in on (`rx_rail`). Should
+        // the rails change during the handler, that is forgotten and the answer's rail looked
+        // up instead.
+        let cur = if self.inline_lane.get() {
+            &self.rx_rail
+        } else {
+            &self.inline_rail
+        };
+        let cur = cur.try_borrow().ok()?;
+        cur.as_ref()
+            .filter(|r| r.node == node && r.remote == remote && r.tx.template().is_some())
+            .map(|r| r.tx.clone())
     }
 
     /// The remote shard and rail that `dest` routes to from this shard, if it is the last
@@ -1301,16 +1323,13 @@ impl NetState {
     /// The rail to `(node, remote)` if it is the one the last frame came in on and its lane
     /// admits a frame with `header` received at `now` ([`session::RailTx::admit`]).
     #[inline]
-    fn admitted(
-        &self,
-        node: NodeId,
-        header: &FrameHeader,
-        now: Timestamp,
-    ) -> Option<Rc<session::RailTx>> {
-        let c = self.rx_rail.try_borrow().ok()?;
-        let r = c.as_ref()?;
-        (r.node == node && r.remote == header.src_shard && r.tx.admit(header, now))
-            .then(|| r.tx.clone())
+    fn admitted(&self, node: NodeId, header: &FrameHeader, now: Timestamp) -> bool {
+        let Ok(c) = self.rx_rail.try_borrow() else {
+            return false;
+        };
+        c.as_ref().is_some_and(|r| {
+            r.node == node && r.remote == header.src_shard && r.tx.admit(header, now)
+        })
     }
 
     /// Remembers the rail a frame from `(node, remote)` was delivered on, for
@@ -1329,11 +1348,16 @@ impl NetState {
     /// Sets `rail` as the rail of the frame whose handler is about to run, until the guard is
     /// dropped (whatever the handler does, even unwinding).
     #[inline]
-    fn set_inline_rail(&self, rail: InlineRail) -> InlineRailGuard<'_> {
-        if let Ok(mut slot) = self.inline_rail.try_borrow_mut() {
-            *slot = Some(rail);
+    fn set_inline_rail(&self, arrival: Arrival) -> InlineRailGuard<'_> {
+        match arrival {
+            Arrival::Lane => self.inline_lane.set(true),
+            Arrival::Rail(rail) => {
+                if let Ok(mut slot) = self.inline_rail.try_borrow_mut() {
+                    *slot = Some(rail);
+                }
+            }
         }
-        InlineRailGuard(&self.inline_rail)
+        InlineRailGuard(self)
     }
 
     #[inline(always)]

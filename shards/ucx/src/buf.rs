@@ -148,6 +148,7 @@ pub enum SendBuf {
 impl SendBuf {
     /// The bytes, when they can be read in place (not for a slice of a region a remote key
     /// was packed for: see [`crate::MemSlice::as_slice`]).
+    #[inline]
     pub fn as_slice(&self) -> Option<&[u8]> {
         match self {
             SendBuf::Vec(v) => Some(v),
@@ -157,6 +158,7 @@ impl SendBuf {
     }
 
     /// Length in bytes.
+    #[inline]
     pub fn len(&self) -> usize {
         match self {
             SendBuf::Vec(v) => v.len(),

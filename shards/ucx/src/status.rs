@@ -252,6 +252,7 @@ pub(crate) fn completion(code: RawStatus) -> Result<(), Error> {
 
 /// Decode a `ucs_status_ptr_t` as UCX's `UCS_PTR_IS_ERR` / `UCS_PTR_IS_PTR` macros do, without
 /// ever building a `ucs_status_t` enum value from it.
+#[inline(always)]
 pub(crate) fn status_ptr(ptr: *mut std::ffi::c_void) -> StatusPtr {
     let raw = ptr as usize;
     // `UCS_PTR_IS_ERR(p)`: (uintptr_t)p >= (uintptr_t)UCS_ERR_LAST, with UCS_ERR_LAST negative.
