@@ -287,7 +287,9 @@ pub struct RpcContext {
     caller: Peer,
     function: FunctionId,
     req_id: ReqId,
-    deadline: Option<Instant>,
+    /// On the net layer's clock (a nanosecond count: no `Instant` arithmetic per call, only
+    /// when a handler asks).
+    deadline: Option<Timestamp>,
     cancel: Option<Rc<CancelState>>,
     location: ArgsLocation,
     /// The caller wants no reply: a plain handler's reply is not encoded.
@@ -505,12 +507,12 @@ impl RpcContext {
 
     /// When the caller stops waiting (`None`: no deadline, e.g. a one-way call).
     pub fn deadline(&self) -> Option<Instant> {
-        self.deadline
+        self.deadline.map(instant_of)
     }
 
     /// Time left before the deadline (zero once passed; `None`: no deadline).
     pub fn remaining(&self) -> Option<Duration> {
-        self.deadline
+        self.deadline()
             .map(|d| d.saturating_duration_since(Instant::now()))
     }
 
@@ -933,7 +935,7 @@ fn on_request_frame<P: AsRef<[u8]>>(
         }
     }
     let deadline = (header.ttl_ns != NO_DEADLINE_TTL && !one_way)
-        .then(|| instant_of(arrived) + Duration::from_nanos(header.ttl_ns));
+        .then(|| arrived.saturating_add(Duration::from_nanos(header.ttl_ns)));
     let node = Node::from_parts(ctx.clone(), shared.clone());
     let mut call = RpcContext {
         node,
@@ -989,7 +991,7 @@ fn on_request_frame<P: AsRef<[u8]>>(
             let (ctx, shared, header) = (ctx.clone(), shared.clone(), *header);
             let grace = rpc.config.cancel_grace;
             glommio::spawn_local(async move {
-                let out = run_async(fut, &cancel, deadline, grace).await;
+                let out = run_async(fut, &cancel, deadline.map(instant_of), grace).await;
                 let rpc = &shared.rpc;
                 if !one_way {
                     rpc.running.borrow_mut().remove(&key);
@@ -1007,12 +1009,12 @@ fn on_request_frame<P: AsRef<[u8]>>(
 /// timer has fired: that timer was armed when the shard's task queue started to run, before
 /// the arrival was read, so while it has not fired less than one period has passed since the
 /// arrival (the plain path then reads the clock once per batch, not once per call).
-fn finished_past(deadline: Instant, ttl_ns: u64) -> bool {
+fn finished_past(deadline: Timestamp, ttl_ns: u64) -> bool {
     let margin = 2 * shardcx_shards::PREEMPT_TIMER.as_nanos();
     if u128::from(ttl_ns) > margin && !shardcx_shards::net::preempt_due() {
         return false;
     }
-    Instant::now() > deadline
+    timestamp_of(Instant::now()) > deadline
 }
 
 /// Runs an async handler's future until it ends, its deadline passes, or its call is cancelled
