@@ -587,19 +587,15 @@ fn dispatch_inline(
     // glommio's preempt timer says so, the rest of this `progress` is recorded for the driver's
     // dispatch, which yields between its items. Not looked at after the first frame of a
     // `progress` (the driver yields after the round anyway): a round trip's one frame pays
-    // nothing for it; in a flood, one frame in `PREEMPT_LOOK_EVERY` looks (the look is a
-    // thread-local access and a call into the executor, about 15 instructions).
-    if left < DISPATCH_BUDGET - 1 && left % PREEMPT_LOOK_EVERY == 0 && preempt_due() {
+    // nothing for it. (Looking on every 8th frame only, which spared a flood about 15
+    // instructions a frame, let 8 slow handlers run back to back: `net_frames`'
+    // `slow_handlers_leave_room_for_heartbeats` then saw a peer declared dead.)
+    if left < DISPATCH_BUDGET - 1 && preempt_due() {
         net.inline_left.set(0);
         net.count(|s| s.dispatch_preempted += 1);
     }
     net.dispatching.set(false);
 }
-
-/// How many frames dispatched inside UCX's callback pass between two looks at glommio's
-/// preempt timer ([`preempt_due`]): a handler that takes long runs at most this many more
-/// times after the timer fired before the rest of the `progress` is recorded for the driver.
-const PREEMPT_LOOK_EVERY: usize = 8;
 
 /// The eager data of a frame dispatched inside UCX's callback: a short message's bytes where
 /// the transport put them (valid during the callback only), or UCX's descriptor.
