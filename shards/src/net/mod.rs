@@ -910,9 +910,9 @@ pub(crate) struct NetState {
     /// The clock reading of the driver's current round, taken by the first frame of the round
     /// that needs one: the round's number and the reading ([`NetState::batch_now`]).
     batch: Cell<Option<(u64, Timestamp, Instant)>>,
-    /// The rail of the frame whose handler runs (set by its dispatch for the handler's call),
-    /// so that the handler's answer on that rail finds it with no lookup
-    /// ([`NetState::inline_rail_to`]).
+    /// The rail of the frame whose handler runs, when its dispatch looked that rail up (set for
+    /// the handler's call; a frame its lane admitted sets `inline_lane` instead), so that the
+    /// handler's answer on that rail finds it with no lookup ([`NetState::inline_rail_to`]).
     inline_rail: RefCell<Option<InlineRail>>,
     /// Set instead of `inline_rail` while the handler of a frame its lane admitted runs: its
     /// rail is the one in `rx_rail` ([`Arrival::Lane`]).
@@ -1345,8 +1345,9 @@ impl NetState {
         }
     }
 
-    /// Sets `rail` as the rail of the frame whose handler is about to run, until the guard is
-    /// dropped (whatever the handler does, even unwinding).
+    /// Records how the frame whose handler is about to run came in (`Arrival::Rail`: its rail,
+    /// kept in `inline_rail`; `Arrival::Lane`: the rail in `rx_rail`, flagged by `inline_lane`),
+    /// until the guard is dropped (whatever the handler does, even unwinding).
     #[inline]
     fn set_inline_rail(&self, arrival: Arrival) -> InlineRailGuard<'_> {
         match arrival {
