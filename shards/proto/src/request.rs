@@ -42,10 +42,19 @@ use thiserror::Error;
 ///
 /// Ids are the table's own (sequential), so they are hashed with a [`DedupHasher`] of a fixed
 /// key: a peer can look ids up (with its replies) but cannot add any.
+///
+/// Finite deadlines entered in order (each at or after the one entered before it: the usual
+/// case of one timeout and a clock that moves forward) queue in entry order, the earliest
+/// first; a request answered in order leaves the queue's front with it (no timer work per
+/// request besides a push and a pop). Only a deadline earlier than the queue's last goes to a
+/// min-heap. Entries answered out of order are skipped lazily in both, and both are kept
+/// within a constant factor of the live entries.
 #[derive(Clone, Debug)]
 pub struct PendingTable<T> {
     entries: HashMap<ReqId, (Timestamp, T), DedupHasher>,
-    /// Min-heap of finite deadlines; entries already gone are skipped lazily.
+    /// Finite deadlines in non-decreasing order, with their ids (which increase too).
+    queue: VecDeque<(Timestamp, ReqId)>,
+    /// Min-heap of the other finite deadlines.
     timers: BinaryHeap<Reverse<(Timestamp, ReqId)>>,
     next_id: u64,
 }
@@ -324,6 +333,7 @@ impl<T> PendingTable<T> {
                 0x9e37_79b9_7f4a_7c15,
                 0xc2b2_ae3d_27d4_eb4f,
             )),
+            queue: VecDeque::new(),
             timers: BinaryHeap::new(),
             next_id: 1,
         }
@@ -335,7 +345,11 @@ impl<T> PendingTable<T> {
         self.next_id = self.next_id.wrapping_add(1).max(1);
         self.entries.insert(id, (deadline, value));
         if !deadline.is_never() {
-            self.timers.push(Reverse((deadline, id)));
+            if self.queue.back().is_none_or(|&(last, _)| deadline >= last) {
+                self.queue.push_back((deadline, id));
+            } else {
+                self.timers.push(Reverse((deadline, id)));
+            }
         }
         self.compact();
         id
@@ -348,7 +362,21 @@ impl<T> PendingTable<T> {
 
     /// The response arrived: returns the entry if it was still pending.
     pub fn complete(&mut self, id: ReqId) -> Option<T> {
-        self.entries.remove(&id).map(|(_, v)| v)
+        let (_, v) = self.entries.remove(&id)?;
+        if self.queue.front().is_some_and(|&(_, front)| front == id) {
+            self.queue.pop_front();
+            // Entries answered before it, out of order, now at the front: skipped now. Only
+            // looked for while the queue holds more than the live entries (there are some).
+            while self.queue.len() > self.entries.len() {
+                match self.queue.front() {
+                    Some((_, next)) if !self.entries.contains_key(next) => {
+                        self.queue.pop_front();
+                    }
+                    _ => break,
+                }
+            }
+        }
+        Some(v)
     }
 
     /// The caller gave up: returns the entry if it was still pending.
@@ -393,11 +421,11 @@ impl<T> PendingTable<T> {
 
     /// The next request whose deadline is at or before `now`, removed from the table.
     pub fn poll_expired(&mut self, now: Timestamp) -> Option<(ReqId, T)> {
-        while let Some(Reverse((deadline, id))) = self.timers.peek().copied() {
+        while let Some((deadline, id)) = self.earliest() {
             if deadline > now {
                 return None;
             }
-            self.timers.pop();
+            self.pop_earliest(deadline, id);
             if self.entries.get(&id).is_some_and(|(d, _)| *d == deadline) {
                 if let Some((_, v)) = self.entries.remove(&id) {
                     return Some((id, v));
@@ -409,17 +437,36 @@ impl<T> PendingTable<T> {
 
     /// The earliest deadline still pending, if any is finite.
     pub fn poll_timeout(&mut self) -> Option<Timestamp> {
-        while let Some(Reverse((deadline, id))) = self.timers.peek().copied() {
+        while let Some((deadline, id)) = self.earliest() {
             if self.entries.contains_key(&id) {
                 return Some(deadline);
             }
-            self.timers.pop();
+            self.pop_earliest(deadline, id);
         }
         None
     }
 
+    /// The earlier of the queue's front and the heap's top (live or not).
+    fn earliest(&self) -> Option<(Timestamp, ReqId)> {
+        let heap = self.timers.peek().map(|Reverse(t)| *t);
+        match (self.queue.front().copied(), heap) {
+            (Some(q), Some(h)) => Some(q.min(h)),
+            (q, h) => q.or(h),
+        }
+    }
+
+    /// Takes out what [`PendingTable::earliest`] returned.
+    fn pop_earliest(&mut self, deadline: Timestamp, id: ReqId) {
+        if self.queue.front() == Some(&(deadline, id)) {
+            self.queue.pop_front();
+        } else {
+            self.timers.pop();
+        }
+    }
+
     /// Removes and returns every pending request (e.g. when the connection failed), in id order.
     pub fn drain(&mut self) -> Vec<(ReqId, T)> {
+        self.queue.clear();
         self.timers.clear();
         let mut all: Vec<(ReqId, T)> = self.entries.drain().map(|(id, (_, v))| (id, v)).collect();
         all.sort_by_key(|(id, _)| *id);
@@ -443,10 +490,13 @@ impl<T> PendingTable<T> {
         out
     }
 
-    /// Keeps the lazy timer heap within a constant factor of the live entries.
+    /// Keeps the lazy timer queue and heap within a constant factor of the live entries.
     fn compact(&mut self) {
-        if self.timers.len() > 64 && self.timers.len() > 2 * self.entries.len() {
-            let entries = &self.entries;
+        let entries = &self.entries;
+        if self.queue.len() > 64 && self.queue.len() > 2 * entries.len() {
+            self.queue.retain(|(_, id)| entries.contains_key(id));
+        }
+        if self.timers.len() > 64 && self.timers.len() > 2 * entries.len() {
             self.timers
                 .retain(|Reverse((_, id))| entries.contains_key(id));
         }

@@ -290,6 +290,60 @@ proptest! {
         prop_assert_eq!(finished.len(), ids.len());
     }
 
+    /// Against a model (a map of live deadlines): whatever the order of deadlines (mostly
+    /// increasing, as one timeout gives, sometimes earlier, sometimes never) and of answers,
+    /// `poll_expired` returns exactly the live requests due by `now`, and `poll_timeout` the
+    /// earliest live finite deadline.
+    #[test]
+    fn pending_expires_what_is_due(ops in prop::collection::vec((0u8..6, 0u64..64, 0u64..50), 1..300)) {
+        let mut table = PendingTable::new();
+        let mut model: std::collections::BTreeMap<u64, Timestamp> = Default::default();
+        let mut ids = Vec::new();
+        let mut now = Timestamp::ZERO;
+        for (op, pick, t) in ops {
+            match op {
+                // Mostly a deadline at or after the last (one timeout), some earlier, some never.
+                0..=2 => {
+                    let deadline = match op {
+                        0 | 1 => Timestamp::from_nanos(now.as_nanos() + 100 + t),
+                        _ if t % 5 == 0 => Timestamp::MAX,
+                        _ => Timestamp::from_nanos(now.as_nanos() + t),
+                    };
+                    let id = table.insert(deadline, ids.len());
+                    model.insert(id.get(), deadline);
+                    ids.push(id);
+                }
+                // Answers: the oldest one (in order) or any.
+                3 | 4 if !ids.is_empty() => {
+                    let id = match (op, model.keys().next()) {
+                        (3, Some(&oldest)) => ReqId::new(oldest),
+                        _ => ids[(pick as usize) % ids.len()],
+                    };
+                    let got = table.complete(id).is_some();
+                    prop_assert_eq!(got, model.remove(&id.get()).is_some());
+                }
+                _ => {
+                    now = Timestamp::from_nanos(now.as_nanos() + t * 4);
+                    let mut expired = Vec::new();
+                    while let Some((id, v)) = table.poll_expired(now) {
+                        prop_assert_eq!(ids[v], id);
+                        expired.push(id.get());
+                    }
+                    expired.sort_unstable();
+                    let due: Vec<u64> = model.iter().filter(|(_, d)| **d <= now).map(|(id, _)| *id).collect();
+                    prop_assert_eq!(&expired, &due);
+                    model.retain(|_, d| *d > now);
+                }
+            }
+            // Not after every step: skipped entries are also left to pile up.
+            if pick % 4 == 0 {
+                let earliest = model.values().filter(|d| !d.is_never()).min().copied();
+                prop_assert_eq!(table.poll_timeout(), earliest);
+            }
+            prop_assert_eq!(table.len(), model.len());
+        }
+    }
+
     #[test]
     fn credits_never_exceed_window(window in 0u64..10_000, ops in prop::collection::vec((any::<bool>(), 0u64..4_000), 0..200)) {
         let mut c = CreditWindow::new(window);
