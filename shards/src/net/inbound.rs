@@ -47,6 +47,43 @@ pub(super) enum AnyHandler {
     Either(EitherHandler),
 }
 
+/// The frame handlers of the kinds that take one ([`ShardCtx::set_frame_handler`]: RPC
+/// requests and cancels, checked puts and gets), a slot per kind: found on a frame's path with
+/// a match, not a hash.
+#[derive(Default)]
+pub(super) struct KindHandlers([Option<AnyHandler>; 4]);
+
+impl KindHandlers {
+    /// The slot of `kind`, if it takes a handler.
+    #[inline(always)]
+    fn slot(kind: FrameKind) -> Option<usize> {
+        match kind {
+            FrameKind::RpcRequest => Some(0),
+            FrameKind::RpcCancel => Some(1),
+            FrameKind::RmaPut => Some(2),
+            FrameKind::RmaGet => Some(3),
+            _ => None,
+        }
+    }
+
+    /// The handler of `kind`.
+    #[inline(always)]
+    fn get(&self, kind: FrameKind) -> Option<&AnyHandler> {
+        Self::slot(kind).and_then(|i| self.0[i].as_ref())
+    }
+
+    /// Sets the handler of `kind`; false (nothing set) for a kind that takes none.
+    fn set(&mut self, kind: FrameKind, handler: AnyHandler) -> bool {
+        match Self::slot(kind) {
+            Some(i) => {
+                self.0[i] = Some(handler);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 /// A frame as a [`ShardCtx::set_frame_either_handler_am`] handler gets it: lent for the call
 /// when it is read where UCX received it (a short message, in UCX's callback: nothing copied
 /// and no [`Frame`] built), owned otherwise (a rendezvous payload in the buffer it landed in,
@@ -224,6 +261,7 @@ impl Payload {
     }
 
     /// The bytes.
+    #[inline]
     pub fn as_slice(&self) -> &[u8] {
         match &self.0 {
             PayloadInner::Empty => &[],
@@ -549,10 +587,20 @@ fn dispatch_inline(
             FrameKind::Am => net.handlers.get(AmId::new(header.id)),
             // Replies go to their pending requests; expired requests are dropped (`dispatch`).
             k if is_reply_kind(k) || (is_request_kind(k) && header.ttl_ns == 0) => None,
-            k => net.frame_handlers.borrow().get(&k).cloned(),
+            k => net.frame_handlers.borrow().get(k).cloned(),
         };
         let _rail = net.set_inline_rail(rail);
         match handler {
+            // A reply: to its pending request, with no frame built (replies carry no user
+            // header its waiter reads).
+            None if is_reply_kind(header.kind) => {
+                let payload = match eager {
+                    Eager::Bytes(b) => net.inline_payload(b),
+                    Eager::Desc(d) => Payload::desc(d),
+                };
+                net.count(|s| s.dispatched_in_callback += 1);
+                answer_pending(net, node, header, payload);
+            }
             Some(AnyHandler::View(h)) => {
                 call_view(ctx, &h, &eager.view(node, &header, user, now), true)
             }
@@ -1028,7 +1076,7 @@ fn wanted(net: &NetState, node: NodeId, header: &FrameHeader) -> bool {
                 net.count(|s| s.dropped_expired += 1);
                 return false;
             }
-            net.frame_handlers.borrow().contains_key(&k)
+            net.frame_handlers.borrow().get(k).is_some()
                 || net.frame_rndv_handlers.borrow().contains_key(&k)
         }
     };
@@ -1090,35 +1138,13 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
                 None => net.count(|s| s.dropped_no_handler += 1),
             }
         }
-        k if is_reply_kind(k) => {
-            let p = {
-                let mut pending = net.pending.borrow_mut();
-                let fits = pending.get(header.req_id).is_some_and(|p| {
-                    p.node == frame.node && p.remote == header.src_shard && reply_fits(p.kind, k)
-                });
-                if fits {
-                    pending.complete(header.req_id)
-                } else {
-                    None
-                }
-            };
-            match p {
-                Some(p) => {
-                    net.count(|s| {
-                        s.delivered += 1;
-                        s.traffic(&header, true);
-                    });
-                    p.waiter.answer(net, Ok((header, frame.payload)));
-                }
-                None => net.count(|s| s.dropped_unmatched += 1),
-            }
-        }
+        k if is_reply_kind(k) => answer_pending(net, frame.node, header, frame.payload),
         k => {
             if is_request_kind(k) && header.ttl_ns == 0 {
                 net.count(|s| s.dropped_expired += 1);
                 return;
             }
-            let h = net.frame_handlers.borrow().get(&k).cloned();
+            let h = net.frame_handlers.borrow().get(k).cloned();
             match h {
                 Some(AnyHandler::Frame(h)) => call(ctx, &h, frame, false),
                 Some(AnyHandler::View(h)) => call_view(ctx, &h, &frame.view(), false),
@@ -1126,6 +1152,33 @@ pub(super) fn dispatch(ctx: &Rc<ShardCtx>, frame: Frame) {
                 None => net.count(|s| s.dropped_no_handler += 1),
             }
         }
+    }
+}
+
+/// A reply frame from `node`: to the pending request it answers (its request id, sent to
+/// that node's shard `header.src_shard`, of a kind the reply fits), whose waiter gets it;
+/// counted as unmatched otherwise (a request answered, given up or expired already).
+fn answer_pending(net: &NetState, node: NodeId, header: FrameHeader, payload: Payload) {
+    let p = {
+        let mut pending = net.pending.borrow_mut();
+        let fits = pending.get(header.req_id).is_some_and(|p| {
+            p.node == node && p.remote == header.src_shard && reply_fits(p.kind, header.kind)
+        });
+        if fits {
+            pending.complete(header.req_id)
+        } else {
+            None
+        }
+    };
+    match p {
+        Some(p) => {
+            net.count(|s| {
+                s.delivered += 1;
+                s.traffic(&header, true);
+            });
+            p.waiter.answer(net, Ok((header, payload)));
+        }
+        None => net.count(|s| s.dropped_unmatched += 1),
     }
 }
 
@@ -1470,17 +1523,14 @@ impl ShardCtx {
     }
 
     fn set_kind_handler(&self, kind: FrameKind, handler: AnyHandler) -> Result<(), NetError> {
-        if !matches!(
-            kind,
-            FrameKind::RpcRequest | FrameKind::RpcCancel | FrameKind::RmaPut | FrameKind::RmaGet
-        ) {
-            return Err(NetError::BadKind {
+        if self.net().frame_handlers.borrow_mut().set(kind, handler) {
+            Ok(())
+        } else {
+            Err(NetError::BadKind {
                 kind,
                 op: "register a frame handler",
-            });
+            })
         }
-        self.net().frame_handlers.borrow_mut().insert(kind, handler);
-        Ok(())
     }
 
     /// Registers, on this shard, the rendezvous handler of incoming request frames of `kind`

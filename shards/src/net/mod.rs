@@ -879,7 +879,7 @@ pub(crate) struct NetState {
     establishing: RefCell<HashMap<NodeId, Vec<EstablishWaiter>>>,
     handlers: Handlers,
     rndv_handlers: RefCell<HashMap<AmId, RndvHandler, DedupHasher>>,
-    frame_handlers: RefCell<HashMap<FrameKind, AnyHandler, DedupHasher>>,
+    frame_handlers: RefCell<inbound::KindHandlers>,
     frame_rndv_handlers: RefCell<HashMap<FrameKind, RndvHandler, DedupHasher>>,
     pending: RefCell<PendingTable<Pending>>,
     limits: Limits,
@@ -1204,7 +1204,7 @@ impl NetState {
             establishing: RefCell::new(HashMap::new()),
             handlers: Handlers::new(hasher.clone()),
             rndv_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
-            frame_handlers: RefCell::new(HashMap::with_hasher(hasher.clone())),
+            frame_handlers: RefCell::default(),
             frame_rndv_handlers: RefCell::new(HashMap::with_hasher(hasher)),
             pending: RefCell::new(PendingTable::new()),
             stats: RefCell::new(NetStats::default()),
@@ -1239,7 +1239,21 @@ impl NetState {
         timestamp_of(Instant::now())
     }
 
-    /// `at` on this shard's net clock.
+    /// The clock a request sent now is dated by (its deadline counts from it): inside a
+    /// frame's dispatch in UCX's callback (a handler making a call, e.g. a [`ReplyHandler`]
+    /// making the next one), the reading its batch took in this `progress`, so that a flood
+    /// of such calls reads the clock once per batch; else a fresh reading. The batch's reading
+    /// is as old as the batch's handlers have run before this one: a batch stops once
+    /// glommio's preempt timer fires ([`crate::PREEMPT_TIMER`]), so about that long at most,
+    /// more only in a handler that itself runs long. The deadline comes that much sooner.
+    #[inline]
+    fn request_now(&self, round: u64) -> Timestamp {
+        match self.batch.get() {
+            Some((r, now, _)) if r == round && self.dispatching.get() => now,
+            _ => self.now(),
+        }
+    }
+
     /// The clock reading of driver round `round`: read by the first caller in the round, the
     /// same for the rest of it (one clock reading per batch of frames).
     fn batch_now(&self, round: u64) -> (Timestamp, Instant) {

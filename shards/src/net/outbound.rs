@@ -258,6 +258,34 @@ pub(super) fn send(
     send_looked_up(ctx, (node, remote), spec, user, body)
 }
 
+/// [`send`] on `tx`, the rail to `(node, remote)` that its caller has just found without a
+/// lookup ([`NetState::cached_route`]): not looked for again. A frame that does not pass the
+/// checks of [`known_rail`] goes through [`send`], which says why.
+#[inline]
+pub(super) fn send_on_rail(
+    ctx: &ShardCtx,
+    (node, remote): (NodeId, ShardId),
+    tx: &Rc<RailTx>,
+    spec: FrameSpec,
+    user: &[u8],
+    body: Body<'_>,
+) -> Result<(), NetError> {
+    if fits_in_place(ctx.net(), &spec, user, body.len()) && tx.template().is_some() {
+        return send_on(ctx, node, tx, spec, user, body);
+    }
+    send(ctx, (node, remote), spec, user, body)
+}
+
+/// Whether a frame passes the checks of [`check_sizes`] and [`check_kind`] (what may go on a
+/// rail known without a lookup).
+#[inline(always)]
+fn fits_in_place(net: &NetState, spec: &FrameSpec, user: &[u8], len: usize) -> bool {
+    !(spec.kind.is_control()
+        || user.len() > MAX_USER_HEADER
+        || user.len() + DATA_HEADER_LEN > net.max_am_header
+        || len as u64 > net.settings.cfg.max_message_size)
+}
+
 /// [`send`] past the rails known without a lookup: the rail looked up.
 #[inline(never)]
 fn send_looked_up(
@@ -294,11 +322,7 @@ fn known_rail(
     len: usize,
 ) -> Option<Rc<RailTx>> {
     let net = ctx.net();
-    if spec.kind.is_control()
-        || user.len() > MAX_USER_HEADER
-        || user.len() + DATA_HEADER_LEN > net.max_am_header
-        || len as u64 > net.settings.cfg.max_message_size
-    {
+    if !fits_in_place(net, spec, user, len) {
         return None;
     }
     if let Some(remote) = dest.shard {

@@ -42,7 +42,7 @@ use futures_lite::future;
 use glommio::timer::sleep;
 
 use super::inbound::Payload;
-use super::outbound::{send, send_routed, Body, FrameSpec};
+use super::outbound::{send, send_on_rail, send_routed, Body, FrameSpec};
 use super::{Dest, NetError, Route, Slot, MAX_REQUEST_TIMEOUT};
 use crate::boot::ShardCtx;
 use crate::proto::wire::{ttl_from_deadline, NO_DEADLINE_TTL};
@@ -583,16 +583,20 @@ impl ShardCtx {
         self.check_len(&payload)?;
         let dest = dest.into();
         let node = dest.node;
-        let remote = match self.route(dest)? {
-            Route::Here(remote) => remote,
-            Route::There(owner) => return Err(NetError::OtherShard { node, owner }),
-        };
         let net = self.net();
+        // The rail found by the route (no second lookup to send on it), or looked up.
+        let (remote, tx) = match net.cached_route(dest) {
+            Some((remote, tx)) => (remote, Some(tx)),
+            None => match self.route(dest)? {
+                Route::Here(remote) => (remote, None),
+                Route::There(owner) => return Err(NetError::OtherShard { node, owner }),
+            },
+        };
         if net.closed.get() {
             return Err(NetError::ShuttingDown);
         }
         let timeout = timeout.min(MAX_REQUEST_TIMEOUT);
-        let now = net.now();
+        let now = net.request_now(self.progress_rounds());
         let deadline = now.saturating_add(timeout);
         let spec = enter_pending(
             net,
@@ -602,8 +606,9 @@ impl ShardCtx {
             Waiter::Handler(handler.clone(), token),
         );
         let req_id = spec.req_id;
-        let sent = send_encoded(self, payload, |body| {
-            send(self, (node, remote), spec, &[], body)
+        let sent = send_encoded(self, payload, |body| match &tx {
+            Some(tx) => send_on_rail(self, (node, remote), tx, spec, &[], body),
+            None => send(self, (node, remote), spec, &[], body),
         });
         if let Err(e) = sent {
             // Never sent: nothing to cancel on the receiver, and the handler is not called.
