@@ -29,7 +29,8 @@ pub struct Rpc {
 }
 
 /// A call's reply as its validated archive, in the buffer it was received in (UCX's, for a reply
-/// that came eager to the calling shard; copied only if that buffer was not 16-byte aligned):
+/// that came eager to the calling shard; copied only where it does not validate in place, a
+/// buffer less aligned than the archive's types need):
 /// zero-copy access with [`ArchivedReply::get`]. `!Send`: UCX's buffer belongs to the shard's
 /// worker.
 pub struct ArchivedReply<R> {
@@ -515,19 +516,27 @@ fn deserialize_reply<R: RpcType>(bytes: &[u8]) -> Result<R, RpcError> {
 }
 
 impl<R: RpcType> ArchivedReply<R> {
+    /// The reply in `bytes`, validated: in place when it validates there, else (bytes not
+    /// 16-byte aligned) in an aligned copy (see [`with_archived`] for why in place is sound).
     pub(super) fn new(bytes: Payload) -> Result<Self, RpcError> {
-        let buf = if (bytes.as_slice().as_ptr() as usize) % ARCHIVE_ALIGN == 0 {
-            ReplyBuf::Received(bytes)
-        } else {
-            ReplyBuf::Aligned(aligned_copy(bytes.as_slice()))
+        let in_place = match rkyv::access::<Archived<R>, rancor::Error>(bytes.as_slice()) {
+            Ok(_) => Ok(()),
+            Err(e) if (bytes.as_slice().as_ptr() as usize) % ARCHIVE_ALIGN == 0 => Err(e),
+            Err(_) => {
+                let copy = aligned_copy(bytes.as_slice());
+                rkyv::access::<Archived<R>, rancor::Error>(&copy)
+                    .map_err(|e| RpcError::BadReply(e.to_string()))?;
+                return Ok(Self {
+                    buf: ReplyBuf::Aligned(copy),
+                    _reply: PhantomData,
+                });
+            }
         };
-        let reply = Self {
-            buf,
+        in_place.map_err(|e| RpcError::BadReply(e.to_string()))?;
+        Ok(Self {
+            buf: ReplyBuf::Received(bytes),
             _reply: PhantomData,
-        };
-        rkyv::access::<Archived<R>, rancor::Error>(reply.bytes())
-            .map_err(|e| RpcError::BadReply(e.to_string()))?;
-        Ok(reply)
+        })
     }
 
     /// The reply's archive. Validated again on every call (bytecheck, linear in its size:
