@@ -40,8 +40,13 @@ use thiserror::Error;
 /// [`PendingTable::poll_timeout`] is reached, call [`PendingTable::poll_expired`] until it returns
 /// `None`.
 ///
-/// Ids are the table's own (sequential), so they are hashed with a [`DedupHasher`] of a fixed
-/// key: a peer can look ids up (with its replies) but cannot add any.
+/// # Storage
+///
+/// Ids are the table's own and sequential, so a request goes to slot `id % 256` of a ring
+/// when that slot is free, which it always is while fewer than 256 requests are pending and
+/// they are answered about in order: entered, found and taken out with no hashing. A request
+/// whose slot still holds an older one goes to a map, hashed with a [`DedupHasher`] of a fixed
+/// key (a peer can look ids up with its replies but cannot add any).
 ///
 /// Finite deadlines entered in order (each at or after the one entered before it: the usual
 /// case of one timeout and a clock that moves forward) queue in entry order, the earliest
@@ -51,7 +56,12 @@ use thiserror::Error;
 /// within a constant factor of the live entries.
 #[derive(Clone, Debug)]
 pub struct PendingTable<T> {
-    entries: HashMap<ReqId, (Timestamp, T), DedupHasher>,
+    /// Requests by `id % RING`, each in the slot that was free when it was entered.
+    ring: Box<[Option<(ReqId, Timestamp, T)>]>,
+    /// The others (their slot held an older request still pending).
+    spill: HashMap<ReqId, (Timestamp, T), DedupHasher>,
+    /// Requests pending, in both.
+    len: usize,
     /// Finite deadlines in non-decreasing order, with their ids (which increase too).
     queue: VecDeque<(Timestamp, ReqId)>,
     /// Min-heap of the other finite deadlines.
@@ -325,25 +335,67 @@ pub enum CreditError {
     },
 }
 
+/// Slots of a [`PendingTable`]'s ring (a power of two).
+const RING: usize = 256;
+
 impl<T> PendingTable<T> {
     /// An empty table.
     pub fn new() -> PendingTable<T> {
         PendingTable {
-            entries: HashMap::with_hasher(DedupHasher::with_key(
+            ring: std::iter::repeat_with(|| None).take(RING).collect(),
+            spill: HashMap::with_hasher(DedupHasher::with_key(
                 0x9e37_79b9_7f4a_7c15,
                 0xc2b2_ae3d_27d4_eb4f,
             )),
+            len: 0,
             queue: VecDeque::new(),
             timers: BinaryHeap::new(),
             next_id: 1,
         }
     }
 
+    /// The ring slot of `id`.
+    #[inline(always)]
+    fn slot(id: ReqId) -> usize {
+        // Truncation intended: the low bits.
+        (id.get() as usize) & (RING - 1)
+    }
+
+    /// The deadline and value of pending request `id`.
+    #[inline]
+    fn find(&self, id: ReqId) -> Option<(Timestamp, &T)> {
+        match &self.ring[Self::slot(id)] {
+            Some((i, d, v)) if *i == id => Some((*d, v)),
+            _ => self.spill.get(&id).map(|(d, v)| (*d, v)),
+        }
+    }
+
+    /// Takes pending request `id` out.
+    #[inline]
+    fn take(&mut self, id: ReqId) -> Option<(Timestamp, T)> {
+        let slot = &mut self.ring[Self::slot(id)];
+        let got = if slot.as_ref().is_some_and(|(i, _, _)| *i == id) {
+            slot.take().map(|(_, d, v)| (d, v))
+        } else {
+            self.spill.remove(&id)
+        };
+        if got.is_some() {
+            self.len -= 1;
+        }
+        got
+    }
+
     /// Records a request due by `deadline` and returns its fresh id.
     pub fn insert(&mut self, deadline: Timestamp, value: T) -> ReqId {
         let id = ReqId::new(self.next_id);
         self.next_id = self.next_id.wrapping_add(1).max(1);
-        self.entries.insert(id, (deadline, value));
+        let slot = &mut self.ring[Self::slot(id)];
+        if slot.is_none() {
+            *slot = Some((id, deadline, value));
+        } else {
+            self.spill.insert(id, (deadline, value));
+        }
+        self.len += 1;
         if !deadline.is_never() {
             if self.queue.back().is_none_or(|&(last, _)| deadline >= last) {
                 self.queue.push_back((deadline, id));
@@ -362,14 +414,14 @@ impl<T> PendingTable<T> {
 
     /// The response arrived: returns the entry if it was still pending.
     pub fn complete(&mut self, id: ReqId) -> Option<T> {
-        let (_, v) = self.entries.remove(&id)?;
+        let (_, v) = self.take(id)?;
         if self.queue.front().is_some_and(|&(_, front)| front == id) {
             self.queue.pop_front();
             // Entries answered before it, out of order, now at the front: skipped now. Only
             // looked for while the queue holds more than the live entries (there are some).
-            while self.queue.len() > self.entries.len() {
+            while self.queue.len() > self.len {
                 match self.queue.front() {
-                    Some((_, next)) if !self.entries.contains_key(next) => {
+                    Some(&(_, next)) if !self.contains(next) => {
                         self.queue.pop_front();
                     }
                     _ => break,
@@ -386,37 +438,41 @@ impl<T> PendingTable<T> {
 
     /// The deadline of a pending request.
     pub fn deadline(&self, id: ReqId) -> Option<Timestamp> {
-        self.entries.get(&id).map(|(d, _)| *d)
+        self.find(id).map(|(d, _)| d)
     }
 
     /// Whether `id` is pending.
     pub fn contains(&self, id: ReqId) -> bool {
-        self.entries.contains_key(&id)
+        self.find(id).is_some()
     }
 
     /// The pending value for `id`.
     pub fn get(&self, id: ReqId) -> Option<&T> {
-        self.entries.get(&id).map(|(_, v)| v)
+        self.find(id).map(|(_, v)| v)
     }
 
     /// The pending value for `id`, mutably (the deadline cannot be changed).
     pub fn get_mut(&mut self, id: ReqId) -> Option<&mut T> {
-        self.entries.get_mut(&id).map(|(_, v)| v)
+        match &mut self.ring[Self::slot(id)] {
+            Some((i, _, v)) if *i == id => Some(v),
+            _ => self.spill.get_mut(&id).map(|(_, v)| v),
+        }
     }
 
     /// Every pending request, in arbitrary order.
     pub fn iter(&self) -> impl Iterator<Item = (ReqId, &T)> + '_ {
-        self.entries.iter().map(|(id, (_, v))| (*id, v))
+        let ring = self.ring.iter().flatten().map(|(id, _, v)| (*id, v));
+        ring.chain(self.spill.iter().map(|(id, (_, v))| (*id, v)))
     }
 
     /// Requests pending.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     /// Whether nothing is pending.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len == 0
     }
 
     /// The next request whose deadline is at or before `now`, removed from the table.
@@ -426,8 +482,8 @@ impl<T> PendingTable<T> {
                 return None;
             }
             self.pop_earliest(deadline, id);
-            if self.entries.get(&id).is_some_and(|(d, _)| *d == deadline) {
-                if let Some((_, v)) = self.entries.remove(&id) {
+            if self.deadline(id) == Some(deadline) {
+                if let Some((_, v)) = self.take(id) {
                     return Some((id, v));
                 }
             }
@@ -438,7 +494,7 @@ impl<T> PendingTable<T> {
     /// The earliest deadline still pending, if any is finite.
     pub fn poll_timeout(&mut self) -> Option<Timestamp> {
         while let Some((deadline, id)) = self.earliest() {
-            if self.entries.contains_key(&id) {
+            if self.contains(id) {
                 return Some(deadline);
             }
             self.pop_earliest(deadline, id);
@@ -468,7 +524,12 @@ impl<T> PendingTable<T> {
     pub fn drain(&mut self) -> Vec<(ReqId, T)> {
         self.queue.clear();
         self.timers.clear();
-        let mut all: Vec<(ReqId, T)> = self.entries.drain().map(|(id, (_, v))| (id, v)).collect();
+        self.len = 0;
+        let ring = self.ring.iter_mut().filter_map(Option::take);
+        let mut all: Vec<(ReqId, T)> = ring
+            .map(|(id, _, v)| (id, v))
+            .chain(self.spill.drain().map(|(id, (_, v))| (id, v)))
+            .collect();
         all.sort_by_key(|(id, _)| *id);
         all
     }
@@ -476,14 +537,13 @@ impl<T> PendingTable<T> {
     /// Removes and returns the pending requests for which `pred` holds, in id order.
     pub fn drain_where(&mut self, mut pred: impl FnMut(ReqId, &T) -> bool) -> Vec<(ReqId, T)> {
         let ids: Vec<ReqId> = self
-            .entries
             .iter()
-            .filter(|(id, (_, v))| pred(**id, v))
-            .map(|(id, _)| *id)
+            .filter(|(id, v)| pred(*id, v))
+            .map(|(id, _)| id)
             .collect();
         let mut out: Vec<(ReqId, T)> = ids
             .into_iter()
-            .filter_map(|id| self.entries.remove(&id).map(|(_, v)| (id, v)))
+            .filter_map(|id| self.take(id).map(|(_, v)| (id, v)))
             .collect();
         out.sort_by_key(|(id, _)| *id);
         self.compact();
@@ -492,13 +552,16 @@ impl<T> PendingTable<T> {
 
     /// Keeps the lazy timer queue and heap within a constant factor of the live entries.
     fn compact(&mut self) {
-        let entries = &self.entries;
-        if self.queue.len() > 64 && self.queue.len() > 2 * entries.len() {
-            self.queue.retain(|(_, id)| entries.contains_key(id));
+        let live = self.len;
+        if self.queue.len() > 64 && self.queue.len() > 2 * live {
+            let mut queue = std::mem::take(&mut self.queue);
+            queue.retain(|(_, id)| self.contains(*id));
+            self.queue = queue;
         }
-        if self.timers.len() > 64 && self.timers.len() > 2 * entries.len() {
-            self.timers
-                .retain(|Reverse((_, id))| entries.contains_key(id));
+        if self.timers.len() > 64 && self.timers.len() > 2 * live {
+            let mut timers = std::mem::take(&mut self.timers);
+            timers.retain(|Reverse((_, id))| self.contains(*id));
+            self.timers = timers;
         }
     }
 }

@@ -295,11 +295,22 @@ proptest! {
     /// `poll_expired` returns exactly the live requests due by `now`, and `poll_timeout` the
     /// earliest live finite deadline.
     #[test]
-    fn pending_expires_what_is_due(ops in prop::collection::vec((0u8..6, 0u64..64, 0u64..50), 1..300)) {
+    fn pending_expires_what_is_due(
+        preload in 0usize..600,
+        ops in prop::collection::vec((0u8..6, 0u64..64, 0u64..50), 1..300),
+    ) {
         let mut table = PendingTable::new();
         let mut model: std::collections::BTreeMap<u64, Timestamp> = Default::default();
         let mut ids = Vec::new();
         let mut now = Timestamp::ZERO;
+        // Requests that stay pending long (past the table's ring of 256 slots: later ones
+        // find their slot taken), every other one never due.
+        for i in 0..preload {
+            let deadline = if i % 2 == 0 { Timestamp::MAX } else { Timestamp::from_nanos(1 << 40) };
+            let id = table.insert(deadline, ids.len());
+            model.insert(id.get(), deadline);
+            ids.push(id);
+        }
         for (op, pick, t) in ops {
             match op {
                 // Mostly a deadline at or after the last (one timeout), some earlier, some never.
@@ -342,6 +353,14 @@ proptest! {
             }
             prop_assert_eq!(table.len(), model.len());
         }
+        // Whatever is left comes out once, in id order, with what `get` saw.
+        let left: Vec<u64> = model.keys().copied().collect();
+        for &id in &left {
+            prop_assert_eq!(table.get(ReqId::new(id)).map(|v| ids[*v].get()), Some(id));
+        }
+        let drained: Vec<u64> = table.drain().into_iter().map(|(id, _)| id.get()).collect();
+        prop_assert_eq!(drained, left);
+        prop_assert!(table.is_empty());
     }
 
     #[test]
