@@ -787,34 +787,52 @@ impl<R> DedupWindow<R> {
         self.free.extend(gone);
     }
 
-    /// Evicts the oldest `max_entries / 16` entries (at least one).
+    /// Evicts the oldest `max_entries / 16` entries (at least one), a run of one sending
+    /// shard's at a time (a busy shard's entries come in long runs): per entry, little more
+    /// than dropping it.
     fn evict_batch(&mut self) {
-        let batch = (self.max_entries / 16).max(1);
-        for _ in 0..batch {
-            if !self.evict_oldest() {
+        let mut left = (self.max_entries / 16).max(1);
+        while left > 0 {
+            let Some(&(_, s)) = self.order.front() else {
                 break;
-            }
+            };
+            let run = self
+                .order
+                .iter()
+                .take(left)
+                .take_while(|&&(_, t)| t == s)
+                .count();
+            self.order.drain(..run);
+            left -= run;
+            self.evict_from(s, run);
         }
     }
 
     /// Evicts the oldest entry, raising its shard's floor.
-    fn evict_oldest(&mut self) -> bool {
-        let Some((_, s)) = self.order.pop_front() else {
-            return false;
-        };
-        let src = &mut self.sources[s as usize];
-        if let Some((id, _)) = src.entries.pop_front() {
-            src.floor = Some(src.floor.map_or(id, |f| f.max(id)));
-            self.len -= 1;
-            self.evicted += 1;
+    fn evict_oldest(&mut self) {
+        if let Some((_, s)) = self.order.pop_front() {
+            self.evict_from(s, 1);
         }
+    }
+
+    /// Evicts the `n` oldest entries of sending shard `s` (whose places at the front of the
+    /// window's order are gone already), raising its floor to the largest id evicted.
+    fn evict_from(&mut self, s: u32, n: usize) {
+        let src = &mut self.sources[s as usize];
+        let n = n.min(src.entries.len());
+        let mut floor = src.floor;
+        for (id, _) in src.entries.drain(..n) {
+            floor = Some(floor.map_or(id, |f| f.max(id)));
+        }
+        src.floor = floor;
+        self.len -= n;
+        self.evicted += n as u64;
         // A shard whose entries have all gone (it went quiet, or was evicted by a busier one)
         // gives its queue's memory back: what the window holds stays bounded by its entries,
         // not by every peer shard's largest backlog.
         if src.entries.is_empty() && src.entries.capacity() > SOURCE_KEEP {
             src.entries = VecDeque::new();
         }
-        true
     }
 }
 
@@ -1002,6 +1020,46 @@ mod tests {
             "the shard's entries grew"
         );
         assert_eq!(w.order.capacity(), order, "the age queue grew");
+    }
+
+    /// A batch of evictions takes the oldest entries whatever shard sent them: runs of one
+    /// shard's, and single ones between another's.
+    #[test]
+    fn a_batch_evicts_the_oldest_of_every_shard() {
+        // 64 entries, evicted 4 at a time.
+        let mut w: DedupWindow<u64> = DedupWindow::new(64, Duration::from_secs(3600));
+        let (a, b) = (|req| shard_key(1, 1, 0, req), |req| shard_key(1, 1, 1, req));
+        // A1 A2 A3 B1, then A and B alternating.
+        let mut keys = vec![a(1), a(2), a(3), b(1)];
+        for req in 2..=31 {
+            keys.push(a(req + 2));
+            keys.push(b(req));
+        }
+        assert_eq!(keys.len(), 64);
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(w.check_and_insert(t(i as u64), k), DedupVerdict::Fresh);
+            assert!(w.complete(k, i as u64));
+        }
+        // Full: the next one evicts the 4 oldest, A1 A2 A3 B1.
+        assert_eq!(w.check_and_insert(t(100), a(34)), DedupVerdict::Fresh);
+        assert_eq!((w.len(), w.evicted()), (61, 4));
+        for k in [a(1), a(2), a(3), b(1)] {
+            assert_eq!(w.check_and_insert(t(101), k), DedupVerdict::TooOld, "{k:?}");
+        }
+        assert_eq!(w.check_and_insert(t(101), a(4)), DedupVerdict::Done(&4));
+        assert_eq!(w.check_and_insert(t(101), b(2)), DedupVerdict::Done(&5));
+        // The next batch (once full again) takes A4 B2 A5 B3: single ones, alternating.
+        for req in 35..=37 {
+            assert_eq!(w.check_and_insert(t(102), a(req)), DedupVerdict::Fresh);
+        }
+        assert_eq!(w.len(), 64);
+        assert_eq!(w.check_and_insert(t(103), a(38)), DedupVerdict::Fresh);
+        assert_eq!((w.len(), w.evicted()), (61, 8));
+        for k in [a(4), b(2), a(5), b(3)] {
+            assert_eq!(w.check_and_insert(t(104), k), DedupVerdict::TooOld, "{k:?}");
+        }
+        assert_eq!(w.check_and_insert(t(104), a(6)), DedupVerdict::Done(&8));
+        assert_eq!(w.check_and_insert(t(104), b(4)), DedupVerdict::Done(&9));
     }
 
     #[test]

@@ -783,10 +783,10 @@ proptest! {
     /// remembered, fresh ids recognised by the largest one recorded) says what the plain model
     /// of its rules says, request by request: keys from
     /// two nodes of three incarnations and two shards each, time moving on by up to 20 ms a
-    /// step against a 50 ms window, windows of 1 to 24 entries.
+    /// step against a 50 ms window, windows of 1 to 79 entries (evicted up to 4 at a time).
     #[test]
     fn dedup_window_follows_its_model(
-        max in 1usize..24,
+        max in 1usize..80,
         ops in prop::collection::vec(
             (any::<bool>(), 1u64..3, 1u64..4, 0u16..2, 1u64..24, 0u64..20),
             1..300,
