@@ -303,10 +303,16 @@ proptest! {
         let mut model: std::collections::BTreeMap<u64, Timestamp> = Default::default();
         let mut ids = Vec::new();
         let mut now = Timestamp::ZERO;
-        // Requests that stay pending long (past the table's ring of 256 slots: later ones
-        // find their slot taken), every other one never due.
+        // Requests entered first, many of them pending long (past the table's ring of 256
+        // slots: later ones find their slot taken): every other one never due, the rest due
+        // early, in order (the queue), and with an odd count the last one due very late (its
+        // deadline at the queue's back sends the later ones to the heap).
         for i in 0..preload {
-            let deadline = if i % 2 == 0 { Timestamp::MAX } else { Timestamp::from_nanos(1 << 40) };
+            let deadline = match i {
+                _ if i % 2 == 0 => Timestamp::MAX,
+                _ if preload % 2 == 1 && i + 2 >= preload => Timestamp::from_nanos(1 << 40),
+                _ => Timestamp::from_nanos(100 + i as u64),
+            };
             let id = table.insert(deadline, ids.len());
             model.insert(id.get(), deadline);
             ids.push(id);
@@ -336,8 +342,13 @@ proptest! {
                 _ => {
                     now = Timestamp::from_nanos(now.as_nanos() + t * 4);
                     let mut expired = Vec::new();
+                    let mut last = None;
                     while let Some((id, v)) = table.poll_expired(now) {
                         prop_assert_eq!(ids[v], id);
+                        // Earliest deadline first (ties by id).
+                        let at = (model[&id.get()], id.get());
+                        prop_assert!(last.is_none_or(|l| l <= at), "{:?} after {:?}", at, last);
+                        last = Some(at);
                         expired.push(id.get());
                     }
                     expired.sort_unstable();
