@@ -30,7 +30,9 @@ pub struct Rpc {
 
 /// A call's reply as its validated archive, in the buffer it was received in (UCX's, for a reply
 /// that came eager to the calling shard; copied only where it does not validate in place, a
-/// buffer less aligned than the archive's types need):
+/// buffer less aligned than the archive's types need; that buffer, a UCX descriptor or one of
+/// the shard's reused receive buffers, stays held while this is, so keep replies only as long
+/// as needed or copy out what is kept):
 /// zero-copy access with [`ArchivedReply::get`]. `!Send`: UCX's buffer belongs to the shard's
 /// worker.
 pub struct ArchivedReply<R> {

@@ -207,8 +207,9 @@ pub(super) fn check_kind(kind: FrameKind) -> Result<(), NetError> {
 
 /// The size checks every send makes first: the payload against
 /// [`super::NetConfig::max_message_size`], the user header against [`MAX_USER_HEADER`] and what
-/// the worker's UCX carries in one AM header. (`known_rail` makes the same tests to let a
-/// frame take the fast path: a check added here belongs there too.)
+/// the worker's UCX carries in one AM header. ([`fits_in_place`] makes the same tests to let
+/// a frame take the fast path of [`known_rail`] and [`send_on_rail`]: a check added here
+/// belongs there too.)
 #[inline]
 pub(super) fn check_sizes(net: &NetState, user: usize, payload: usize) -> Result<(), NetError> {
     let max = net.settings.cfg.max_message_size;

@@ -559,7 +559,13 @@ impl ShardCtx {
     /// the next request itself (a ping-pong or a sliding window of calls driven from replies).
     ///
     /// The deadline counts from the shard's batch clock ([`timeout`] at most
-    /// [`MAX_REQUEST_TIMEOUT`]); `ttl` is what the frame announces to the receiver. Errors,
+    /// [`MAX_REQUEST_TIMEOUT`]): called from a handler that runs inside UCX's callback (a
+    /// reply's, say), from the reading its batch of frames took, which is as old as the
+    /// batch's handlers have run (a batch stops once glommio's preempt timer fires, about
+    /// [`crate::PREEMPT_TIMER`], more only behind a handler that itself runs long), so the
+    /// deadline comes that much sooner; elsewhere from a fresh reading. A timeout shorter than
+    /// that can fail at once with [`NetError::TimedOut`]. `ttl` is what the frame announces to
+    /// the receiver. Errors,
     /// before anything is sent and with the handler not called: those of
     /// [`ShardCtx::request_here`] ([`NetError::OtherShard`] when another shard holds the rail),
     /// [`NetError::BadKind`] for a kind that is not a request, [`NetError::ShuttingDown`] once
