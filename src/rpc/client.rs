@@ -11,7 +11,7 @@ use shardcx_shards::proto::rpc::{decode_error, request_prefix, CallFlags};
 use shardcx_shards::proto::{FrameHeader, FrameKind, FunctionId, ReqId};
 use shardcx_shards::NetError;
 
-use super::server::{aligned_copy, with_archived, ARCHIVE_ALIGN};
+use super::server::{aligned_copy, archived_in_place, with_archived, ARCHIVE_ALIGN};
 use super::{Discover, RpcError, RpcFunction, RpcStats, RpcType, Signature};
 use crate::node::{connect_lazily, within};
 use crate::{Error, Node, Peer};
@@ -519,24 +519,19 @@ fn deserialize_reply<R: RpcType>(bytes: &[u8]) -> Result<R, RpcError> {
 
 impl<R: RpcType> ArchivedReply<R> {
     /// The reply in `bytes`, validated: in place when it validates there, else (bytes not
-    /// 16-byte aligned) in an aligned copy (see [`with_archived`] for why in place is sound).
+    /// 16-byte aligned) in an aligned copy (see [`archived_in_place`] for why in place is sound).
     pub(super) fn new(bytes: Payload) -> Result<Self, RpcError> {
-        let in_place = match rkyv::access::<Archived<R>, rancor::Error>(bytes.as_slice()) {
-            Ok(_) => Ok(()),
-            Err(e) if (bytes.as_slice().as_ptr() as usize) % ARCHIVE_ALIGN == 0 => Err(e),
-            Err(_) => {
+        let bad = |e: rancor::Error| RpcError::BadReply(e.to_string());
+        let buf = match archived_in_place::<R>(bytes.as_slice()).map_err(bad)? {
+            Some(_) => ReplyBuf::Received(bytes),
+            None => {
                 let copy = aligned_copy(bytes.as_slice());
-                rkyv::access::<Archived<R>, rancor::Error>(&copy)
-                    .map_err(|e| RpcError::BadReply(e.to_string()))?;
-                return Ok(Self {
-                    buf: ReplyBuf::Aligned(copy),
-                    _reply: PhantomData,
-                });
+                rkyv::access::<Archived<R>, rancor::Error>(&copy).map_err(bad)?;
+                ReplyBuf::Aligned(copy)
             }
         };
-        in_place.map_err(|e| RpcError::BadReply(e.to_string()))?;
         Ok(Self {
-            buf: ReplyBuf::Received(bytes),
+            buf,
             _reply: PhantomData,
         })
     }

@@ -582,23 +582,36 @@ where
 }
 
 /// Runs `f` on the validated archive of a `T` in `bytes`: in place when it validates there,
-/// else (when `bytes` is not 16-byte aligned) from an aligned copy.
-///
-/// Archives are written for a 16-byte-aligned start, but received bytes are not always there
-/// (most requests that UCX's shared-memory transport delivered in place were not, in
-/// `scripts/count-instructions --test rpc-notify`: 78 in 100). rkyv's validation checks every pointer of the archive against its type's
-/// alignment (`UnalignedPointer` otherwise), so an archive whose types need no more than the
-/// buffer's alignment (most: byte vectors, strings, 4- and 8-byte numbers) validates and is
-/// read in place, soundly; one that needs more fails there and is copied. Only a misaligned
-/// archive that fails is validated twice.
+/// else (when `bytes` is not 16-byte aligned) from an aligned copy (see [`archived_in_place`]).
 pub(crate) fn with_archived<T: RpcType, R>(
     bytes: &[u8],
     f: impl FnOnce(&Archived<T>) -> R,
 ) -> Result<R, rancor::Error> {
+    match archived_in_place::<T>(bytes)? {
+        Some(a) => Ok(f(a)),
+        None => with_archived_copy::<T, R>(bytes, f),
+    }
+}
+
+/// The validated archive of a `T` where it lies in `bytes`; `None` when it does not validate
+/// there and `bytes` is not 16-byte aligned (validate an aligned copy instead); the error when
+/// it does not validate in 16-byte-aligned bytes.
+///
+/// Archives are written for a 16-byte-aligned start, but received bytes are not always there
+/// (most requests that UCX's shared-memory transport delivered in place were not: 78 in 100
+/// calls of `with_archived` took the copy before this, in the call tree of
+/// `scripts/count-instructions --test rpc-notify --keep DIR`). rkyv's validation checks every
+/// pointer of the archive against its type's alignment (`UnalignedPointer` otherwise), so an
+/// archive whose types need no more than the buffer's alignment (most: byte vectors, strings,
+/// 4- and 8-byte numbers) validates and is read in place, soundly; one that needs more fails
+/// there and is copied. Only a misaligned archive that fails is validated twice.
+pub(crate) fn archived_in_place<T: RpcType>(
+    bytes: &[u8],
+) -> Result<Option<&Archived<T>>, rancor::Error> {
     match rkyv::access::<Archived<T>, rancor::Error>(bytes) {
-        Ok(a) => Ok(f(a)),
+        Ok(a) => Ok(Some(a)),
         Err(e) if (bytes.as_ptr() as usize) % ARCHIVE_ALIGN == 0 => Err(e),
-        Err(_) => with_archived_copy::<T, R>(bytes, f),
+        Err(_) => Ok(None),
     }
 }
 

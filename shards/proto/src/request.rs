@@ -1073,12 +1073,27 @@ mod tests {
         }
         // Full: the next one evicts the 4 oldest, A1 A2 A3 B1.
         assert_eq!(w.check_and_insert(t(100), a(34)), DedupVerdict::Fresh);
+        // The evicted are refused, the next ones still answered from the window.
+        let after_batch =
+            |w: &mut DedupWindow<u64>, at, gone: [DedupKey; 4], kept: [(DedupKey, u64); 2]| {
+                for k in gone {
+                    assert_eq!(w.check_and_insert(t(at), k), DedupVerdict::TooOld, "{k:?}");
+                }
+                for (k, r) in kept {
+                    assert_eq!(
+                        w.check_and_insert(t(at), k),
+                        DedupVerdict::Done(&r),
+                        "{k:?}"
+                    );
+                }
+            };
         assert_eq!((w.len(), w.evicted()), (61, 4));
-        for k in [a(1), a(2), a(3), b(1)] {
-            assert_eq!(w.check_and_insert(t(101), k), DedupVerdict::TooOld, "{k:?}");
-        }
-        assert_eq!(w.check_and_insert(t(101), a(4)), DedupVerdict::Done(&4));
-        assert_eq!(w.check_and_insert(t(101), b(2)), DedupVerdict::Done(&5));
+        after_batch(
+            &mut w,
+            101,
+            [a(1), a(2), a(3), b(1)],
+            [(a(4), 4), (b(2), 5)],
+        );
         // The next batch (once full again) takes A4 B2 A5 B3: single ones, alternating.
         for req in 35..=37 {
             assert_eq!(w.check_and_insert(t(102), a(req)), DedupVerdict::Fresh);
@@ -1086,11 +1101,12 @@ mod tests {
         assert_eq!(w.len(), 64);
         assert_eq!(w.check_and_insert(t(103), a(38)), DedupVerdict::Fresh);
         assert_eq!((w.len(), w.evicted()), (61, 8));
-        for k in [a(4), b(2), a(5), b(3)] {
-            assert_eq!(w.check_and_insert(t(104), k), DedupVerdict::TooOld, "{k:?}");
-        }
-        assert_eq!(w.check_and_insert(t(104), a(6)), DedupVerdict::Done(&8));
-        assert_eq!(w.check_and_insert(t(104), b(4)), DedupVerdict::Done(&9));
+        after_batch(
+            &mut w,
+            104,
+            [a(4), b(2), a(5), b(3)],
+            [(a(6), 8), (b(4), 9)],
+        );
     }
 
     #[test]
