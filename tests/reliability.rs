@@ -604,11 +604,12 @@ impl Lab {
         all
     }
 
-    /// Load client `name`'s acknowledgements: (src, inc, seq, ms).
+    /// Load client `name`'s acknowledgements: (src, inc, seq, ms). Only whole lines: the
+    /// client may be writing one as this reads, or be stopped (SIGSTOP) in the middle of it.
     fn acked(&self, name: &str) -> Vec<(String, String, String, u64)> {
-        std::fs::read_to_string(self.dir.join(format!("acked-{name}")))
-            .unwrap_or_default()
-            .lines()
+        let text =
+            std::fs::read_to_string(self.dir.join(format!("acked-{name}"))).unwrap_or_default();
+        whole_lines(&text)
             .map(|l| {
                 let f: Vec<&str> = l.split(' ').collect();
                 (
@@ -668,6 +669,12 @@ impl Drop for Lab {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// The `\n`-terminated lines of `text`: a last line still being written is left out.
+fn whole_lines(text: &str) -> impl Iterator<Item = &str> {
+    let end = text.rfind('\n').map_or(0, |i| i + 1);
+    text[..end].lines()
 }
 
 fn strings(a: &[&str]) -> Vec<String> {

@@ -18,7 +18,7 @@
 //!
 //! `load` connects (trying again for 10 s if it must, counted), then keeps `--window` calls in flight on each of its `--shards` for `--for`
 //! seconds, each with the deadline `--deadline-ms`; a call answered with the right CRC appends
-//! `src inc seq ms` to the `--acked` file (`ms`: when, from the start of the run; `src` is
+//! `src inc seq ms` to the `--acked` file (one `write` per line; `ms`: when, from the start of the run; `src` is
 //! `--src` times 100 plus the shard). Calls that fail are counted by kind, and one that ends
 //! later than its deadline plus 250 ms is counted as late, with the worst overrun. Lost
 //! sessions are connected again on the next call (the peer's address is in the node's book).
@@ -584,7 +584,11 @@ fn load(a: &LoadArgs) -> Result<(), String> {
                                 if ok {
                                     if let Ok(mut f) = acked.lock() {
                                         let at = start.elapsed().as_millis();
-                                        let _ = writeln!(f, "{src} {inc} {seq} {at}");
+                                        // One `write` per line (`writeln!` on a `File` makes
+                                        // one per formatted piece): a reader, or a SIGSTOP,
+                                        // between two of them would leave a torn line.
+                                        let line = format!("{src} {inc} {seq} {at}\n");
+                                        let _ = f.write_all(line.as_bytes());
                                     }
                                 } else {
                                     // Do not spin on a dead peer: the next call reconnects.
