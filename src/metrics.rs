@@ -16,6 +16,7 @@
 //! | `shardcx_frames_delivered` | counter | application frames handed to handlers |
 //! | `shardcx_frames_dispatched_in_callback` | counter | of those, frames with eager data dispatched inside UCX's receive callback |
 //! | `shardcx_frames_sent` | counter | application frames sent, by `path` (`in_place`, `posted`, `queued`) |
+//! | `shardcx_sends_paced` | counter | sends from a task that found UCX's send queue full and waited for room, by `outcome` (`taken`: sent in place, counted in `shardcx_frames_sent` too; `gave_up`: then posted or queued) |
 //! | `shardcx_frames_dropped` | counter | frames dropped, by `reason` |
 //! | `shardcx_rendezvous_received` | counter | frames received by rendezvous, by `into` (`pool`, `recycled`, `allocated`, `declined`) |
 //! | `shardcx_handler_panics` | counter | handler calls that panicked |
@@ -260,6 +261,21 @@ impl Collector for ShardsCollector {
                         ("in_place", s.net.sent_in_place),
                         ("posted", s.net.sent_posted),
                         ("queued", s.net.sent_queued),
+                    ],
+                )
+            }),
+        )?;
+        family(
+            &mut encoder,
+            "shardcx_sends_paced",
+            "Sends from a task that found UCX's send queue full and waited for room (NetConfig::send_pace), by outcome: taken (in place, counted there too), gave_up (then posted or queued).",
+            Counter,
+            &per(&|s| {
+                labelled(
+                    "outcome",
+                    &[
+                        ("taken", s.net.sends_paced),
+                        ("gave_up", s.net.pace_timeouts),
                     ],
                 )
             }),

@@ -942,7 +942,10 @@ impl Peer {
     /// Sends active message `id` at once, from the calling shard, on its rail to this peer:
     /// the synchronous send of a handler (an answer, a forward of work) or of a tight loop.
     /// UCX takes the message in place when it can; otherwise it is copied and queued behind
-    /// the rail's earlier frames. Never waits and never connects: errors
+    /// the rail's earlier frames. When UCX's send queue to the peer is full, a send from a
+    /// task (not from a handler) first waits for room, progressing UCX, for at most
+    /// [`shardcx_shards::NetConfig::send_pace`] (500 µs): a loop that outruns its receiver is
+    /// paced at the receiver's speed. Never waits longer and never connects: errors
     /// [`Error::NotOnShard`], [`Error::HeaderTooLarge`], and the connection's
     /// ([`shardcx_shards::NetError::NotConnected`] when this shard has no ready rail to the
     /// peer, [`shardcx_shards::NetError::OtherShard`] when another local shard holds the rail

@@ -648,6 +648,171 @@ fn a_deep_flood_on_one_rail_does_not_delay_another_rail() {
     assert!(f.ticks >= MIN_TICKS, "{} ticks", f.ticks);
 }
 
+/// The paced producer's frames (A to B).
+const PACED: AmId = AmId::new(26);
+/// B's acknowledgements of them (B to A), every [`PACED_ACK_EVERY`].
+const PACED_ACK: AmId = AmId::new(27);
+/// Stops B's shard for [`PACED_STALL_FOR`] (its handler sleeps).
+const PACED_STALL: AmId = AmId::new(28);
+const PACED_ACK_EVERY: u64 = 256;
+const PACED_STALL_FOR: Duration = Duration::from_millis(300);
+
+/// A producer that outruns its receiver, over shared memory: A's task sends 20 000 frames of
+/// 64 bytes in runs of 1 024 with no yield inside a run, to a handler on B that takes about a
+/// microsecond a frame and acknowledges every 256th from inside its callback. UCX's 64-slot
+/// FIFO fills, and A's sends wait for room (`NetConfig::send_pace`) instead of queueing:
+/// `sends_paced` counts them, and every frame is still counted once by how it left. The acknowledgements that reach
+/// A while its sends wait are recorded and handled in order by its driver, and every frame
+/// reaches B once, in order. Then B's shard stops for 300 ms (a handler that sleeps): A's next
+/// 1 000 sends give up waiting once (`pace_timeouts`) and queue, so the loop ends long before
+/// B runs again; those frames too arrive in order afterwards.
+#[test]
+fn a_producer_that_outruns_its_receiver_is_paced_and_loses_nothing() {
+    const N: u64 = 20_000;
+    const M: u64 = 1_000;
+    const WORK: Duration = Duration::from_micros(1);
+    let _g = serial();
+    let problems: Problems = Arc::default();
+    let got = Arc::new(AtomicU64::new(0));
+    let stalled = Arc::new(AtomicBool::new(false));
+    let (p, g, st) = (problems.clone(), got.clone(), stalled.clone());
+    // Endpoints without error handling, as the bench's over shared memory: UCX 1.12's
+    // shared-memory transports do not detect a failed peer, and an endpoint in mode PEER
+    // leaves them out (the data would go over tcp, whose socket buffers hold all of it).
+    let shm =
+        || common::net_config_with(|c| c.error_mode = Some(shardcx_shards::ucx::ErrorMode::None));
+    let b = Server::start(
+        node(B, 1)
+            .transports("sm,tcp")
+            .net(shm())
+            .listen("127.0.0.1:0".parse().unwrap())
+            .on_start(move |ctx| {
+                let (problems, got) = (p.clone(), g.clone());
+                let next = Cell::new(0u64);
+                ctx.set_frame_view_handler_am(PACED, move |ctx, frame| {
+                    let seq = u64::from_le_bytes(frame.payload()[..8].try_into().unwrap());
+                    if seq != next.get() || frame.payload().len() != 64 {
+                        note(&problems, format!("frame {seq}, {} next", next.get()));
+                    }
+                    next.set(seq + 1);
+                    got.fetch_add(1, Ordering::AcqRel);
+                    let t0 = Instant::now();
+                    while t0.elapsed() < WORK {
+                        std::hint::spin_loop();
+                    }
+                    if (seq + 1) % PACED_ACK_EVERY == 0 {
+                        let to = Dest::shard(frame.node(), frame.header().src_shard);
+                        let n = (seq + 1).to_le_bytes();
+                        if let Err(e) = ctx.send_am_now(to, PACED_ACK, &[], &n) {
+                            note(&problems, format!("ack {seq}: {e}"));
+                        }
+                    }
+                });
+                let stalled = st.clone();
+                ctx.set_frame_view_handler_am(PACED_STALL, move |_, _| {
+                    stalled.store(true, Ordering::Release);
+                    std::thread::sleep(PACED_STALL_FOR);
+                });
+            }),
+    );
+    let addr = b.addr;
+    let (problems_a, got_a) = (problems.clone(), got.clone());
+    let out = run_node(node(A, 1).transports("sm,tcp").net(shm()), move |ctx| {
+        let (problems, got, stalled) = (problems_a.clone(), got_a.clone(), stalled.clone());
+        async move {
+            let acked = Rc::new(Cell::new(0u64));
+            let a = acked.clone();
+            let p = problems.clone();
+            ctx.set_frame_view_handler_am(PACED_ACK, move |_, frame| {
+                let n = u64::from_le_bytes(frame.payload()[..8].try_into().unwrap());
+                if n != a.get() + PACED_ACK_EVERY {
+                    note(&p, format!("ack {n} after {}", a.get()));
+                }
+                a.set(n);
+            });
+            ctx.connect(addr).await.expect("connect");
+            let mut msg = [0u8; 64];
+            let send = |seq: u64, msg: &mut [u8; 64]| {
+                msg[..8].copy_from_slice(&seq.to_le_bytes());
+                ctx.send_am_now(B, PACED, &[], msg)
+                    .unwrap_or_else(|e| panic!("send of {seq}: {e}"));
+            };
+            // A loop that yields once every 1 024 frames: B's FIFO fills within each run.
+            for seq in 0..N {
+                send(seq, &mut msg);
+                if seq % 1024 == 1023 {
+                    yield_now().await;
+                }
+            }
+            let acks = N / PACED_ACK_EVERY * PACED_ACK_EVERY;
+            let all = wait_until(Duration::from_secs(20), || {
+                got.load(Ordering::Acquire) >= N && acked.get() >= acks
+            })
+            .await;
+            assert!(
+                all,
+                "{} of {N} frames arrived, acknowledged up to {}: {:#?}",
+                got.load(Ordering::Acquire),
+                acked.get(),
+                problems.lock().unwrap()
+            );
+            let paced = ctx.net_stats();
+            // B stops; A sends on regardless.
+            ctx.send_am_now(B, PACED_STALL, &[], &[]).expect("stall");
+            let b_stopped =
+                wait_until(Duration::from_secs(5), || stalled.load(Ordering::Acquire)).await;
+            assert!(b_stopped, "B never stalled");
+            let t0 = Instant::now();
+            for seq in N..N + M {
+                send(seq, &mut msg);
+            }
+            let took = t0.elapsed();
+            let acks = (N + M) / PACED_ACK_EVERY * PACED_ACK_EVERY;
+            let all = wait_until(Duration::from_secs(20), || {
+                got.load(Ordering::Acquire) >= N + M && acked.get() >= acks
+            })
+            .await;
+            assert!(
+                all,
+                "{} of {} frames arrived",
+                got.load(Ordering::Acquire),
+                N + M
+            );
+            (paced, ctx.net_stats(), took)
+        }
+    });
+    let reports = b.stop();
+    let problems = problems.lock().unwrap().clone();
+    assert!(problems.is_empty(), "{problems:#?}");
+    let (paced, after, took) = out[0];
+    eprintln!(
+        "{N} frames: {} in place ({} of them after waiting for room), {} posted, {} queued, \
+         {} waits given up; then {M} frames to a stopped peer in {took:?}, {} waits given up",
+        paced.sent_in_place,
+        paced.sends_paced,
+        paced.sent_posted,
+        paced.sent_queued,
+        paced.pace_timeouts,
+        after.pace_timeouts - paced.pace_timeouts
+    );
+    assert!(paced.sends_paced > 0, "no send waited for room: {paced:?}");
+    assert_eq!(
+        paced.sent_in_place + paced.sent_posted + paced.sent_queued,
+        N,
+        "{paced:?}"
+    );
+    assert!(
+        after.pace_timeouts > paced.pace_timeouts,
+        "no send to the stopped peer gave up waiting: {after:?}"
+    );
+    assert!(
+        took < PACED_STALL_FOR / 2,
+        "{M} sends to a stopped peer took {took:?}: they waited for it"
+    );
+    let s = reports[0].stats;
+    assert_eq!(s.handler_panics + dropped(&s), 0, "{s:?}");
+}
+
 /// The canary test's messages: what and how long message `seq` is. One in 40 goes by
 /// rendezvous (over the 8 KiB threshold), alternately to the plain handler (pulled into a
 /// vector) and to [`POOLED`]'s rendezvous handler (pulled into a pool block); the others are

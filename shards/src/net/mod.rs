@@ -112,6 +112,18 @@
 //! until UCX completes them; the driver is told ([`ShardCtx::wake_driver`]) so that it yields
 //! to the sender at its next round.
 //!
+//! A send made from a task (not from a handler) that finds UCX's send queue to the peer full
+//! (a shared-memory FIFO of 64 slots, a socket's buffer: UCX answers the in-place send with
+//! `NoResource`) waits for room instead, for at most [`NetConfig::send_pace`] (500 µs by
+//! default): it progresses the shard's worker and offers the frame again, as `ucx_perftest`'s
+//! sender does, so a producer that outruns its receiver goes at the receiver's speed with
+//! every frame in place ([`NetStats::sends_paced`]) rather than posting or queueing each
+//! frame behind the full queue until it yields, which cost several times as much. Frames that
+//! arrive during that wait are recorded for the driver, in order: no handler runs inside a
+//! task's send. A wait that gives up ([`NetStats::pace_timeouts`]: a stalled peer) posts or
+//! queues the frame as before, and the rail's sends do not wait again for twenty times the
+//! span.
+//!
 //! Finding the rail costs no lookup on the common paths. Each rail keeps what a send reads
 //! (its data-header template, made once when its connection becomes ready and dropped when
 //! it no longer can send; its queue, endpoint and backlog) in one `Rc` beside its connection.
@@ -371,6 +383,18 @@ pub struct NetConfig {
     pub strike_window: Duration,
     /// How long a dropped peer is refused, default 30 s.
     pub strike_ban: Duration,
+    /// How long a send from a task waits for room when UCX's send queue to the peer is full
+    /// (a shared-memory FIFO, a socket's buffer), progressing the shard's UCX worker while it
+    /// waits, so that a producer that outruns its receiver is paced at the receiver's speed
+    /// instead of queueing copies behind the full queue ([`NetStats::sends_paced`]; see "The
+    /// hot path" in the module docs). Frames that arrive meanwhile are recorded for the
+    /// driver, in order; no handler runs inside the send. Past it, or when the executor wants
+    /// the thread back, the frame is posted or queued as it would be without waiting
+    /// ([`NetStats::pace_timeouts`]), and the rail's sends do not wait again for twenty
+    /// times this span. Sends from handlers never wait. Default 500 µs (a receiver frees
+    /// slots of UCX's shared-memory FIFO in batches of half of it, 32 messages: a handler
+    /// of 10 µs a message makes a sender wait about 320 µs); `Duration::ZERO` never waits.
+    pub send_pace: Duration,
 }
 
 /// A connected remote node, as seen from this node. `Send + Copy`: pass it between shards.
@@ -555,6 +579,11 @@ pub struct NetStats {
     pub peers_dropped: u64,
     /// Handshakes refused because their node was dropped and is still banned.
     pub refused_banned: u64,
+    /// Of [`NetStats::sent_in_place`], frames sent from a task that found UCX's send queue
+    /// full and waited for room ([`NetConfig::send_pace`]).
+    pub sends_paced: u64,
+    /// Sends from a task that waited [`NetConfig::send_pace`] without UCX taking the frame, which was then posted or queued.
+    pub pace_timeouts: u64,
 }
 
 /// A shard's rails by state ([`ShardCtx::rail_states`]).
@@ -995,6 +1024,7 @@ impl Default for NetConfig {
             strike_limit: 100,
             strike_window: Duration::from_secs(10),
             strike_ban: Duration::from_secs(30),
+            send_pace: Duration::from_micros(500),
         }
     }
 }

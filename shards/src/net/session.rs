@@ -183,6 +183,10 @@ pub(super) struct RailTx {
     /// the last came: told ([`Connection::heard_data`]) before the connection is next changed
     /// ([`RailConn::conn_mut`]), so its timers see the peer heard.
     heard: Cell<(Timestamp, u64)>,
+    /// Set when a send from a task that waited for room in UCX's send queue on this rail gave
+    /// up ([`super::NetConfig::send_pace`]): no send waits again before then, so a stalled
+    /// peer costs one wait now and then, not one per send.
+    pub(super) pace_after: Cell<Option<std::time::Instant>>,
 }
 
 /// A rail's connection borrowed for a change ([`RailConn::conn_mut`]): when it is dropped, the
@@ -628,6 +632,7 @@ fn make_rail(
             backlog,
             lane: Cell::new(None),
             heard: Cell::new((Timestamp::ZERO, 0)),
+            pace_after: Cell::new(None),
         }),
         generation,
         waiters: Vec::new(),

@@ -40,6 +40,13 @@ pub(crate) fn net_config() -> NetConfig {
     }
 }
 
+/// [`net_config`] changed by `change`.
+pub(crate) fn net_config_with(change: impl FnOnce(&mut NetConfig)) -> NetConfig {
+    let mut c = net_config();
+    change(&mut c);
+    c
+}
+
 /// A node of `shards` unpinned shards over tcp, with the shared key and [`net_config`].
 pub(crate) fn node(id: NodeId, shards: usize) -> ShardsBuilder {
     ShardsBuilder::new()
