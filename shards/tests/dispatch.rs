@@ -648,6 +648,18 @@ fn a_deep_flood_on_one_rail_does_not_delay_another_rail() {
     assert!(f.ticks >= MIN_TICKS, "{} ticks", f.ticks);
 }
 
+/// The test nodes' settings for transports `tls`: with shared memory in the list, endpoints
+/// without error handling, as the bench's over shared memory. UCX 1.12's shared-memory
+/// transports do not detect a failed peer, and an endpoint in mode PEER (the default when
+/// `tcp` is in the list, which connecting needs) leaves them out: the data would go over tcp.
+fn net_config_for(tls: &str) -> NetConfig {
+    common::net_config_with(|c| {
+        if tls.split(',').any(|t| t == "sm") {
+            c.error_mode = Some(shardcx_shards::ucx::ErrorMode::None);
+        }
+    })
+}
+
 /// The paced producer's frames (A to B).
 const PACED: AmId = AmId::new(26);
 /// B's acknowledgements of them (B to A), every [`PACED_ACK_EVERY`].
@@ -676,11 +688,7 @@ fn a_producer_that_outruns_its_receiver_is_paced_and_loses_nothing() {
     let got = Arc::new(AtomicU64::new(0));
     let stalled = Arc::new(AtomicBool::new(false));
     let (p, g, st) = (problems.clone(), got.clone(), stalled.clone());
-    // Endpoints without error handling, as the bench's over shared memory: UCX 1.12's
-    // shared-memory transports do not detect a failed peer, and an endpoint in mode PEER
-    // leaves them out (the data would go over tcp, whose socket buffers hold all of it).
-    let shm =
-        || common::net_config_with(|c| c.error_mode = Some(shardcx_shards::ucx::ErrorMode::None));
+    let shm = || net_config_for("sm,tcp");
     let b = Server::start(
         node(B, 1)
             .transports("sm,tcp")
@@ -874,16 +882,18 @@ fn kept_frames_over(tls: &str) {
     let log: Arc<Mutex<CanaryLog>> = Arc::default();
     let problems: Problems = Arc::default();
     let (l, p) = (log.clone(), problems.clone());
+    let cfg = net_config_for(tls);
     let b = Server::start(
         node(B, 2)
             .transports(tls)
+            .net(cfg.clone())
             .arena_len(8 << 20)
             .listen("127.0.0.1:0".parse().unwrap())
             .on_start(move |ctx| canary_handlers(ctx, l.clone(), p.clone())),
     );
     let addr = b.addr;
     let (log_a, problems_a) = (log.clone(), problems.clone());
-    let out = run_node(node(A, 2).transports(tls), move |ctx| {
+    let out = run_node(node(A, 2).transports(tls).net(cfg), move |ctx| {
         let (log, problems) = (log_a.clone(), problems_a.clone());
         async move {
             ctx.connect(addr).await.expect("connect");
