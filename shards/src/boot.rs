@@ -790,6 +790,13 @@ impl ShardCtx {
         self.stats.rounds.get()
     }
 
+    /// Whether the shard's progress driver is polling now: the caller runs on its behalf (a
+    /// handler, inline or from the driver's dispatch; a send the mesh forwarded), not in a
+    /// task of its own.
+    pub(crate) fn driver_polling(&self) -> bool {
+        self.stats.polling.get()
+    }
+
     /// Times the driver went to sleep.
     pub fn driver_sleeps(&self) -> u64 {
         self.stats.sleeps.get()

@@ -201,6 +201,10 @@ pub struct DriverStats {
     /// Stalls of the driver the watchdog saw (see [`crate::stall`]). Shared with the waker
     /// thread.
     pub stalls: Arc<StallStats>,
+    /// Whether a poll of the driver runs now (its rounds of `progress`, dispatch and the
+    /// mesh's lanes): what runs then (a handler, a send the mesh forwards to this shard) runs
+    /// on the driver's behalf, and must not wait for a peer.
+    pub(crate) polling: Cell<bool>,
 }
 
 /// What the driver calls besides `progress` (see "The mesh's hook" in the module docs).
@@ -642,6 +646,15 @@ pub(crate) async fn run(mut task: DriverTask) {
 /// Rounds of progress, dispatch and the mesh's lanes, inside one poll (see [`run`]): at most
 /// `idle_rounds` of them while nothing happens.
 fn spin(task: &DriverTask, idle_rounds: u32) -> Found {
+    task.stats.polling.set(true);
+    let found = spin_rounds(task, idle_rounds);
+    task.stats.polling.set(false);
+    found
+}
+
+/// The rounds of [`spin`].
+#[inline(always)]
+fn spin_rounds(task: &DriverTask, idle_rounds: u32) -> Found {
     let dispatch = task.dispatch.get();
     let hook = task.hook.get();
     let executor = glommio::executor();

@@ -112,17 +112,17 @@
 //! until UCX completes them; the driver is told ([`ShardCtx::wake_driver`]) so that it yields
 //! to the sender at its next round.
 //!
-//! A send made from a task (not from a handler) that finds UCX's send queue to the peer full
-//! (a shared-memory FIFO of 64 slots, a socket's buffer: UCX answers the in-place send with
-//! `NoResource`) waits for room instead, for at most [`NetConfig::send_pace`] (500 µs by
-//! default): it progresses the shard's worker and offers the frame again, as `ucx_perftest`'s
-//! sender does, so a producer that outruns its receiver goes at the receiver's speed with
-//! every frame in place ([`NetStats::sends_paced`]) rather than posting or queueing each
-//! frame behind the full queue until it yields, which cost several times as much. Frames that
-//! arrive during that wait are recorded for the driver, in order: no handler runs inside a
-//! task's send. A wait that gives up ([`NetStats::pace_timeouts`]: a stalled peer) posts or
-//! queues the frame as before, and the rail's sends do not wait again for twenty times the
-//! span.
+//! A send made from a task (not from a handler, nor from anything else the driver runs) that
+//! finds UCX's send queue to the peer full (a shared-memory FIFO of 64 slots, a socket's
+//! buffer: UCX answers the in-place send with `NoResource`) waits for room instead, for at
+//! most [`NetConfig::send_pace`] (500 µs by default): it progresses the shard's worker and
+//! offers the frame again, as `ucx_perftest`'s sender does, so a producer that outruns its
+//! receiver goes at the receiver's speed with every frame in place
+//! ([`NetStats::sends_paced`]) rather than posting or queueing each frame behind the full
+//! queue until it yields, which cost several times as much. Frames that arrive during that
+//! wait are recorded for the driver, in order: no handler runs inside a task's send. A wait
+//! that gives up ([`NetStats::pace_timeouts`]: a stalled peer) posts or queues the frame as
+//! before, and the rail's sends do not wait again for twenty times the span.
 //!
 //! Finding the rail costs no lookup on the common paths. Each rail keeps what a send reads
 //! (its data-header template, made once when its connection becomes ready and dropped when
@@ -388,10 +388,10 @@ pub struct NetConfig {
     /// waits, so that a producer that outruns its receiver is paced at the receiver's speed
     /// instead of queueing copies behind the full queue ([`NetStats::sends_paced`]; see "The
     /// hot path" in the module docs). Frames that arrive meanwhile are recorded for the
-    /// driver, in order; no handler runs inside the send. Past it, or when the executor wants
-    /// the thread back, the frame is posted or queued as it would be without waiting
-    /// ([`NetStats::pace_timeouts`]), and the rail's sends do not wait again for twenty
-    /// times this span. Sends from handlers never wait. Default 500 µs (a receiver frees
+    /// driver, in order; no handler runs inside the send. Past it, the frame is posted or
+    /// queued as it would be without waiting ([`NetStats::pace_timeouts`]), and the rail's
+    /// sends do not wait again for twenty times this span. Sends from handlers (and anything
+    /// else the progress driver runs) never wait. Default 500 µs (a receiver frees
     /// slots of UCX's shared-memory FIFO in batches of half of it, 32 messages: a handler
     /// of 10 µs a message makes a sender wait about 320 µs); `Duration::ZERO` never waits.
     pub send_pace: Duration,
@@ -582,7 +582,8 @@ pub struct NetStats {
     /// Of [`NetStats::sent_in_place`], frames sent from a task that found UCX's send queue
     /// full and waited for room ([`NetConfig::send_pace`]).
     pub sends_paced: u64,
-    /// Sends from a task that waited [`NetConfig::send_pace`] without UCX taking the frame, which was then posted or queued.
+    /// Sends from a task that waited [`NetConfig::send_pace`] without UCX taking the frame,
+    /// which was then posted or queued.
     pub pace_timeouts: u64,
 }
 

@@ -510,15 +510,18 @@ const PACE_BACKOFF: u32 = 20;
 /// found UCX's send queue full is offered again after each `progress` of the shard's worker
 /// (which moves the queue on), for at most [`super::NetConfig::send_pace`]. Without it, every
 /// frame after the first that found the queue full was posted with a request of its own or
-/// copied into the rail's queue until the producer yielded: a tight loop of 64-byte sends on
-/// shared memory ran at 1.4–2.4 M/s that way, against 3.4–5.5 M/s paced (`shardcx bench
-/// --test am-rate --window 8192`, which sends 8192 messages without yielding).
+/// copied into the rail's queue until the producer yielded: a loop of 8192 sends of 64 bytes
+/// on shared memory ran at 2.2–2.5 M/s that way, against 3.7–3.8 M/s paced
+/// (`scripts/compare-perftest --tls sm --tests am-rate --window 8192`; README, "A producer
+/// that outruns its receiver").
 ///
-/// Only from a task: inside UCX's callback the worker cannot be progressed, and inside a
-/// frame's dispatch it is not (the frame is posted or queued at once). Frames that UCX
-/// delivers during these `progress` calls are recorded for the driver, in order, as behind any
-/// recorded input (`NetState::dispatching` is set meanwhile): no handler runs inside a task's
-/// send. The driver is woken for them. glommio's preempt timer is not looked at: the task
+/// Only from a task: not from what the driver runs (a handler, inline in UCX's callback,
+/// where the worker cannot be progressed, or from the driver's dispatch of recorded frames; a
+/// send the mesh forwarded to this shard), which must not hold up the shard's other traffic
+/// for one peer: the frame is posted or queued at once. Frames that UCX delivers during these
+/// `progress` calls are recorded for the driver, in order, as behind any recorded input
+/// (`NetState::dispatching` is set meanwhile): no handler runs inside a task's send. The
+/// driver is woken for them. glommio's preempt timer is not looked at: the task
 /// keeps the thread whether it waits here or queues its frames, until it yields. A wait that
 /// gives up (a stalled peer) keeps the rail's sends from waiting for [`PACE_BACKOFF`] times
 /// the span ([`RailTx::pace_after`]).
@@ -533,7 +536,7 @@ fn send_paced(
     let net = ctx.net();
     let span = net.settings.cfg.send_pace;
     let worker = ctx.worker();
-    if span.is_zero() || worker.in_progress() || net.dispatching.get() {
+    if span.is_zero() || ctx.driver_polling() || worker.in_progress() || net.dispatching.get() {
         return Err(crate::ucx::Error::NoResource);
     }
     let start = std::time::Instant::now();
