@@ -486,7 +486,12 @@ impl NodeBuilder {
     }
 
     /// UCX transport list, e.g. `"tcp"` or `"sm,tcp"` (default: `UCX_TLS` or UCX's choice).
-    /// Listening and connecting by address need `tcp` (UCX 1.12).
+    /// Listening and connecting by address need `tcp` (UCX 1.12). With `tcp` in the list the
+    /// endpoints use UCX's error mode PEER unless [`NetConfig::error_mode`] says otherwise,
+    /// and UCX 1.12 then leaves its shared-memory transports out (they cannot detect a failed
+    /// peer): for data over shared memory between nodes of one host, also set
+    /// `error_mode: Some(ErrorMode::None)` in [`NodeBuilder::net`], as
+    /// `shardcx bench --transport shm` does (heartbeats still detect a dead peer).
     pub fn transports(mut self, tls: &str) -> Self {
         self.shards = self.shards.transports(tls);
         self
