@@ -959,7 +959,9 @@ pub(crate) struct NetState {
     /// this shard's rails change; a rail that goes admits nothing (its lane is gone).
     rx_rail: RefCell<Option<InlineRail>>,
     /// Set while a frame is dispatched inside UCX's callback: a frame UCX delivers meanwhile
-    /// (a handler's send to its own worker) is recorded instead ([`inbound`]).
+    /// (a handler's send to its own worker) is recorded instead ([`inbound`]). Also set while
+    /// a task's send waits for room and progresses the worker ([`outbound`]'s `send_paced`),
+    /// so that what arrives then is recorded too and no handler runs inside the send.
     dispatching: Cell<bool>,
     /// Frames that may still be dispatched inside UCX's callback during the current
     /// `progress` call: set to [`crate::driver::DISPATCH_BUDGET`] by the dispatch hook after
