@@ -722,6 +722,54 @@ async fn light_suite(c: &mut Communicator, n: usize) -> Result<(), String> {
     non_commutative(c).await
 }
 
+/// Barrier, broadcast, reduce and all-gather of a few elements: through the leaders when
+/// `hierarchical` (the ranks span several nodes, some node has several, and the tuning lets
+/// them), else flat; results checked, and the algorithm each took.
+async fn forms(c: &mut Communicator, hierarchical: bool) -> Result<(), String> {
+    let (r, p) = (c.rank(), c.size());
+    let want = |flat: Algorithm| {
+        if hierarchical {
+            Algorithm::Hierarchical
+        } else {
+            flat
+        }
+    };
+    let took = |c: &Communicator, what: &str, flat: Algorithm| -> Result<(), String> {
+        ensure!(
+            r,
+            c.last_algorithm() == Some(want(flat)),
+            "{what} took {:?}, not {:?}",
+            c.last_algorithm(),
+            want(flat)
+        );
+        Ok(())
+    };
+    c.barrier(T).await.map_err(|e| e.to_string())?;
+    took(c, "barrier", Algorithm::Dissemination)?;
+    let root = p - 1;
+    let mut buf = if r == root { [7u64, 8, 9] } else { [0; 3] };
+    c.broadcast(root, &mut buf, T)
+        .await
+        .map_err(|e| e.to_string())?;
+    took(c, "broadcast", Algorithm::BinomialTree)?;
+    ensure!(r, buf == [7, 8, 9], "broadcast from {root}: {buf:?}");
+    let got = c
+        .reduce(root, &[r as u64, 1], &Sum, T)
+        .await
+        .map_err(|e| e.to_string())?;
+    took(c, "reduce", Algorithm::BinomialTree)?;
+    let exp = (r == root).then(|| vec![(p * (p - 1) / 2) as u64, p as u64]);
+    ensure!(r, got == exp, "reduce to {root}: {got:?} != {exp:?}");
+    let got = c
+        .all_gather(&[r as u64, 100 + r as u64], T)
+        .await
+        .map_err(|e| e.to_string())?;
+    took(c, "all_gather", Algorithm::Bruck)?;
+    let exp: Vec<u64> = (0..p as u64).flat_map(|q| [q, 100 + q]).collect();
+    ensure!(r, got == exp, "all_gather: {got:?} != {exp:?}");
+    Ok(())
+}
+
 /// The all-reduce algorithm expected on `layout` (ranks per node): (small, large).
 fn expected_all_reduce(layout: &[usize]) -> (Algorithm, Algorithm) {
     let p: usize = layout.iter().sum();
@@ -759,6 +807,7 @@ fn conformance_with(layout: &[usize], light: bool) {
     let entered = Arc::new(AtomicUsize::new(0));
     let p: usize = layout.iter().sum();
     let (small, large) = expected_all_reduce(layout);
+    let hierarchical = layout.len() > 1 && layout.len() < p;
     all_ok(world(layout, move |mut c: Communicator| {
         let entered = entered.clone();
         async move {
@@ -781,6 +830,7 @@ fn conformance_with(layout: &[usize], light: bool) {
                 .await
                 .map_err(|e| e.to_string())?;
             algorithm(&c, small)?;
+            forms(&mut c, hierarchical).await?;
             c.set_tuning(Tuning::default().with_large_from(0));
             if light {
                 light_suite(&mut c, p + 3).await?;
@@ -798,6 +848,7 @@ fn conformance_with(layout: &[usize], light: bool) {
             );
             reductions::<u64>(&mut c, p + 3, "u64, flat").await?;
             reductions::<f64>(&mut c, 2, "f64, flat").await?;
+            movements::<u64>(&mut c, p + 3, "u64, flat").await?;
             non_commutative(&mut c).await?;
             c.all_reduce(&[1u64; 64], &Sum, T)
                 .await
@@ -808,6 +859,8 @@ fn conformance_with(layout: &[usize], light: bool) {
                 Algorithm::RecursiveDoubling
             };
             algorithm(&c, flat)?;
+            c.set_tuning(Tuning::default().with_hierarchical(false));
+            forms(&mut c, false).await?;
             c.set_tuning(Tuning::default());
             entered.fetch_add(1, Ordering::SeqCst);
             c.barrier(T).await.map_err(|e| e.to_string())?;
@@ -922,19 +975,30 @@ fn large_messages_on_4_ranks() {
                 c.last_algorithm()
             );
         }
+        // Through the leaders (rank 2 leads its node, rank 0 the other), then flat: scatter
+        // and all-gather over the four ranks.
+        for (tuning, want) in [
+            (Tuning::default(), Algorithm::Hierarchical),
+            (
+                Tuning::default().with_hierarchical(false),
+                Algorithm::ScatterAllGather,
+            ),
+        ] {
+            c.set_tuning(tuning);
+            let mut buf: Vec<u64> = if r == 2 { data.clone() } else { vec![0; n] };
+            c.broadcast(2, &mut buf, T)
+                .await
+                .map_err(|e| e.to_string())?;
+            ensure!(
+                r,
+                c.last_algorithm() == Some(want),
+                "{:?}",
+                c.last_algorithm()
+            );
+            let bad = first_wrong(&buf, |i| (2 * n + i) as u64).await;
+            ensure!(r, bad.is_none(), "broadcast ({want:?}) wrong at {bad:?}");
+        }
         c.set_tuning(Tuning::default());
-        let mut buf: Vec<u64> = if r == 2 { data.clone() } else { vec![0; n] };
-        c.broadcast(2, &mut buf, T)
-            .await
-            .map_err(|e| e.to_string())?;
-        ensure!(
-            r,
-            c.last_algorithm() == Some(Algorithm::ScatterAllGather),
-            "{:?}",
-            c.last_algorithm()
-        );
-        let bad = first_wrong(&buf, |i| (2 * n + i) as u64).await;
-        ensure!(r, bad.is_none(), "broadcast wrong at {bad:?}");
         let m = n / 8;
         let all = c
             .all_gather(&data[..m], T)
@@ -967,6 +1031,45 @@ async fn first_wrong(got: &[u64], want: impl Fn(usize) -> u64) -> Option<usize> 
         glommio::yield_if_needed().await;
     }
     None
+}
+
+/// A communicator whose ranks alternate between two nodes (node blocks not contiguous): the
+/// hierarchical forms put every result in rank order, and a non-commutative reduction stays
+/// flat (through the leaders it would combine out of rank order).
+#[test]
+fn hierarchical_forms_on_ranks_that_alternate_between_nodes() {
+    let _g = serial();
+    all_ok(world(&[2, 2], |mut w: Communicator| async move {
+        let r = w.rank();
+        // Keys 0, 2, 1, 3: the new order is world ranks 0, 2, 1, 3 (nodes A, B, A, B).
+        let key = (r % 2 * 2 + r / 2) as i64;
+        let mut s = w
+            .split(Color::new(0), key, T)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("no communicator")?;
+        ensure!(
+            r,
+            s.rank() == key as usize,
+            "rank {} for key {key}",
+            s.rank()
+        );
+        forms(&mut s, true).await?;
+        reductions::<i64>(&mut s, 5, "i64, alternating").await?;
+        movements::<u32>(&mut s, 5, "u32, alternating").await?;
+        non_commutative(&mut s).await?;
+        let o = UserOp::new(false, matmul);
+        s.reduce(0, &[mat(s.rank(), 0)], &o, T)
+            .await
+            .map_err(|e| e.to_string())?;
+        ensure!(
+            r,
+            s.last_algorithm() == Some(Algorithm::BinomialTree),
+            "a non-commutative reduce took {:?}",
+            s.last_algorithm()
+        );
+        Ok(())
+    }));
 }
 
 /// Derived communicators: split (an undefined color, keys that reverse the order), node-local,

@@ -13,10 +13,12 @@
 //! | barrier | dissemination, ⌈log2 p⌉ rounds | – |
 //! | broadcast | binomial tree | scatter (binomial) + ring all-gather (p > 2) |
 //! | reduce | binomial tree | ring reduce-scatter + binomial gather (commutative, p > 2) |
+//! | barrier, broadcast, reduce over several nodes | through the leaders (below), each level flat as above | the same |
 //! | all-reduce | recursive doubling (non-powers of two folded in; each exchange pipelined in chunks of at most 256 KiB) | ring reduce-scatter + ring all-gather (commutative, p > 2) |
 //! | all-reduce over several nodes | through the leaders, unless every node has the same power-of-two number of ranks numbered node by node | by slices: a node's ranks reduce-scatter, rank `s` of every node all-reduces slice `s`, a node's ranks all-gather (commutative, as many ranks on every node) |
 //! | reduce-scatter | binomial reduce to rank 0 + binomial scatter | ring (commutative) |
 //! | all-gather | Bruck, ⌈log2 p⌉ rounds | ring |
+//! | all-gather over several nodes | through the leaders: gather at each leader, ring of the leaders, broadcast in each node | ring |
 //! | gather, scatter | binomial tree | binomial tree |
 //! | all-to-all | pairwise exchange, p − 1 rounds | pairwise exchange |
 //! | scan, exclusive scan | recursive doubling | recursive doubling |
@@ -25,11 +27,17 @@
 //! contiguous blocks of ranks, lower ranks on the left: the result is `x0 ∘ x1 ∘ … ∘ x(p-1)`
 //! (through the leaders only when every node's ranks are contiguous).
 //!
-//! Hierarchical all-reduce ([`Tuning::with_hierarchical`], on by default) runs sub-algorithms
-//! on groups of the operation's ranks: a node's ranks talk through the cross-shard mesh, ranks
-//! of different nodes on their rails. Recursive doubling over ranks numbered node by node,
-//! with the same power of two on every node, is already hierarchical: its first rounds pair a
-//! node's shards, the later ones each shard with its counterparts on the other nodes.
+//! Hierarchical forms ([`Tuning::with_hierarchical`], on by default; taken when the ranks span
+//! several nodes and some node has several of them) run sub-algorithms on groups of the
+//! operation's ranks: a node's ranks talk through the cross-shard mesh, ranks of different
+//! nodes on their rails. Through the leaders, one rank per node (the root on the root's node,
+//! else the node's first rank) carries its node's part across nodes: a barrier, a broadcast,
+//! a reduce, a small all-gather and a small or unevenly spread all-reduce cross nodes with one
+//! rank per node instead of all of them (two nodes of two ranks: a broadcast from rank 1
+//! crosses once instead of three times, a barrier twice instead of six). Recursive doubling over
+//! ranks numbered node by node, with the same power of two on every node, is already
+//! hierarchical: its first rounds pair a node's shards, the later ones each shard with its
+//! counterparts on the other nodes.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -64,8 +72,10 @@ pub enum Algorithm {
     ScatterAllGather,
     /// Reduce: ring reduce-scatter, then gather the blocks at the root.
     ReduceScatterGather,
-    /// All-reduce: each node's ranks reduce to their leader through the mesh, the leaders
-    /// all-reduce across nodes, each leader broadcasts to its node.
+    /// Through the nodes' leaders: each node's ranks combine (all-reduce, reduce), gather
+    /// (all-gather) or report (barrier) at their leader through the mesh, the leaders run the
+    /// operation across nodes on their rails, and each leader hands the result to its node
+    /// (broadcast: the root to the other nodes' leaders, each leader to its node).
     Hierarchical,
     /// All-reduce: each node's ranks reduce-scatter through the mesh, each slice is all-reduced
     /// by the ranks holding it on every node (each on its own rail), each node all-gathers.
@@ -106,8 +116,9 @@ impl Tuning {
         }
     }
 
-    /// Whether all-reduce may take a hierarchical form when the ranks span several nodes
-    /// (default: yes; see the module docs).
+    /// Whether barrier, broadcast, reduce, all-gather (small blocks) and all-reduce may take a
+    /// hierarchical form when the ranks span several nodes (default: yes; see the module
+    /// docs).
     pub fn hierarchical(self) -> bool {
         self.hierarchical
     }
@@ -280,8 +291,89 @@ async fn recv_elems<T: Element>(
         .ok_or_else(|| g.mismatch(from, "a length that is not a whole number of elements"))
 }
 
+/// The two levels of an operation's hierarchical form: this rank's node (`local`, group phase
+/// 1, led by its group rank `leader`) and, on the leaders only, one rank of every node
+/// (`leaders`, group phase 2, in node order): the root on the root's node, every other node's
+/// first rank; the root's node is `root_at` there. Ranks of one node talk through the
+/// cross-shard mesh, leaders on their rails.
+struct Levels<'a> {
+    local: Group<'a>,
+    leader: usize,
+    leaders: Option<Group<'a>>,
+    root_at: usize,
+}
+
+/// The levels of a hierarchical form rooted at `root`, or `None` when the operation stays
+/// flat: [`Tuning::hierarchical`] off, the ranks on one node, or one rank on every node.
+/// `in_rank_order` asks for every node's ranks to be contiguous too (what a non-commutative
+/// reduction through the leaders needs).
+fn levels<'a>(
+    g: &Group<'a>,
+    root: usize,
+    in_rank_order: bool,
+) -> Result<Option<Levels<'a>>, CollectiveError> {
+    let p = g.size();
+    let blocks = g.node_blocks();
+    if !g.tuning().hierarchical() || blocks.len() < 2 || blocks.len() >= p {
+        return Ok(None);
+    }
+    if in_rank_order && !blocks.iter().flatten().copied().eq(0..p) {
+        return Ok(None);
+    }
+    let heads: Vec<usize> = blocks
+        .iter()
+        .map(|b| if b.contains(&root) { root } else { b[0] })
+        .collect();
+    let node = blocks
+        .iter()
+        .position(|b| b.contains(&g.rank()))
+        .ok_or_else(|| g.invalid("this rank is on no node"))?;
+    let leader = blocks[node]
+        .iter()
+        .position(|&r| r == heads[node])
+        .ok_or_else(|| g.invalid("a node's leader is not on it"))?;
+    let root_at = blocks
+        .iter()
+        .position(|b| b.contains(&root))
+        .ok_or_else(|| g.invalid("the root is on no node"))?;
+    let local = g
+        .sub(blocks[node].clone(), 1)
+        .ok_or_else(|| g.invalid("this rank is not in its node's group"))?;
+    let leaders = if g.rank() == heads[node] {
+        Some(
+            g.sub(heads, 2)
+                .ok_or_else(|| g.invalid("a node's leader is not among the leaders"))?,
+        )
+    } else {
+        None
+    };
+    Ok(Some(Levels {
+        local,
+        leader,
+        leaders,
+        root_at,
+    }))
+}
+
+/// Barrier: through the leaders when the ranks span several nodes (a node's ranks report to
+/// their leader through the mesh, the leaders run a dissemination barrier, each leader releases
+/// its node), else a dissemination barrier.
 pub(crate) async fn barrier(g: &Group<'_>) -> Result<(), CollectiveError> {
+    if let Some(lv) = levels(g, 0, false)? {
+        fan_in(&lv.local, lv.leader).await?;
+        if let Some(leaders) = &lv.leaders {
+            dissemination(leaders).await?;
+        }
+        binomial_bcast(&lv.local, lv.leader, &mut [], 1).await?;
+        g.chose(Algorithm::Hierarchical);
+        return Ok(());
+    }
     g.chose(Algorithm::Dissemination);
+    dissemination(g).await
+}
+
+/// Dissemination barrier: in round `k` each rank signals rank `r + 2^k`.
+async fn dissemination(g: &Group<'_>) -> Result<(), CollectiveError> {
     let (r, p) = (g.rank(), g.size());
     let (mut dist, mut k) = (1, 0);
     while dist < p {
@@ -293,12 +385,47 @@ pub(crate) async fn barrier(g: &Group<'_>) -> Result<(), CollectiveError> {
     Ok(())
 }
 
-/// Broadcast of `buf` (its bytes on the root; the same length everywhere).
+/// Empty messages up a binomial tree to `root` (step 0 of phase 0): it returns on `root` once
+/// every rank has entered.
+async fn fan_in(g: &Group<'_>, root: usize) -> Result<(), CollectiveError> {
+    let (r, p) = (g.rank(), g.size());
+    let vr = (r + p - root) % p;
+    let mut mask = 1;
+    while mask < p {
+        if vr & mask != 0 {
+            return g
+                .send(real(vr - mask, root, p), step(0, 0), Vec::new())
+                .await;
+        }
+        if vr + mask < p {
+            recv_len(g, real(vr + mask, root, p), step(0, 0), 0).await?;
+        }
+        mask <<= 1;
+    }
+    Ok(())
+}
+
+/// Broadcast of `buf` (its bytes on the root; the same length everywhere): through the
+/// leaders when the ranks span several nodes (the root to the other nodes' leaders, each
+/// leader to its node through the mesh), else flat.
 pub(crate) async fn broadcast(
     g: &Group<'_>,
     root: usize,
     buf: &mut [u8],
 ) -> Result<(), CollectiveError> {
+    if let Some(lv) = levels(g, root, false)? {
+        if let Some(leaders) = &lv.leaders {
+            flat_broadcast(leaders, lv.root_at, buf).await?;
+        }
+        flat_broadcast(&lv.local, lv.leader, buf).await?;
+        g.chose(Algorithm::Hierarchical);
+        return Ok(());
+    }
+    flat_broadcast(g, root, buf).await
+}
+
+/// Flat broadcast: scatter + ring all-gather for large buffers (p > 2), else a binomial tree.
+async fn flat_broadcast(g: &Group<'_>, root: usize, buf: &mut [u8]) -> Result<(), CollectiveError> {
     let p = g.size();
     if p > 2 && g.tuning().large(buf.len()) {
         g.chose(Algorithm::ScatterAllGather);
@@ -376,8 +503,32 @@ async fn scatter_allgather(
     Ok(())
 }
 
-/// Reduce to `root`: `Some(result)` there.
+/// Reduce to `root`: `Some(result)` there. Through the leaders when the ranks span several
+/// nodes (a node's ranks reduce to their leader through the mesh, the leaders to the root;
+/// for a non-commutative operator only when every node's ranks are contiguous, so that the
+/// rank order holds), else flat.
 pub(crate) async fn reduce<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    root: usize,
+    data: Vec<T>,
+    o: &O,
+) -> Result<Option<Vec<T>>, CollectiveError> {
+    if let Some(lv) = levels(g, root, !o.is_commutative())? {
+        let partial = flat_reduce(&lv.local, lv.leader, data, o).await?;
+        let mut out = None;
+        if let Some(leaders) = &lv.leaders {
+            let partial = partial.ok_or_else(|| g.invalid("a leader got no partial result"))?;
+            out = flat_reduce(leaders, lv.root_at, partial, o).await?;
+        }
+        g.chose(Algorithm::Hierarchical);
+        return Ok(out);
+    }
+    flat_reduce(g, root, data, o).await
+}
+
+/// Flat reduce: ring reduce-scatter + gather for large commutative reductions (p > 2), else a
+/// binomial tree.
+async fn flat_reduce<T: Element, O: Operator<T> + ?Sized>(
     g: &Group<'_>,
     root: usize,
     data: Vec<T>,
@@ -665,9 +816,17 @@ async fn ring_allgather(
     Ok(())
 }
 
-/// All-gather of equal blocks (`mine` from this rank): every rank's, in rank order.
+/// All-gather of equal blocks (`mine` from this rank): every rank's, in rank order. Small
+/// blocks over several nodes go through the leaders (a node's blocks gathered at its leader
+/// through the mesh, the leaders' node blocks around their ring, each leader broadcasting
+/// the whole to its node); large ones around the ring of every rank.
 pub(crate) async fn all_gather(g: &Group<'_>, mine: Vec<u8>) -> Result<Vec<u8>, CollectiveError> {
     let (r, p, b) = (g.rank(), g.size(), mine.len());
+    if !g.tuning().large(b) {
+        if let Some(lv) = levels(g, 0, false)? {
+            return leaders_all_gather(g, &lv, mine).await;
+        }
+    }
     if p > 2 && g.tuning().large(b) {
         g.chose(Algorithm::Ring);
         let mut buf = vec![0u8; p * b];
@@ -693,6 +852,45 @@ pub(crate) async fn all_gather(g: &Group<'_>, mine: Vec<u8>) -> Result<Vec<u8>, 
     for (j, chunk) in have.chunks_exact(b.max(1)).enumerate().take(p) {
         let i = (r + j) % p;
         out[i * b..(i + 1) * b].copy_from_slice(chunk);
+    }
+    Ok(out)
+}
+
+/// [`all_gather`] through the leaders of `lv`.
+async fn leaders_all_gather(
+    g: &Group<'_>,
+    lv: &Levels<'_>,
+    mine: Vec<u8>,
+) -> Result<Vec<u8>, CollectiveError> {
+    let (p, b) = (g.size(), mine.len());
+    let blocks = g.node_blocks();
+    let lens = vec![b; lv.local.size()];
+    let ours = gather_blocks(&lv.local, lv.leader, mine, &lens, 0).await?;
+    // Every node's blocks, node after node (each in its ranks' order).
+    let mut all = vec![0u8; p * b];
+    if let Some(leaders) = &lv.leaders {
+        let ours = ours.ok_or_else(|| g.invalid("a leader gathered nothing"))?;
+        let mut ranges = Vec::with_capacity(blocks.len());
+        let mut at = 0;
+        for node in blocks.iter() {
+            ranges.push(at..at + node.len() * b);
+            at += node.len() * b;
+        }
+        let here = ranges[leaders.rank()].clone();
+        if ours.len() != here.len() {
+            return Err(g.invalid("a node's gathered blocks of the wrong length"));
+        }
+        all[here].copy_from_slice(&ours);
+        ring_allgather(leaders, &mut all, &ranges, 0).await?;
+    }
+    binomial_bcast(&lv.local, lv.leader, &mut all, 1).await?;
+    g.chose(Algorithm::Hierarchical);
+    if blocks.iter().flatten().copied().eq(0..p) {
+        return Ok(all);
+    }
+    let mut out = vec![0u8; p * b];
+    for (at, &rank) in blocks.iter().flatten().enumerate() {
+        out[rank * b..(rank + 1) * b].copy_from_slice(&all[at * b..(at + 1) * b]);
     }
     Ok(out)
 }

@@ -90,10 +90,12 @@
 //!
 //! Chosen by message size and rank count ([`Tuning`]; the table is in [`algorithm`]):
 //! dissemination barrier, binomial trees, recursive doubling, Bruck's all-gather, and rings
-//! (reduce-scatter + all-gather) for large commutative reductions. All-reduce over several
-//! nodes is hierarchical: through the leaders, or by slices (each shard all-reducing its slice
-//! with its counterparts on the other nodes, on its own rail). What is not here yet:
-//! hierarchical forms of the other operations, a cost model with measured constants.
+//! (reduce-scatter + all-gather) for large commutative reductions. Over several nodes,
+//! barrier, broadcast, reduce, all-gather of small blocks and all-reduce are hierarchical:
+//! through the nodes' leaders, or, for a large all-reduce, by slices (each shard all-reducing
+//! its slice with its counterparts on the other nodes, on its own rail). What is not here yet:
+//! hierarchical forms of reduce-scatter, gather, scatter, all-to-all and the scans, a cost
+//! model with measured constants.
 //!
 //! ## In place
 //!
