@@ -521,6 +521,83 @@ fn a_tiny_collective_bench_prints_its_table() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--save-costs FILE` writes the allreduce fit; `--costs FILE` has the cost model choose
+/// the algorithms (a reduce-scatter of two ranks: the ring at 8 bytes, where the fixed
+/// threshold takes reduce + scatter); a file that is not a costs file, or `--costs` without a
+/// collective, fails with a message.
+#[test]
+fn the_collective_bench_saves_and_uses_measured_costs() {
+    let dir = std::env::temp_dir().join(format!("shardcx-costs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let costs = dir.join("costs.json");
+    let run = |args: &[&str]| {
+        let child = shardcx()
+            .args([
+                "bench",
+                "--iters",
+                "30",
+                "--warmup",
+                "3",
+                "--transport",
+                "tcp",
+            ])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = output_within(child, Duration::from_secs(120), "collective bench");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let path = costs.to_str().unwrap();
+    let (code, stdout, stderr) = run(&[
+        "--test",
+        "allreduce",
+        "--size",
+        "8,64k",
+        "--save-costs",
+        path,
+    ]);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    let saved = shardcx::collective::Costs::load(&costs).expect("a costs file");
+    assert!(saved.alpha_us() > 0.0, "{saved:?}");
+    let (code, stdout, stderr) = run(&["--test", "reduce-scatter", "--size", "8", "--costs", path]);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("choose their algorithms by the cost model"),
+        "{stdout}"
+    );
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.contains("2x1") && l.contains(" Ring ")),
+        "{stdout}"
+    );
+    let (code, stdout, _) = run(&["--test", "reduce-scatter", "--size", "8"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.contains("2x1") && l.contains("ReduceThenScatter")),
+        "{stdout}"
+    );
+    std::fs::write(&costs, "{\"alpha_us\": -1, \"beta_ns_per_byte\": 1}").unwrap();
+    let (code, _, stderr) = run(&["--test", "allreduce", "--size", "8", "--costs", path]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--costs") && stderr.contains("alpha_us"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run(&["--test", "am-lat", "--costs", path]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("for the collectives"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `--duration` bounds a collective run in time on every rank alike (rank 0 decides when to
 /// stop), and the algorithm shown is the timed calls' (not the broadcast that stops them).
 #[test]

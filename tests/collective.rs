@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
 use shardcx::collective::{
-    AbortCause, Algorithm, CollectiveError, Color, Communicator, Element, Max, Min, Number,
+    AbortCause, Algorithm, CollectiveError, Color, Communicator, Costs, Element, Max, Min, Number,
     Operator, Prod, Sum, Tuning, UserOp,
 };
 use shardcx::shards::Placement;
@@ -54,6 +54,23 @@ where
     F: Fn(Communicator) -> Fut + Send + Sync + Clone + 'static,
     Fut: Future<Output = R> + 'static,
 {
+    world_over(layout, false, body)
+}
+
+/// [`world`], the nodes' rails over UCX shared memory when `shm` (endpoints without error
+/// handling, as `shardcx bench --transport shm` makes them: UCX 1.12 leaves its shared-memory
+/// transports out of endpoints that have it), else over tcp.
+fn world_over<R, F, Fut>(layout: &[usize], shm: bool, body: F) -> Vec<R>
+where
+    R: Send + 'static,
+    F: Fn(Communicator) -> Fut + Send + Sync + Clone + 'static,
+    Fut: Future<Output = R> + 'static,
+{
+    let (tls, error_mode) = if shm {
+        ("sm,tcp", Some(shardcx::ucx::ErrorMode::None))
+    } else {
+        ("tcp", None)
+    };
     let ids: Vec<NodeId> = (0..layout.len())
         .map(|i| NodeId::new(0xC0 + i as u64))
         .collect();
@@ -69,7 +86,11 @@ where
             let out = Node::builder()
                 .shards(shards)
                 .placement(Placement::Unpinned)
-                .transports("tcp")
+                .transports(tls)
+                .net(shardcx::shards::NetConfig {
+                    error_mode,
+                    ..Default::default()
+                })
                 .io_memory(256 << 10)
                 .node_id(ids[i])
                 .psk(KEY)
@@ -1070,6 +1091,116 @@ fn hierarchical_forms_on_ranks_that_alternate_between_nodes() {
         );
         Ok(())
     }));
+}
+
+/// Measured costs choose the algorithms: with no per-message cost the large-message ones win
+/// at 32 bytes on four ranks, with no per-byte cost the small-message ones at 4 MiB (the fixed
+/// threshold would choose the other way both times); every result is checked.
+#[test]
+fn the_cost_model_chooses_the_algorithms() {
+    let _g = serial();
+    all_ok(world(&[1, 1, 1, 1], |mut c: Communicator| async move {
+        let (r, p) = (c.rank(), c.size());
+        let bytes_only = Costs::new(0.0, 1.0).map_err(|e| e.to_string())?;
+        let latency_only = Costs::new(50.0, 0.0).map_err(|e| e.to_string())?;
+        for (costs, n, large) in [(bytes_only, 4, true), (latency_only, (4 << 20) / 8, false)] {
+            c.set_tuning(Tuning::default().with_costs(costs));
+            ensure!(r, c.tuning().costs() == Some(costs), "{:?}", c.tuning());
+            let took = |c: &Communicator, what: &str, big: Algorithm, small: Algorithm| {
+                let want = if large { big } else { small };
+                ensure!(
+                    r,
+                    c.last_algorithm() == Some(want),
+                    "{what} of {n} u64 took {:?}, not {want:?}",
+                    c.last_algorithm()
+                );
+                Ok::<(), String>(())
+            };
+            let data: Vec<u64> = (0..n).map(|i| (r * n + i) as u64).collect();
+            let sum = |i: usize| (p * i + n * p * (p - 1) / 2) as u64;
+            let got = c
+                .all_reduce(&data, &Sum, T)
+                .await
+                .map_err(|e| e.to_string())?;
+            took(
+                &c,
+                "all_reduce",
+                Algorithm::Ring,
+                Algorithm::RecursiveDoubling,
+            )?;
+            ensure!(
+                r,
+                first_wrong(&got, sum).await.is_none(),
+                "all_reduce wrong"
+            );
+            let got = c
+                .reduce(1, &data, &Sum, T)
+                .await
+                .map_err(|e| e.to_string())?;
+            took(
+                &c,
+                "reduce",
+                Algorithm::ReduceScatterGather,
+                Algorithm::BinomialTree,
+            )?;
+            match got {
+                Some(v) => ensure!(r, first_wrong(&v, sum).await.is_none(), "reduce wrong"),
+                None => ensure!(r, r != 1, "no reduce result at the root"),
+            }
+            let mut buf = if r == 2 { data.clone() } else { vec![0; n] };
+            c.broadcast(2, &mut buf, T)
+                .await
+                .map_err(|e| e.to_string())?;
+            took(
+                &c,
+                "broadcast",
+                Algorithm::ScatterAllGather,
+                Algorithm::BinomialTree,
+            )?;
+            let bad = first_wrong(&buf, |i| (2 * n + i) as u64).await;
+            ensure!(r, bad.is_none(), "broadcast wrong at {bad:?}");
+        }
+        // A fixed threshold takes the costs out again.
+        let t = Tuning::default()
+            .with_costs(bytes_only)
+            .with_large_from(1 << 20);
+        ensure!(r, t.costs().is_none() && t.large_from() == 1 << 20, "{t:?}");
+        Ok(())
+    }));
+}
+
+/// A root that broadcasts 1 MiB vectors in a loop runs ahead of a receiver that takes its
+/// time (its shard blocked for 2 ms a call): the root's sends wait for its rail to drain instead of filling it to
+/// `NetConfig::max_backlog_bytes` (64 MiB), which failed the broadcast with `Backlogged`;
+/// every vector arrives whole and in order.
+#[test]
+fn a_loop_of_large_broadcasts_does_not_outrun_a_slow_receiver() {
+    let _g = serial();
+    all_ok(world_over(
+        &[1, 1],
+        true,
+        |mut c: Communicator| async move {
+            let r = c.rank();
+            let n = (1 << 20) / 8;
+            let mut buf: Vec<u64> = (0..n as u64).collect();
+            for k in 0..100u64 {
+                if r == 0 {
+                    buf[0] = k;
+                }
+                c.broadcast(0, &mut buf, T)
+                    .await
+                    .map_err(|e| format!("rank {r}: broadcast {k}: {e}"))?;
+                if r == 1 {
+                    let bad = first_wrong(&buf, |i| if i == 0 { k } else { i as u64 }).await;
+                    ensure!(r, bad.is_none(), "broadcast {k} wrong at {bad:?}");
+                    // Busy elsewhere: the whole shard stops (its driver too), as it does while a
+                    // task computes.
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+            Ok(())
+        },
+    ));
 }
 
 /// Derived communicators: split (an undefined color, keys that reverse the order), node-local,

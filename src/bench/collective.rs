@@ -41,11 +41,15 @@
 //!
 //! ## Cost model
 //!
-//! The algorithm chooser ([`crate::collective::Tuning`]) has no measured constants: it
-//! switches to the large-message algorithms at a fixed size ([`Tuning::large_from`]). For
-//! allreduce run at two sizes or more, [`cost_model`] fits `T(n) = α + β·n` through the
-//! slowest rank's p50 at the smallest and the largest size, and the table prints `α`, `β` and
-//! `n½ = α/β`, the size at which the bandwidth term equals the latency term (see the README).
+//! By default the algorithm chooser ([`crate::collective::Tuning`]) switches to the
+//! large-message algorithms at a fixed size ([`Tuning::large_from`]). For allreduce run at two
+//! sizes or more, [`cost_model`] fits `T(n) = α + β·n` through the slowest rank's p50 at the
+//! smallest and the largest size (with two ranks an allreduce is one exchange: `α` is the cost
+//! of a message, `β` of a byte), and the table prints `α`, `β` and `n½ = α/β`, the size at which
+//! the bandwidth term equals the latency term (see the README). `shardcx bench --save-costs
+//! FILE` writes them ([`CostModel::costs`], [`Costs::to_json`]); [`Tuning::with_costs`] with
+//! [`Costs::load`] of that file (or `shardcx bench --costs FILE`) has the cost model of
+//! [`crate::collective::cost`] choose the algorithms instead of the fixed size.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,7 +62,7 @@ use shardcx_shards::{Placement, ShardsBuilder};
 
 use super::client::{pattern, record, Progress};
 use super::{format_size, net_config, pin_current, BenchError, Budget, Figures, Transport};
-use crate::collective::{Algorithm, CollectiveError, Communicator, Sum, Tuning};
+use crate::collective::{Algorithm, CollectiveError, Communicator, Costs, CostsError, Sum, Tuning};
 use crate::Node;
 
 /// Deadline of every collective call of the benchmark (and of making the world).
@@ -115,6 +119,9 @@ pub struct CollectiveConfig {
     pub progress: bool,
     /// glommio io memory per shard (`None`: every shard of both nodes fits the memlock limit).
     pub io_memory: Option<u64>,
+    /// What chooses the algorithms (`shardcx bench --costs FILE`: the default tuning with the
+    /// costs in FILE).
+    pub tuning: Tuning,
 }
 
 /// The result of one (collective, size, shards, transport).
@@ -297,6 +304,12 @@ impl CollMeasurement {
 }
 
 impl CostModel {
+    /// The fit as [`Costs`] for [`Tuning::with_costs`]: fails when it is out of range (a
+    /// negative `α` or `β`: the two sizes too close, or the runs too noisy to fit a line).
+    pub fn costs(&self) -> Result<Costs, CostsError> {
+        Costs::new(self.alpha_us, self.beta_ns_per_byte)
+    }
+
     /// `α / β`, bytes: the size at which the per-byte term equals the per-call one.
     pub fn half_size(&self) -> f64 {
         if self.beta_ns_per_byte > 0.0 {
@@ -501,6 +514,7 @@ async fn rank_main(
         node.connect_within(a, DEADLINE).await?;
     }
     let mut world = Communicator::world(&node, &NODE_IDS, DEADLINE).await?;
+    world.set_tuning(cfg.tuning);
     let (r, p) = (world.rank(), world.size());
     let mut out = Vec::with_capacity(plan.len());
     for &(test, size) in plan {
@@ -839,8 +853,8 @@ pub fn table(results: &[CollMeasurement]) -> String {
                     out,
                     "allreduce cost model, {} ranks ({}): T(n) = α + β·n through the slowest \
                      rank's p50 at {} and {} bytes: α = {:.2} µs, β = {:.4} ns/B ({:.2} GB/s), \
-                     n½ = α/β = {:.0} B; the chooser's threshold is fixed, not measured: \
-                     Tuning::large_from = {} B",
+                     n½ = α/β = {:.0} B (--save-costs FILE keeps them for \
+                     Tuning::with_costs)",
                     c.ranks,
                     c.transport,
                     c.from.0,
@@ -853,7 +867,6 @@ pub fn table(results: &[CollMeasurement]) -> String {
                         f64::INFINITY
                     },
                     c.half_size(),
-                    Tuning::default().large_from()
                 );
             }
         }

@@ -17,6 +17,7 @@ use shardcx::bench::server::{self, ServeConfig};
 use shardcx::bench::{
     parse_size, plot, report, BenchError, Budget, Measurement, Memory, Test, Transport, DEFAULT_PSK,
 };
+use shardcx::collective::{Costs, Tuning};
 use shardcx::shards::boot::MEMLOCK_RESERVE;
 use shardcx::shards::{memlock_limit, ShardsBuilder};
 use shardcx::Shutdown;
@@ -47,7 +48,7 @@ enum Cmd {
     /// Client shard i talks to server shard i mod N on its own rail, and the `route` column
     /// says whether it did so alone (`rail`) or something crossed its shard-to-shard lanes
     /// while it measured (`hop`).
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Print a shell completion script, e.g. `shardcx completions bash >
     /// ~/.local/share/bash-completion/completions/shardcx`.
     Completions {
@@ -163,6 +164,15 @@ struct BenchArgs {
     /// longer than a second).
     #[arg(long, short)]
     quiet: bool,
+    /// Collectives: choose their algorithms by the cost model with the costs in FILE (written
+    /// by --save-costs) instead of the fixed 64 KiB threshold.
+    #[arg(long, value_name = "FILE")]
+    costs: Option<PathBuf>,
+    /// Collectives: write the allreduce cost model's α and β (fitted through the smallest and
+    /// the largest --size; the first shard count and transport) to FILE, for --costs and
+    /// Tuning::with_costs(Costs::load(FILE)?).
+    #[arg(long, value_name = "FILE")]
+    save_costs: Option<PathBuf>,
 }
 
 /// A `--test` name: a point-to-point test (against a peer node) or a collective (a world of
@@ -212,7 +222,7 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Cmd::Info { json } => info(json),
         Cmd::Node(a) => node(a),
-        Cmd::Bench(a) => bench(a),
+        Cmd::Bench(a) => bench(*a),
         Cmd::Completions { shell } => {
             clap_complete::generate(
                 shell,
@@ -778,8 +788,27 @@ fn bench_collectives(
 ) -> Result<Vec<CollMeasurement>, Failure> {
     let mut out = Vec::new();
     if tests.is_empty() {
+        if o.costs.is_some() || o.save_costs.is_some() {
+            return Err(Failure(
+                "--costs and --save-costs are for the collectives (--test allreduce, ...)".into(),
+            ));
+        }
         return Ok(out);
     }
+    let tuning = match &o.costs {
+        Some(f) => {
+            let c = Costs::load(f).map_err(|e| Failure(format!("--costs: {e}")))?;
+            println!(
+                "shardcx bench: collectives choose their algorithms by the cost model: α = {:.2} \
+                 µs, β = {:.4} ns/B (from {})",
+                c.alpha_us(),
+                c.beta_ns_per_byte(),
+                f.display()
+            );
+            Tuning::default().with_costs(c)
+        }
+        None => Tuning::default(),
+    };
     let v = shardcx::ucx::version();
     for &transport in &o.transports {
         for &shards in &o.shards {
@@ -829,6 +858,7 @@ fn bench_collectives(
                 psk: psk.to_vec(),
                 progress: !o.quiet,
                 io_memory: None,
+                tuning,
             };
             out.extend(collective::run(&cfg)?);
         }
@@ -837,6 +867,26 @@ fn bench_collectives(
     out.sort_by_key(|m| tests.iter().position(|t| *t == m.test));
     print!("{}", collective::table(&out));
     let _ = std::io::stdout().flush();
+    if let Some(f) = &o.save_costs {
+        let fit = collective::cost_model(&out)
+            .into_iter()
+            .next()
+            .ok_or_else(|| {
+                Failure(
+                    "--save-costs: the cost model needs allreduce at two sizes (--size 8,1m)"
+                        .into(),
+                )
+            })?;
+        let costs = fit
+            .costs()
+            .map_err(|e| Failure(format!("--save-costs: the fit is unusable: {e}")))?;
+        let note = format!(
+            "shardcx bench: allreduce of {} ranks ({}), p50 at {} and {} bytes, UCX {}.{}.{}",
+            fit.ranks, fit.transport, fit.from.0, fit.from.1, v.loaded.0, v.loaded.1, v.loaded.2
+        );
+        write_file(f, &format!("{}\n", costs.to_json(&note)))?;
+        eprintln!("shardcx bench: wrote {}", f.display());
+    }
     Ok(out)
 }
 

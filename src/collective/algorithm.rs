@@ -43,6 +43,7 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use super::comm::{Group, PHASE_SHIFT};
+use super::cost::{Costs, Shape};
 use super::element::{
     combine_in_turns, combine_le_append_in_turns, combine_le_in_turns, decode_in_turns,
     encode_in_turns, Element, Operator,
@@ -82,11 +83,15 @@ pub enum Algorithm {
     HierarchicalSlices,
 }
 
-/// What chooses the algorithms: the same on every rank of a communicator.
+/// What chooses the algorithms: the same on every rank of a communicator. By default a fixed
+/// size, [`Tuning::large_from`], separates small messages from large ones; with measured
+/// [`Costs`] ([`Tuning::with_costs`]) a cost model chooses per operation, rank count and size
+/// (see [`super::cost`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tuning {
     large_from: usize,
     hierarchical: bool,
+    costs: Option<Costs>,
 }
 
 /// Default of [`Tuning::large_from`]: 64 KiB.
@@ -97,21 +102,42 @@ impl Default for Tuning {
         Tuning {
             large_from: DEFAULT_LARGE_FROM,
             hierarchical: true,
+            costs: None,
         }
     }
 }
 
 impl Tuning {
     /// Operations on at least this many bytes per rank take the large-message algorithms
-    /// (see the module docs); `0` always, `usize::MAX` never.
+    /// (see the module docs); `0` always, `usize::MAX` never. With [`Tuning::costs`], only
+    /// all-gather still chooses by it (see [`super::cost`]).
     pub fn large_from(self) -> usize {
         self.large_from
     }
 
-    /// With [`Tuning::large_from`] set to `bytes`.
+    /// With [`Tuning::large_from`] set to `bytes`, and no [`Tuning::costs`]: the fixed
+    /// threshold decides for every operation.
     pub fn with_large_from(self, bytes: usize) -> Tuning {
         Tuning {
             large_from: bytes,
+            costs: None,
+            ..self
+        }
+    }
+
+    /// The measured costs the algorithms are chosen by, if any.
+    pub fn costs(self) -> Option<Costs> {
+        self.costs
+    }
+
+    /// With the algorithms of all-reduce, broadcast, reduce and reduce-scatter (and the
+    /// hierarchical all-reduce's form) chosen by the cost model with `costs` (e.g.
+    /// `Costs::load` of the file `shardcx bench --test allreduce --save-costs FILE` wrote on
+    /// this machine); all-gather keeps [`Tuning::large_from`]. Give every rank of a
+    /// communicator the same costs.
+    pub fn with_costs(self, costs: Costs) -> Tuning {
+        Tuning {
+            costs: Some(costs),
             ..self
         }
     }
@@ -133,6 +159,16 @@ impl Tuning {
 
     fn large(&self, bytes: usize) -> bool {
         bytes >= self.large_from
+    }
+
+    /// Whether `shape` on `p` ranks (nodes, for [`Shape::AllReduceOverNodes`]) and `bytes`
+    /// takes its large-message algorithm: by the cost model when there are costs, else by
+    /// [`Tuning::large_from`].
+    fn large_for(&self, shape: Shape, p: usize, bytes: usize) -> bool {
+        match self.costs {
+            Some(c) => c.prefers_large(shape, p, bytes),
+            None => self.large(bytes),
+        }
     }
 }
 
@@ -427,7 +463,7 @@ pub(crate) async fn broadcast(
 /// Flat broadcast: scatter + ring all-gather for large buffers (p > 2), else a binomial tree.
 async fn flat_broadcast(g: &Group<'_>, root: usize, buf: &mut [u8]) -> Result<(), CollectiveError> {
     let p = g.size();
-    if p > 2 && g.tuning().large(buf.len()) {
+    if p > 2 && g.tuning().large_for(Shape::Broadcast, p, buf.len()) {
         g.chose(Algorithm::ScatterAllGather);
         scatter_allgather(g, root, buf).await
     } else {
@@ -535,7 +571,11 @@ async fn flat_reduce<T: Element, O: Operator<T> + ?Sized>(
     o: &O,
 ) -> Result<Option<Vec<T>>, CollectiveError> {
     let p = g.size();
-    if p > 2 && o.is_commutative() && data.len() >= p && g.tuning().large(data.len() * T::SIZE) {
+    if p > 2
+        && o.is_commutative()
+        && data.len() >= p
+        && g.tuning().large_for(Shape::Reduce, p, data.len() * T::SIZE)
+    {
         g.chose(Algorithm::ReduceScatterGather);
         let n = data.len();
         let mut acc = data;
@@ -616,7 +656,10 @@ pub(crate) async fn all_reduce<T: Element, O: Operator<T> + ?Sized>(
     let contiguous = blocks.iter().flatten().copied().eq(0..p);
     if g.tuning().hierarchical() && nodes > 1 && nodes < p && (o.is_commutative() || contiguous) {
         let same = blocks.iter().all(|b| b.len() == k);
-        if o.is_commutative() && same && n >= k && g.tuning().large(n * T::SIZE) {
+        let slices = g
+            .tuning()
+            .large_for(Shape::AllReduceOverNodes { k }, nodes, n * T::SIZE);
+        if o.is_commutative() && same && n >= k && slices {
             return sliced_all_reduce(g, &blocks, data.into_owned(), o).await;
         }
         // With as many ranks on every node, a power of two, numbered node by node, recursive
@@ -709,7 +752,11 @@ async fn flat_all_reduce<T: Element, O: Operator<T> + ?Sized>(
     o: &O,
 ) -> Result<Vec<T>, CollectiveError> {
     let (p, n) = (g.size(), data.len());
-    if p > 2 && o.is_commutative() && n >= p && g.tuning().large(n * T::SIZE) {
+    if p > 2
+        && o.is_commutative()
+        && n >= p
+        && g.tuning().large_for(Shape::AllReduce, p, n * T::SIZE)
+    {
         g.chose(Algorithm::Ring);
         let mut acc = data.into_owned();
         ring_reduce_scatter(g, &mut acc, o, 0).await?;
@@ -1182,7 +1229,7 @@ pub(crate) async fn reduce_scatter<T: Element, O: Operator<T> + ?Sized>(
 ) -> Result<Vec<T>, CollectiveError> {
     let (r, p, n) = (g.rank(), g.size(), data.len());
     let count = n / p;
-    if o.is_commutative() && p > 1 && g.tuning().large(n * T::SIZE) {
+    if o.is_commutative() && p > 1 && g.tuning().large_for(Shape::ReduceScatter, p, n * T::SIZE) {
         g.chose(Algorithm::Ring);
         let mut acc = data;
         ring_reduce_scatter(g, &mut acc, o, 0).await?;

@@ -850,6 +850,7 @@ impl Op {
         if !direct {
             return self.send(to, step, encode_in_turns(xs).await).await;
         }
+        room_ahead(&self.node, m.node, len).await;
         let mut buf = self.state.take_send_buf(len);
         match Rc::get_mut(&mut buf) {
             Some(bytes) => encode_into_in_turns(xs, bytes).await,
@@ -1144,6 +1145,30 @@ async fn agree_on_survivors(op: &Op, born: u64) -> Result<(usize, Vec<usize>), C
 /// from where they are (UCX copies them at once, eager).
 const RNDV_OVER: usize = 8 << 10;
 
+/// Most bytes this shard's rails to one node may hold unsent (queued, or with UCX and not
+/// completed) before a large send of a collective waits for them to drain ([`room_ahead`]).
+const SEND_AHEAD: u64 = 16 << 20;
+
+/// How often [`room_ahead`] looks whether the rails have drained.
+const ROOM_POLL: Duration = Duration::from_micros(20);
+
+/// Waits until this shard's rails to `to` hold at most [`SEND_AHEAD`] bytes with `len` more
+/// (or nothing): a rank that sends without waiting for an answer (a broadcast's root, called
+/// in a loop) would otherwise run ahead of a slower receiver until the rail refuses the send
+/// at `NetConfig::max_backlog_bytes` ([`NetError::Backlogged`]),
+/// failing the operation. The operation's deadline bounds the wait; a rail that fails lets
+/// go of its frames.
+async fn room_ahead(node: &Node, to: NodeId, len: usize) {
+    let ctx = node.shard_ctx();
+    loop {
+        let held = ctx.backlog_bytes(to);
+        if held == 0 || held.saturating_add(len as u64) <= SEND_AHEAD {
+            return;
+        }
+        sleep(ROOM_POLL).await;
+    }
+}
+
 /// How long an abort may take to reach one rank.
 const ABORT_DEADLINE: Duration = Duration::from_secs(1);
 
@@ -1160,6 +1185,7 @@ async fn deliver_to(node: &Node, to: Member, h: Header, data: Vec<u8>) -> Result
         if here && data.len() > RNDV_OVER {
             // This shard holds the rail: the vector is moved to UCX, which sends it from where
             // it is (by rendezvous), instead of copied into a buffer of the rail's.
+            room_ahead(node, to.node, data.len()).await;
             return peer.am_send_buf(COLLECTIVE_AM, &h.encode(), data);
         }
         if let Some(sent) = send_here(node, to, &h, &data) {

@@ -94,8 +94,10 @@
 //! barrier, broadcast, reduce, all-gather of small blocks and all-reduce are hierarchical:
 //! through the nodes' leaders, or, for a large all-reduce, by slices (each shard all-reducing
 //! its slice with its counterparts on the other nodes, on its own rail). What is not here yet:
-//! hierarchical forms of reduce-scatter, gather, scatter, all-to-all and the scans, a cost
-//! model with measured constants.
+//! hierarchical forms of reduce-scatter, gather, scatter, all-to-all and the scans. The
+//! thresholds are a fixed size by default; [`Tuning::with_costs`] has a cost model with
+//! constants measured on the machine ([`Costs`], written by `shardcx bench --test allreduce
+//! --save-costs FILE`) choose instead ([`cost`]).
 //!
 //! ## In place
 //!
@@ -123,6 +125,7 @@
 
 pub mod algorithm;
 mod comm;
+pub mod cost;
 mod deadline;
 mod element;
 mod error;
@@ -132,6 +135,7 @@ pub mod wire;
 
 pub use algorithm::{Algorithm, Tuning};
 pub use comm::{Color, Communicator, Member};
+pub use cost::{Costs, CostsError};
 pub use element::{Element, Max, Min, Number, Operator, Prod, Sum, UserOp};
 pub use error::{AbortCause, CollectiveError};
 pub use state::{CollectiveStats, MAX_BUFFERED_BYTES};
