@@ -523,8 +523,8 @@ fn a_tiny_collective_bench_prints_its_table() {
 
 /// `--save-costs FILE` writes the allreduce fit; `--costs FILE` has the cost model choose
 /// the algorithms (a reduce-scatter of two ranks: the ring at 8 bytes, where the fixed
-/// threshold takes reduce + scatter); a file that is not a costs file, or `--costs` without a
-/// collective, fails with a message.
+/// threshold takes reduce + scatter); a file that is not a costs file fails the command before
+/// anything runs, and `--costs` without a collective is a usage error.
 #[test]
 fn the_collective_bench_saves_and_uses_measured_costs() {
     let dir = std::env::temp_dir().join(format!("shardcx-costs-{}", std::process::id()));
@@ -593,7 +593,7 @@ fn the_collective_bench_saves_and_uses_measured_costs() {
         "{stderr}"
     );
     let (code, _, stderr) = run(&["--test", "am-lat", "--costs", path]);
-    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("for the collectives"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }

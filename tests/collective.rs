@@ -1170,9 +1170,10 @@ fn the_cost_model_chooses_the_algorithms() {
 }
 
 /// A root that broadcasts 1 MiB vectors in a loop runs ahead of a receiver that takes its
-/// time (its shard blocked for 2 ms a call): the root's sends wait for its rail to drain instead of filling it to
-/// `NetConfig::max_backlog_bytes` (64 MiB), which failed the broadcast with `Backlogged`;
-/// every vector arrives whole and in order.
+/// time (its shard blocked for 300 ms before its first call, then 2 ms a call): the root's
+/// sends wait for its rail to drain instead of filling it to `NetConfig::max_backlog_bytes`
+/// (64 MiB), which failed the broadcast with `Backlogged`; every vector arrives whole and in
+/// order.
 #[test]
 fn a_loop_of_large_broadcasts_does_not_outrun_a_slow_receiver() {
     let _g = serial();
@@ -1183,6 +1184,10 @@ fn a_loop_of_large_broadcasts_does_not_outrun_a_slow_receiver() {
             let r = c.rank();
             let n = (1 << 20) / 8;
             let mut buf: Vec<u64> = (0..n as u64).collect();
+            if r == 1 {
+                // The whole shard stops (its driver too): nothing the root sends is fetched.
+                std::thread::sleep(Duration::from_millis(300));
+            }
             for k in 0..100u64 {
                 if r == 0 {
                     buf[0] = k;

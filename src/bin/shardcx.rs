@@ -169,8 +169,8 @@ struct BenchArgs {
     #[arg(long, value_name = "FILE")]
     costs: Option<PathBuf>,
     /// Collectives: write the allreduce cost model's α and β (fitted through the smallest and
-    /// the largest --size; the first shard count and transport) to FILE, for --costs and
-    /// Tuning::with_costs(Costs::load(FILE)?).
+    /// the largest --size of the two-rank world, --shards 1; the first transport) to FILE, for
+    /// --costs and Tuning::with_costs(Costs::load(FILE)?).
     #[arg(long, value_name = "FILE")]
     save_costs: Option<PathBuf>,
 }
@@ -626,6 +626,25 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
                 .into(),
         );
     }
+    if colls.is_empty() && (o.costs.is_some() || o.save_costs.is_some()) {
+        usage_error(
+            "bench",
+            "--costs and --save-costs are for the collectives (--test allreduce, ...)".into(),
+        );
+    }
+    if o.save_costs.is_some() && !o.shards.contains(&1) {
+        usage_error(
+            "bench",
+            "--save-costs fits a two-rank allreduce (one exchange per call): include 1 in --shards"
+                .into(),
+        );
+    }
+    // Read before anything runs: a bad file fails the command at once.
+    let tuning = match &o.costs {
+        Some(f) => Tuning::default()
+            .with_costs(Costs::load(f).map_err(|e| Failure(format!("--costs: {e}")))?),
+        None => Tuning::default(),
+    };
     let budget = match (o.duration, o.iters) {
         (Some(d), _) => Some(Budget::Duration(d)),
         (None, Some(n)) => Some(Budget::Iters(n)),
@@ -759,7 +778,7 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
         print!("{}", report::table(&results));
     }
     let _ = std::io::stdout().flush();
-    let colls = bench_collectives(&o, &colls, budget, &psk, &cpus)?;
+    let colls = bench_collectives(&o, &colls, tuning, budget, &psk, &cpus)?;
     if let Some(f) = &o.json {
         let mut objects = report::json_objects(&results);
         objects.extend(collective::json_objects(&colls));
@@ -782,33 +801,24 @@ fn bench(o: BenchArgs) -> Result<(), Failure> {
 fn bench_collectives(
     o: &BenchArgs,
     tests: &[Collective],
+    tuning: Tuning,
     budget: Option<Budget>,
     psk: &[u8],
     cpus: &[usize],
 ) -> Result<Vec<CollMeasurement>, Failure> {
     let mut out = Vec::new();
     if tests.is_empty() {
-        if o.costs.is_some() || o.save_costs.is_some() {
-            return Err(Failure(
-                "--costs and --save-costs are for the collectives (--test allreduce, ...)".into(),
-            ));
-        }
         return Ok(out);
     }
-    let tuning = match &o.costs {
-        Some(f) => {
-            let c = Costs::load(f).map_err(|e| Failure(format!("--costs: {e}")))?;
-            println!(
-                "shardcx bench: collectives choose their algorithms by the cost model: α = {:.2} \
-                 µs, β = {:.4} ns/B (from {})",
-                c.alpha_us(),
-                c.beta_ns_per_byte(),
-                f.display()
-            );
-            Tuning::default().with_costs(c)
-        }
-        None => Tuning::default(),
-    };
+    if let (Some(c), Some(f)) = (tuning.costs(), &o.costs) {
+        println!(
+            "shardcx bench: collectives choose their algorithms by the cost model: α = {:.2} \
+             µs, β = {:.4} ns/B (from {})",
+            c.alpha_us(),
+            c.beta_ns_per_byte(),
+            f.display()
+        );
+    }
     let v = shardcx::ucx::version();
     for &transport in &o.transports {
         for &shards in &o.shards {
@@ -868,12 +878,14 @@ fn bench_collectives(
     print!("{}", collective::table(&out));
     let _ = std::io::stdout().flush();
     if let Some(f) = &o.save_costs {
+        // Two ranks: an allreduce is one exchange, so the fit is the cost of a message.
         let fit = collective::cost_model(&out)
             .into_iter()
-            .next()
+            .find(|c| c.ranks == 2)
             .ok_or_else(|| {
                 Failure(
-                    "--save-costs: the cost model needs allreduce at two sizes (--size 8,1m)"
+                    "--save-costs: the cost model needs a two-rank allreduce at two sizes \
+                     (--test allreduce --size 8,1m --shards 1)"
                         .into(),
                 )
             })?;

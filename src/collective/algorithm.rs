@@ -8,7 +8,7 @@
 //!
 //! With `p` ranks and `n` bytes per rank:
 //!
-//! | operation | small (`n` < [`Tuning::large_from`]) | large |
+//! | operation | small (`n` < [`Tuning::large_from`], or cheaper by [`Tuning::costs`]) | large |
 //! | --- | --- | --- |
 //! | barrier | dissemination, ⌈log2 p⌉ rounds | – |
 //! | broadcast | binomial tree | scatter (binomial) + ring all-gather (p > 2) |
@@ -656,16 +656,22 @@ pub(crate) async fn all_reduce<T: Element, O: Operator<T> + ?Sized>(
     let contiguous = blocks.iter().flatten().copied().eq(0..p);
     if g.tuning().hierarchical() && nodes > 1 && nodes < p && (o.is_commutative() || contiguous) {
         let same = blocks.iter().all(|b| b.len() == k);
-        let slices = g
-            .tuning()
-            .large_for(Shape::AllReduceOverNodes { k }, nodes, n * T::SIZE);
-        if o.is_commutative() && same && n >= k && slices {
-            return sliced_all_reduce(g, &blocks, data.into_owned(), o).await;
-        }
         // With as many ranks on every node, a power of two, numbered node by node, recursive
         // doubling already pairs a node's shards first, then each shard with its counterparts
         // on the other nodes (on their own rails): nothing to gain from leaders.
-        if !(same && k.is_power_of_two() && contiguous) {
+        let flat = same && k.is_power_of_two() && contiguous;
+        let slices = g.tuning().large_for(
+            Shape::AllReduceOverNodes {
+                k,
+                otherwise_flat: flat,
+            },
+            nodes,
+            n * T::SIZE,
+        );
+        if o.is_commutative() && same && n >= k && slices {
+            return sliced_all_reduce(g, &blocks, data.into_owned(), o).await;
+        }
+        if !flat {
             return leaders_all_reduce(g, &blocks, data.into_owned(), o).await;
         }
     }

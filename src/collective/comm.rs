@@ -1155,9 +1155,13 @@ const ROOM_POLL: Duration = Duration::from_micros(20);
 /// Waits until this shard's rails to `to` hold at most [`SEND_AHEAD`] bytes with `len` more
 /// (or nothing): a rank that sends without waiting for an answer (a broadcast's root, called
 /// in a loop) would otherwise run ahead of a slower receiver until the rail refuses the send
-/// at `NetConfig::max_backlog_bytes` ([`NetError::Backlogged`]),
-/// failing the operation. The operation's deadline bounds the wait; a rail that fails lets
-/// go of its frames.
+/// at `NetConfig::max_backlog_bytes` ([`NetError::Backlogged`]), failing the operation. Every
+/// send to another node's shard over the rendezvous threshold, and every part of one over
+/// [`SEGMENT`], looks first. The operation's deadline bounds the wait; a rail that fails
+/// lets go of its frames. What it does not see: a send through another shard of this node
+/// (that shard's rail, reached through the mesh), and the sends of other operations that
+/// looked at the same moment (each is let through: with the rail's limit at four times
+/// [`SEND_AHEAD`], it takes several large operations at once on one shard to reach it).
 async fn room_ahead(node: &Node, to: NodeId, len: usize) {
     let ctx = node.shard_ctx();
     loop {
@@ -1229,6 +1233,7 @@ async fn deliver_waiting(node: &Node, to: Member, h: Header, data: Vec<u8>) -> R
         node.default_deadline()
     };
     if data.len() <= SEGMENT {
+        room_ahead(node, to.node, data.len()).await;
         return peer
             .am_send_within(COLLECTIVE_AM, &h.encode(), &data, timeout)
             .await;
@@ -1238,6 +1243,7 @@ async fn deliver_waiting(node: &Node, to: Member, h: Header, data: Vec<u8>) -> R
             offset: (i * SEGMENT) as u64,
             ..h
         };
+        room_ahead(node, to.node, part.len()).await;
         peer.am_send_within(COLLECTIVE_AM, &part_h.encode(), part, timeout)
             .await?;
     }

@@ -14,7 +14,7 @@
 //! | broadcast | binomial tree: `L(α + nβ)` | scatter + ring all-gather: `(L + p − 1)α + 2nβ(p−1)/p` |
 //! | reduce | binomial tree: `L(α + nβ)` | ring reduce-scatter + gather: `(p − 1 + L)α + 2nβ(p−1)/p` |
 //! | reduce-scatter (`n`: the whole input) | reduce + scatter: `L(α + nβ) + Lα + nβ(p−1)/p` | ring: `(p−1)(α + nβ/p)` |
-//! | all-reduce over `m` nodes of `k` ranks | through the leaders: `2⌈log2 k⌉(α + nβ) + A(m, n)` | by slices: `2(k−1)(α + nβ/k) + A(m, n/k)` |
+//! | all-reduce over `m` nodes of `k` ranks | through the leaders: `2⌈log2 k⌉(α + nβ) + A(m, n)`; or flat, `A(mk, n)`, when every node has the same power of two of ranks in rank order | by slices: `2(k−1)(α + nβ/k) + A(m, n/k)` |
 //!
 //! (`A(m, n)`: the cheaper flat all-reduce of `m` ranks.) The large-message algorithm is taken
 //! when it costs less. The model has no term for local copies, so it never prefers the ring
@@ -38,7 +38,10 @@ pub struct Costs {
 #[derive(Debug, thiserror::Error)]
 pub enum CostsError {
     /// `α` or `β` negative, not finite, or too large.
-    #[error("{what} = {value}: a cost must be finite, at least 0 and at most a second")]
+    #[error(
+        "{what} = {value}: a cost must be finite, at least 0, and at most 1 s (alpha_us) or 1 ms \
+         (beta_ns_per_byte)"
+    )]
     OutOfRange {
         /// `alpha_us` or `beta_ns_per_byte`.
         what: &'static str,
@@ -65,15 +68,18 @@ pub(crate) enum Shape {
     Broadcast,
     Reduce,
     ReduceScatter,
-    /// All-reduce over `nodes` nodes of `k` ranks each: by slices (large) or through the leaders.
+    /// All-reduce over `nodes` nodes of `k` ranks each: by slices (large) or else through the
+    /// leaders, or flat over all of them when `otherwise_flat` (recursive doubling pairs a
+    /// node's ranks first when every node has the same power of two of them, in rank order).
     AllReduceOverNodes {
         k: usize,
+        otherwise_flat: bool,
     },
 }
 
 impl Costs {
-    /// `α` in microseconds per message, `β` in nanoseconds per byte; each finite, at least 0
-    /// and at most a second.
+    /// `α` in microseconds per message, `β` in nanoseconds per byte; each finite and at least
+    /// 0, `α` at most a second and `β` at most a millisecond a byte.
     pub fn new(alpha_us: f64, beta_ns_per_byte: f64) -> Result<Costs, CostsError> {
         let check = |what, value: f64, scale: f64| {
             if value.is_finite() && (0.0..=1e12).contains(&(value * scale)) {
@@ -166,17 +172,22 @@ impl Costs {
                 l * self.msg(n) + l * a + n * b * (pf - 1.0) / pf,
                 (pf - 1.0) * self.msg(n / pf),
             ),
-            Shape::AllReduceOverNodes { k } => {
+            Shape::AllReduceOverNodes { k, otherwise_flat } => {
                 let k = k.max(1);
                 let (kf, m) = (k as f64, p.max(1));
                 let lk = f64::from(k.next_power_of_two().trailing_zeros());
-                let flat = |bytes: f64| {
-                    let (s, l) = self.estimate(Shape::AllReduce, m, bytes as usize);
+                let flat = |ranks: usize, bytes: f64| {
+                    let (s, l) = self.estimate(Shape::AllReduce, ranks, bytes as usize);
                     s.min(l)
                 };
+                let otherwise = if otherwise_flat {
+                    flat(m * k, n)
+                } else {
+                    2.0 * lk * self.msg(n) + flat(m, n)
+                };
                 (
-                    2.0 * lk * self.msg(n) + flat(n),
-                    2.0 * (kf - 1.0) * self.msg(n / kf) + flat(n / kf),
+                    otherwise,
+                    2.0 * (kf - 1.0) * self.msg(n / kf) + flat(m, n / kf),
                 )
             }
         }
@@ -265,15 +276,28 @@ mod tests {
     #[test]
     fn slices_pay_off_for_large_vectors_over_nodes() {
         let c = Costs::new(2.0, 0.5).unwrap();
-        let shape = Shape::AllReduceOverNodes { k: 4 };
-        assert!(!c.prefers_large(shape, 2, 8));
-        assert!(c.prefers_large(shape, 2, 16 << 20));
-        // One rank per node: nothing to slice, never cheaper.
-        assert!(!Costs::new(2.0, 0.5).unwrap().prefers_large(
-            Shape::AllReduceOverNodes { k: 1 },
-            4,
-            16 << 20
-        ));
+        for otherwise_flat in [false, true] {
+            let shape = Shape::AllReduceOverNodes {
+                k: 4,
+                otherwise_flat,
+            };
+            assert!(!c.prefers_large(shape, 2, 8));
+            assert!(c.prefers_large(shape, 2, 16 << 20));
+            // One rank per node: nothing to slice, never cheaper.
+            let one = Shape::AllReduceOverNodes {
+                k: 1,
+                otherwise_flat,
+            };
+            assert!(!c.prefers_large(one, 4, 16 << 20));
+        }
+        // Two nodes of two: flat recursive doubling, 2(α + nβ), against slices, 3α + 1.5nβ:
+        // slices from n > 2α/β on, not from the first bytes as against the leaders.
+        let two = Shape::AllReduceOverNodes {
+            k: 2,
+            otherwise_flat: true,
+        };
+        let at = crossover(c, two, 2, 1 << 30).unwrap();
+        assert!((at as f64 - 2.0 * 2000.0 / 0.5).abs() <= 1.0, "{at}");
     }
 
     #[test]
