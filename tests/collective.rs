@@ -743,7 +743,8 @@ async fn light_suite(c: &mut Communicator, n: usize) -> Result<(), String> {
     non_commutative(c).await
 }
 
-/// Barrier, broadcast, reduce and all-gather of a few elements: through the leaders when
+/// Barrier, broadcast, reduce, all-gather, gather and scatter of a few elements: through the
+/// leaders when
 /// `hierarchical` (the ranks span several nodes, some node has several, and the tuning lets
 /// them), else flat; results checked, and the algorithm each took.
 async fn forms(c: &mut Communicator, hierarchical: bool) -> Result<(), String> {
@@ -788,6 +789,24 @@ async fn forms(c: &mut Communicator, hierarchical: bool) -> Result<(), String> {
     took(c, "all_gather", Algorithm::Bruck)?;
     let exp: Vec<u64> = (0..p as u64).flat_map(|q| [q, 100 + q]).collect();
     ensure!(r, got == exp, "all_gather: {got:?} != {exp:?}");
+    let got = c
+        .gather(root, &[r as u64, 100 + r as u64], T)
+        .await
+        .map_err(|e| e.to_string())?;
+    took(c, "gather", Algorithm::BinomialTree)?;
+    ensure!(
+        r,
+        got == (r == root).then(|| exp.clone()),
+        "gather at {root}: {got:?}"
+    );
+    let all: Vec<u64> = if r == root { exp.clone() } else { Vec::new() };
+    let got = c.scatter(root, &all, T).await.map_err(|e| e.to_string())?;
+    took(c, "scatter", Algorithm::BinomialTree)?;
+    ensure!(
+        r,
+        got == [r as u64, 100 + r as u64],
+        "scatter from {root}: {got:?}"
+    );
     Ok(())
 }
 

@@ -20,6 +20,7 @@
 //! | all-gather | Bruck, ⌈log2 p⌉ rounds | ring |
 //! | all-gather over several nodes | through the leaders: gather at each leader, ring of the leaders, broadcast in each node | ring |
 //! | gather, scatter | binomial tree | binomial tree |
+//! | gather, scatter over several nodes | through the leaders, each level a binomial tree | the same |
 //! | all-to-all | pairwise exchange, p − 1 rounds | pairwise exchange |
 //! | scan, exclusive scan | recursive doubling | recursive doubling |
 //!
@@ -32,7 +33,8 @@
 //! operation's ranks: a node's ranks talk through the cross-shard mesh, ranks of different
 //! nodes on their rails. Through the leaders, one rank per node (the root on the root's node,
 //! else the node's first rank) carries its node's part across nodes: a barrier, a broadcast,
-//! a reduce, a small all-gather and a small or unevenly spread all-reduce cross nodes with one
+//! a reduce, a gather, a scatter, a small all-gather and a small or unevenly spread
+//! all-reduce (and the scatter of reduce-scatter's small form) cross nodes with one
 //! rank per node instead of all of them (two nodes of two ranks: a broadcast from rank 1
 //! crosses once instead of three times, a barrier twice instead of six). Recursive doubling over
 //! ranks numbered node by node, with the same power of two on every node, is already
@@ -142,9 +144,9 @@ impl Tuning {
         }
     }
 
-    /// Whether barrier, broadcast, reduce, all-gather (small blocks) and all-reduce may take a
-    /// hierarchical form when the ranks span several nodes (default: yes; see the module
-    /// docs).
+    /// Whether barrier, broadcast, reduce, gather, scatter, all-gather (small blocks) and
+    /// all-reduce may take a hierarchical form when the ranks span several nodes (default:
+    /// yes; see the module docs).
     pub fn hierarchical(self) -> bool {
         self.hierarchical
     }
@@ -938,25 +940,49 @@ async fn leaders_all_gather(
     }
     binomial_bcast(&lv.local, lv.leader, &mut all, 1).await?;
     g.chose(Algorithm::Hierarchical);
-    if blocks.iter().flatten().copied().eq(0..p) {
-        return Ok(all);
-    }
-    let mut out = vec![0u8; p * b];
-    for (at, &rank) in blocks.iter().flatten().enumerate() {
-        out[rank * b..(rank + 1) * b].copy_from_slice(&all[at * b..(at + 1) * b]);
-    }
-    Ok(out)
+    Ok(in_rank_order(&blocks, all, b))
 }
 
-/// Gather of equal blocks at `root`: every rank's block, in rank order, there.
+/// Gather of equal blocks at `root`: every rank's block, in rank order, there. Through the
+/// leaders when the ranks span several nodes (a node's blocks gathered at its leader through
+/// the mesh, the leaders' node blocks at the root), else a binomial tree.
 pub(crate) async fn gather(
     g: &Group<'_>,
     root: usize,
     mine: Vec<u8>,
 ) -> Result<Option<Vec<u8>>, CollectiveError> {
+    if let Some(lv) = levels(g, root, false)? {
+        let b = mine.len();
+        let lens = vec![b; lv.local.size()];
+        let ours = gather_blocks(&lv.local, lv.leader, mine, &lens, 0).await?;
+        g.chose(Algorithm::Hierarchical);
+        let Some(leaders) = &lv.leaders else {
+            return Ok(None);
+        };
+        let ours = ours.ok_or_else(|| g.invalid("a leader gathered nothing"))?;
+        let blocks = g.node_blocks();
+        let lens: Vec<usize> = blocks.iter().map(|node| node.len() * b).collect();
+        return Ok(gather_blocks(leaders, lv.root_at, ours, &lens, 0)
+            .await?
+            .map(|all| in_rank_order(&blocks, all, b)));
+    }
     g.chose(Algorithm::BinomialTree);
     let lens = vec![mine.len(); g.size()];
     gather_blocks(g, root, mine, &lens, 0).await
+}
+
+/// `all`, blocks of `b` bytes node after node (each node's in its ranks' order, as `blocks`
+/// lists them), in rank order.
+fn in_rank_order(blocks: &[Vec<usize>], all: Vec<u8>, b: usize) -> Vec<u8> {
+    let p = blocks.iter().map(Vec::len).sum();
+    if blocks.iter().flatten().copied().eq(0..p) {
+        return all;
+    }
+    let mut out = vec![0u8; all.len()];
+    for (at, &rank) in blocks.iter().flatten().enumerate() {
+        out[rank * b..(rank + 1) * b].copy_from_slice(&all[at * b..(at + 1) * b]);
+    }
+    out
 }
 
 /// Binomial gather at `root` of blocks whose lengths (`lens[rank]`) every rank knows: a
@@ -1002,14 +1028,53 @@ async fn gather_blocks(
     Ok(Some(out))
 }
 
-/// Binomial scatter from `root` of `p` equal blocks (`data` on the root): this rank's block.
+/// Scatter from `root` of `p` equal blocks (`data` on the root, in rank order): this rank's
+/// block. Through the leaders when the ranks span several nodes (each node's blocks to its
+/// leader, then through the mesh to its ranks; steps of `phase` in both groups), else a
+/// binomial tree.
 pub(crate) async fn scatter(
     g: &Group<'_>,
     root: usize,
     data: Option<&[u8]>,
     phase: u32,
 ) -> Result<Vec<u8>, CollectiveError> {
+    if let Some(lv) = levels(g, root, false)? {
+        let mut ours = None;
+        if let Some(leaders) = &lv.leaders {
+            let chunks = match data.filter(|_| g.rank() == root) {
+                Some(data) => {
+                    let b = data.len() / g.size();
+                    let chunks = g
+                        .node_blocks()
+                        .iter()
+                        .map(|node| {
+                            node.iter()
+                                .flat_map(|&r| &data[r * b..(r + 1) * b])
+                                .copied()
+                                .collect()
+                        })
+                        .collect();
+                    Some(chunks)
+                }
+                None => None,
+            };
+            ours = Some(scatter_blocks(leaders, lv.root_at, chunks, phase).await?);
+        }
+        let mine = binomial_scatter(&lv.local, lv.leader, ours.as_deref(), phase).await?;
+        g.chose(Algorithm::Hierarchical);
+        return Ok(mine);
+    }
     g.chose(Algorithm::BinomialTree);
+    binomial_scatter(g, root, data, phase).await
+}
+
+/// Binomial scatter from `root` of `p` equal blocks (`data` on the root): this rank's block.
+async fn binomial_scatter(
+    g: &Group<'_>,
+    root: usize,
+    data: Option<&[u8]>,
+    phase: u32,
+) -> Result<Vec<u8>, CollectiveError> {
     let (r, p) = (g.rank(), g.size());
     let vr = (r + p - root) % p;
     let lowbit = vr & vr.wrapping_neg();
@@ -1145,6 +1210,17 @@ pub(crate) async fn scatterv(
     blocks: Option<Vec<Vec<u8>>>,
 ) -> Result<Vec<u8>, CollectiveError> {
     g.chose(Algorithm::BinomialTree);
+    scatter_blocks(g, root, blocks, 0).await
+}
+
+/// Binomial scatter from `root` of blocks of any length (`blocks` on the root, in rank order;
+/// steps of `phase`): this rank's block.
+async fn scatter_blocks(
+    g: &Group<'_>,
+    root: usize,
+    blocks: Option<Vec<Vec<u8>>>,
+    phase: u32,
+) -> Result<Vec<u8>, CollectiveError> {
     let (r, p) = (g.rank(), g.size());
     let vr = (r + p - root) % p;
     let lowbit = vr & vr.wrapping_neg();
@@ -1155,7 +1231,7 @@ pub(crate) async fn scatterv(
             .collect()
     } else {
         let parent = real(vr - lowbit, root, p);
-        let d = g.recv(parent, step(0, 0)).await?;
+        let d = g.recv(parent, step(phase, 0)).await?;
         unpack(g, parent, &d, lowbit.min(p - vr))?
     };
     let mut mask = if vr == 0 {
@@ -1167,7 +1243,8 @@ pub(crate) async fn scatterv(
         if vr + mask < p {
             let count = mask.min(p - vr - mask);
             let part = pack(&have[mask..mask + count]);
-            g.send(real(vr + mask, root, p), step(0, 0), part).await?;
+            g.send(real(vr + mask, root, p), step(phase, 0), part)
+                .await?;
         }
         mask >>= 1;
     }
