@@ -16,7 +16,7 @@
 //! | barrier, broadcast, reduce over several nodes | through the leaders (below), each level flat as above | the same |
 //! | all-reduce | recursive doubling (non-powers of two folded in; each exchange pipelined in chunks of at most 256 KiB) | ring reduce-scatter + ring all-gather (commutative, p > 2) |
 //! | all-reduce over several nodes | through the leaders, unless every node has the same power-of-two number of ranks numbered node by node | by slices: a node's ranks reduce-scatter, rank `s` of every node all-reduces slice `s`, a node's ranks all-gather (commutative, as many ranks on every node) |
-//! | reduce-scatter | binomial reduce to rank 0 + binomial scatter | ring (commutative) |
+//! | reduce-scatter | reduce to rank 0 + scatter (each as above, so through the leaders over several nodes) | ring (commutative) |
 //! | all-gather | Bruck, ⌈log2 p⌉ rounds | ring |
 //! | all-gather over several nodes | through the leaders: gather at each leader, ring of the leaders, broadcast in each node | ring |
 //! | gather, scatter | binomial tree | binomial tree |
@@ -33,8 +33,8 @@
 //! operation's ranks: a node's ranks talk through the cross-shard mesh, ranks of different
 //! nodes on their rails. Through the leaders, one rank per node (the root on the root's node,
 //! else the node's first rank) carries its node's part across nodes: a barrier, a broadcast,
-//! a reduce, a gather, a scatter, a small all-gather and a small or unevenly spread
-//! all-reduce (and the scatter of reduce-scatter's small form) cross nodes with one
+//! a reduce, a gather, a scatter, a small reduce-scatter (a reduce and a scatter), a small
+//! all-gather and a small or unevenly spread all-reduce cross nodes with one
 //! rank per node instead of all of them (two nodes of two ranks: a broadcast from rank 1
 //! crosses once instead of three times, a barrier twice instead of six). Recursive doubling over
 //! ranks numbered node by node, with the same power of two on every node, is already
@@ -1318,7 +1318,9 @@ pub(crate) async fn reduce_scatter<T: Element, O: Operator<T> + ?Sized>(
         ring_reduce_scatter(g, &mut acc, o, 0).await?;
         return Ok(acc[r * count..(r + 1) * count].to_vec());
     }
-    let all = reduce_tree(g, 0, data, o, 0).await?;
+    // Through the leaders over several nodes (reduce and scatter both), with the groups'
+    // steps of phases 0 and 1.
+    let all = reduce(g, 0, data, o).await?;
     let bytes = match &all {
         Some(a) => Some(encode_in_turns(a).await),
         None => None,

@@ -91,12 +91,12 @@
 //! Chosen by message size and rank count ([`Tuning`]; the table is in [`algorithm`]):
 //! dissemination barrier, binomial trees, recursive doubling, Bruck's all-gather, and rings
 //! (reduce-scatter + all-gather) for large commutative reductions. Over several nodes,
-//! barrier, broadcast, reduce, gather, scatter, all-gather of small blocks and all-reduce are
-//! hierarchical:
+//! barrier, broadcast, reduce, gather, scatter, all-gather of small blocks, reduce-scatter of
+//! small vectors and all-reduce are hierarchical:
 //! through the nodes' leaders, or, for a large all-reduce, by slices (each shard all-reducing
 //! its slice with its counterparts on the other nodes, on its own rail). What is not here yet:
-//! hierarchical forms of the vector variants, all-to-all and the scans (reduce-scatter's
-//! small form scatters through the leaders, after a flat reduce). The
+//! hierarchical forms of the vector variants, all-to-all, the scans and the large
+//! reduce-scatter (a ring over every rank). The
 //! thresholds are a fixed size by default; [`Tuning::with_costs`] has a cost model with
 //! constants measured on the machine ([`Costs`], written by `shardcx bench --test allreduce
 //! --save-costs FILE`) choose instead ([`cost`]).
