@@ -1318,14 +1318,15 @@ pub(crate) async fn reduce_scatter<T: Element, O: Operator<T> + ?Sized>(
         ring_reduce_scatter(g, &mut acc, o, 0).await?;
         return Ok(acc[r * count..(r + 1) * count].to_vec());
     }
-    // Through the leaders over several nodes (reduce and scatter both), with the groups'
-    // steps of phases 0 and 1.
+    // Through the leaders over several nodes (reduce and scatter both). The reduce takes
+    // phases 0 and 1 of each group's steps (1: a reduce-scatter + gather reduce's gather, which
+    // its cost model may choose for a node's group), the scatter phase 2.
     let all = reduce(g, 0, data, o).await?;
     let bytes = match &all {
         Some(a) => Some(encode_in_turns(a).await),
         None => None,
     };
-    let mine = scatter(g, 0, bytes.as_deref(), 1).await?;
+    let mine = scatter(g, 0, bytes.as_deref(), 2).await?;
     g.chose(Algorithm::ReduceThenScatter);
     decode_in_turns(&mine)
         .await
