@@ -36,8 +36,8 @@ impl Communicator {
             let mut bytes = encode_in_turns(data).await;
             algorithm::broadcast(&Group::all(op), root, &mut bytes).await?;
             if op.rank() != root {
-                let got: Vec<T> = op.decode(&bytes, root, "element size").await?;
-                data.copy_from_slice(&got);
+                // Straight over the caller's buffer: no vector of elements between.
+                decode_result(op, &bytes, data, root, "element size").await?;
             }
             Ok(())
         })
