@@ -1158,11 +1158,17 @@ const ROOM_POLL: Duration = Duration::from_micros(20);
 /// at `NetConfig::max_backlog_bytes` ([`NetError::Backlogged`]), failing the operation. Every
 /// send to another node's shard over the rendezvous threshold, and every part of one over
 /// [`SEGMENT`], looks first. The operation's deadline bounds the wait; a rail that fails
-/// lets go of its frames. What it does not see: a send through another shard of this node
+/// lets go of its frames; an eager message (at most [`RNDV_OVER`] bytes) never waits. What it
+/// does not see: a send through another shard of this node
 /// (that shard's rail, reached through the mesh), and the sends of other operations that
 /// looked at the same moment (each is let through: with the rail's limit at four times
 /// [`SEND_AHEAD`], it takes several large operations at once on one shard to reach it).
 async fn room_ahead(node: &Node, to: NodeId, len: usize) {
+    if len <= RNDV_OVER {
+        // Eager: UCX copies it at once, and an abort (empty, from a task with no deadline of
+        // its own) must not wait behind a stalled peer's backlog.
+        return;
+    }
     let ctx = node.shard_ctx();
     loop {
         let held = ctx.backlog_bytes(to);
