@@ -69,6 +69,7 @@ fn a_node_serves_metrics_that_promtool_accepts_and_that_move() {
         "shardcx_frames_delivered_total",
         "shardcx_frames_sent_total",
         "shardcx_sends_paced_total",
+        "shardcx_rendezvous_pulls_waited_total",
         "shardcx_frames_dropped_total",
         "shardcx_rpc_calls_total",
         "shardcx_driver_rounds_total",

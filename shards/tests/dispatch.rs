@@ -1096,3 +1096,128 @@ fn canary_plan_covers_both_paths() {
     assert!(plans.iter().any(|&(id, len)| id == POOLED && len <= t));
     assert!(plans.iter().any(|&(_, len)| len == t));
 }
+
+/// Large frames from A to a plain handler on B: their rendezvous data lands in B's own
+/// buffers.
+const BULK: AmId = AmId::new(29);
+
+/// A burst of rendezvous frames from one peer, over shared memory: A sends 64 frames of
+/// 256 KiB at once; B's handler checks each one's content and notes where it landed. B pulls
+/// them [`NetConfig::rndv_pull_budget`] (512 KiB) at a time, each into a buffer taken when
+/// its pull starts, so most of them wait (`rndv_pulls_waited`) and they all land in a few
+/// buffers that are reused while warm (with every pull started at once, each of the 64 took
+/// a buffer of its own, as the same test with the budget lifted shows).
+#[test]
+fn a_burst_of_large_frames_is_pulled_a_budget_at_a_time_into_the_same_few_buffers() {
+    let gated = burst_of_large_frames(None);
+    assert!(
+        gated.waited >= BURST / 2,
+        "{} of {BURST} pulls waited for the peer's earlier ones",
+        gated.waited
+    );
+    assert!(
+        gated.buffers <= 4,
+        "{BURST} frames landed in {} buffers",
+        gated.buffers
+    );
+    // The control: with no budget, nothing waits and the burst takes many more buffers.
+    let ungated = burst_of_large_frames(Some(usize::MAX));
+    assert_eq!(ungated.waited, 0);
+    assert!(
+        ungated.buffers > gated.buffers,
+        "{} buffers with every pull at once, {} a budget at a time",
+        ungated.buffers,
+        gated.buffers
+    );
+}
+
+const BURST: u64 = 64;
+const BURST_LEN: usize = 256 << 10;
+
+struct Burst {
+    /// Pulls that waited for the budget (B's `rndv_pulls_waited`).
+    waited: u64,
+    /// Distinct buffers the frames landed in.
+    buffers: usize,
+}
+
+fn burst_of_large_frames(budget: Option<usize>) -> Burst {
+    let _g = serial();
+    let problems: Problems = Arc::default();
+    let got = Arc::new(AtomicU64::new(0));
+    let buffers = Arc::new(Mutex::new(HashSet::new()));
+    let cfg = move || {
+        let mut c = net_config_for("sm,tcp");
+        if let Some(b) = budget {
+            c.rndv_pull_budget = b;
+        }
+        c
+    };
+    let (p, g, bufs) = (problems.clone(), got.clone(), buffers.clone());
+    let b = Server::start(
+        node(B, 1)
+            .transports("sm,tcp")
+            .net(cfg())
+            .listen("127.0.0.1:0".parse().unwrap())
+            .on_start(move |ctx| {
+                let (problems, got, bufs) = (p.clone(), g.clone(), bufs.clone());
+                let seen = RefCell::new(HashSet::new());
+                ctx.set_frame_view_handler_am(BULK, move |_, frame| {
+                    let data = frame.payload();
+                    let seq = u64::from_le_bytes(data[..8].try_into().unwrap());
+                    let intact = data.len() == BURST_LEN
+                        && data[8..].iter().step_by(4093).all(|&b| b == seq as u8)
+                        && data[BURST_LEN - 1] == seq as u8;
+                    if !intact || !seen.borrow_mut().insert(seq) || seq >= BURST {
+                        note(&problems, format!("frame {seq} of {} bytes", data.len()));
+                    }
+                    bufs.lock().unwrap().insert(data.as_ptr() as usize);
+                    got.fetch_add(1, Ordering::AcqRel);
+                });
+            }),
+    );
+    let addr = b.addr;
+    let got_a = got.clone();
+    run_node(node(A, 1).transports("sm,tcp").net(cfg()), move |ctx| {
+        let got = got_a.clone();
+        async move {
+            ctx.connect(addr).await.expect("connect");
+            // All of them before A's driver runs again: B sees the announcements together.
+            for seq in 0..BURST {
+                let mut v = vec![seq as u8; BURST_LEN];
+                v[..8].copy_from_slice(&seq.to_le_bytes());
+                ctx.send_am_buf_now(B, BULK, &[], v)
+                    .unwrap_or_else(|e| panic!("send of {seq}: {e}"));
+            }
+            let all = wait_until(Duration::from_secs(20), || {
+                got.load(Ordering::Acquire) >= BURST
+            })
+            .await;
+            assert!(
+                all,
+                "{} of {BURST} frames arrived",
+                got.load(Ordering::Acquire)
+            );
+        }
+    });
+    let reports = b.stop();
+    let problems = problems.lock().unwrap().clone();
+    assert!(problems.is_empty(), "{problems:#?}");
+    let s = reports[0].stats;
+    assert_eq!(s.handler_panics + dropped(&s), 0, "{s:?}");
+    assert_eq!(
+        s.rndv_pooled + s.rndv_recycled + s.rndv_allocated,
+        BURST,
+        "{s:?}"
+    );
+    let buffers = buffers.lock().unwrap().len();
+    eprintln!(
+        "budget {budget:?}: {} of {BURST} pulls waited, {buffers} buffers ({} pooled, {} \
+         recycled, {} allocated)",
+        s.rndv_pulls_waited, s.rndv_pooled, s.rndv_recycled, s.rndv_allocated
+    );
+    Burst {
+        waited: s.rndv_pulls_waited,
+        buffers,
+    }
+}

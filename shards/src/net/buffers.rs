@@ -12,9 +12,25 @@
 //! The cache keeps at most [`super::NetConfig::rndv_cache_bytes`] of idle vectors per shard;
 //! a payload dropped when the cache is full frees its vector. A payload kept with
 //! [`RecycledBuf::into_vec`] leaves the cache for good (no copy).
+//!
+//! # Pulls in flight, per peer
+//!
+//! Such pulls are also paced ([`PullGates`]): a pull starts while the bytes of the same peer's
+//! pulls in flight are under [`super::NetConfig::rndv_pull_budget`], and the others wait, in
+//! arrival order, taking their buffer only when they start. A stream of large messages then
+//! lands in the same few buffers, each taken again right after its handler let go of it, and
+//! still in the receiving core's cache; with every announced transfer pulled at once (64 in
+//! flight, or eight of 1 MiB) each landed in a buffer of its own, and the receiving core
+//! copied into memory it did not hold (`shardcx bench --test am-bw` over shared memory:
+//! 64 KiB and 1 MiB messages, see the README). Pulls of different peers never wait for each
+//! other, so a stalled peer holds up only its own.
 
 use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
 use std::rc::{Rc, Weak};
+
+use crate::proto::request::DedupHasher;
+use crate::proto::NodeId;
 
 /// Smallest cached vector: 4 KiB (`1 << MIN_SHIFT`).
 const MIN_SHIFT: u32 = 12;
@@ -140,6 +156,103 @@ impl std::fmt::Debug for RecycledBuf {
     }
 }
 
+/// Rendezvous pulls into the runtime's own buffers (see "Pulls in flight, per peer" above),
+/// per peer: what is in flight, what waits, and what may start now. `T` is a pull not yet
+/// started (what it needs to start); its bytes count from when it may start until
+/// [`PullGates::leave`].
+pub(super) struct PullGates<T> {
+    budget: usize,
+    gates: HashMap<NodeId, Gate<T>, DedupHasher>,
+    /// Pulls that may start, in the order they were let in: [`PullGates::take_ready`].
+    ready: VecDeque<T>,
+    /// Set while a caller takes the ready pulls (one that starts may end at once and let the
+    /// next in, which then waits in `ready` for the same caller instead of nesting).
+    starting: bool,
+}
+
+/// One peer's pulls.
+struct Gate<T> {
+    in_flight: usize,
+    waiting: VecDeque<(usize, T)>,
+}
+
+impl<T> PullGates<T> {
+    /// Gates with at most `budget` bytes of one peer's pulls in flight; one pull is always let
+    /// in, whatever its size, when none of the peer's is.
+    pub(super) fn new(budget: usize, hasher: DedupHasher) -> PullGates<T> {
+        PullGates {
+            budget,
+            gates: HashMap::with_hasher(hasher),
+            ready: VecDeque::new(),
+            starting: false,
+        }
+    }
+
+    /// A pull of `len` bytes from `node`: ready to start when the peer's pulls in flight are
+    /// under the budget, else kept until [`PullGates::leave`] makes room. Returns whether it
+    /// has to wait.
+    pub(super) fn enter(&mut self, node: NodeId, len: usize, pull: T) -> bool {
+        let gate = self.gates.entry(node).or_insert_with(|| Gate {
+            in_flight: 0,
+            waiting: VecDeque::new(),
+        });
+        if gate.waiting.is_empty() && (gate.in_flight == 0 || gate.in_flight < self.budget) {
+            gate.in_flight += len;
+            self.ready.push_back(pull);
+            false
+        } else {
+            gate.waiting.push_back((len, pull));
+            true
+        }
+    }
+
+    /// A pull of `len` bytes from `node` has ended (received, failed or given up): the
+    /// peer's next waiting pulls that now fit become ready.
+    pub(super) fn leave(&mut self, node: NodeId, len: usize) {
+        let Some(gate) = self.gates.get_mut(&node) else {
+            return;
+        };
+        gate.in_flight = gate.in_flight.saturating_sub(len);
+        while gate.in_flight == 0 || gate.in_flight < self.budget {
+            let Some((n, pull)) = gate.waiting.pop_front() else {
+                break;
+            };
+            gate.in_flight += n;
+            self.ready.push_back(pull);
+        }
+        if gate.in_flight == 0 && gate.waiting.is_empty() {
+            self.gates.remove(&node);
+        }
+    }
+
+    /// Claims the start of the ready pulls: `false` when a caller up the stack is already
+    /// taking them (it takes the ones that become ready meanwhile too).
+    pub(super) fn claim(&mut self) -> bool {
+        !std::mem::replace(&mut self.starting, true)
+    }
+
+    /// The next ready pull, for the caller that claimed them; `None` ends the claim.
+    pub(super) fn take_ready(&mut self) -> Option<T> {
+        let next = self.ready.pop_front();
+        if next.is_none() {
+            self.starting = false;
+        }
+        next
+    }
+
+    /// Ends a claim without taking what is left (its caller is unwinding): the next caller
+    /// takes it.
+    pub(super) fn unclaim(&mut self) {
+        self.starting = false;
+    }
+
+    /// Pulls waiting for room, of every peer.
+    #[cfg(test)]
+    fn waiting(&self) -> usize {
+        self.gates.values().map(|g| g.waiting.len()).sum()
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
@@ -185,5 +298,65 @@ mod tests {
         // Small lengths still use the smallest class.
         assert_eq!(RecvCache::class_of(1), (0, 4096));
         assert_eq!(RecvCache::class_of(4097), (1, 8192));
+    }
+
+    fn node(n: u64) -> NodeId {
+        NodeId::new(n)
+    }
+
+    fn drain(g: &mut PullGates<u32>) -> Vec<u32> {
+        assert!(g.claim());
+        std::iter::from_fn(|| g.take_ready()).collect()
+    }
+
+    #[test]
+    fn pulls_wait_for_their_peers_budget_in_arrival_order() {
+        let mut g = PullGates::new(512 << 10, DedupHasher::random());
+        let (a, b) = (node(1), node(2));
+        // Under the budget: in at once; 64 KiB pulls, eight at a time.
+        for i in 0..10 {
+            assert_eq!(g.enter(a, 64 << 10, i), i >= 8, "pull {i}");
+        }
+        // Another peer is not held up by the first one's.
+        assert!(!g.enter(b, 1 << 20, 100));
+        assert!(g.enter(b, 1 << 20, 101), "one 1 MiB pull at a time");
+        assert_eq!(drain(&mut g), vec![0, 1, 2, 3, 4, 5, 6, 7, 100]);
+        assert_eq!(g.waiting(), 3);
+        g.leave(a, 64 << 10);
+        assert_eq!(drain(&mut g), vec![8]);
+        g.leave(a, 64 << 10);
+        g.leave(b, 1 << 20);
+        assert_eq!(drain(&mut g), vec![9, 101]);
+        assert_eq!(g.waiting(), 0);
+        // Everything ends: no gate is kept for a peer with nothing in flight.
+        for _ in 0..8 {
+            g.leave(a, 64 << 10);
+        }
+        g.leave(b, 1 << 20);
+        assert!(g.gates.is_empty());
+        // A pull larger than the budget still goes when the peer has nothing in flight.
+        assert!(!g.enter(a, 16 << 20, 7));
+        assert_eq!(drain(&mut g), vec![7]);
+    }
+
+    #[test]
+    fn a_claim_is_taken_once_and_a_budget_of_zero_lets_one_pull_in() {
+        let mut g = PullGates::new(0, DedupHasher::random());
+        assert!(!g.enter(node(3), 10, 1));
+        assert!(g.enter(node(3), 10, 2));
+        assert!(g.claim());
+        assert!(
+            !g.claim(),
+            "a nested caller leaves the ready pulls to the first"
+        );
+        assert_eq!(g.take_ready(), Some(1));
+        // The first pull ends while the claim is held: the next becomes ready for the same
+        // caller.
+        g.leave(node(3), 10);
+        assert_eq!(g.take_ready(), Some(2));
+        assert_eq!(g.take_ready(), None);
+        assert!(g.claim(), "the claim ended with the last ready pull");
+        g.unclaim();
+        assert!(g.claim());
     }
 }

@@ -1215,6 +1215,64 @@ fn deliver_rndv(
         return;
     }
     let len = rndv.len();
+    let pull = WaitingPull {
+        node,
+        header,
+        user,
+        rndv,
+    };
+    if net.pulls.borrow_mut().enter(node, len, pull) {
+        net.count(|s| s.rndv_pulls_waited += 1);
+    }
+    start_ready_pulls(ctx);
+}
+
+/// A rendezvous frame whose data goes into a buffer of the runtime, waiting for the peer's
+/// earlier pulls ([`super::NetConfig::rndv_pull_budget`]).
+pub(super) struct WaitingPull {
+    node: NodeId,
+    header: FrameHeader,
+    user: UserHeader,
+    rndv: AmRndv,
+}
+
+/// Starts the pulls the shard's gates let in ([`super::buffers::PullGates`]), unless a
+/// caller up the stack is doing so already (a pull that ended at once, inside one started
+/// here, lets the next in: it is started by this loop, not by a nested one).
+fn start_ready_pulls(ctx: &Rc<ShardCtx>) {
+    let net = ctx.net();
+    if !net.pulls.borrow_mut().claim() {
+        return;
+    }
+    // Should a handler's panic come through (dispatch catches them), the next caller starts
+    // what is left.
+    struct Unclaim<'a>(&'a NetState);
+    impl Drop for Unclaim<'_> {
+        fn drop(&mut self) {
+            self.0.pulls.borrow_mut().unclaim();
+        }
+    }
+    let _unclaim = Unclaim(net);
+    loop {
+        let next = net.pulls.borrow_mut().take_ready();
+        let Some(p) = next else {
+            break;
+        };
+        start_pull(ctx, p);
+    }
+}
+
+/// Pulls `p`'s data into a buffer of the shard's ([`ShardCtx::rndv_buffer`], taken now, when
+/// the pull may start: the one the handler of the peer's previous frame just dropped) and
+/// dispatches the frame; then lets the peer's next pull in.
+fn start_pull(ctx: &Rc<ShardCtx>, p: WaitingPull) {
+    let WaitingPull {
+        node,
+        header,
+        user,
+        rndv,
+    } = p;
+    let len = rndv.len();
     let c = ctx.clone();
     let buf = ctx.rndv_buffer(len);
     start_now(async move {
@@ -1231,6 +1289,9 @@ fn deliver_rndv(
             ),
             Err(_) => c.net().count(|s| s.declined += 1),
         }
+        // After the handler: a buffer it dropped is the one the next pull takes.
+        c.net().pulls.borrow_mut().leave(node, len);
+        start_ready_pulls(&c);
     });
 }
 

@@ -361,6 +361,16 @@ pub struct NetConfig {
     /// Idle receive vectors kept per shard for rendezvous data that no handler chose a buffer
     /// for and that did not fit the shard's pool ([`buffers`]), default 32 MiB.
     pub rndv_cache_bytes: usize,
+    /// Bytes of one peer's rendezvous data that may be in flight at once into buffers the
+    /// runtime picks (frames with no rendezvous handler, such as the facade's active
+    /// messages); default 512 KiB. A pull starts while the peer's pulls in flight are under
+    /// it (one always starts when none is), the others wait in arrival order and take their
+    /// buffer when they start, so that a stream of large messages lands in a few buffers still
+    /// in the receiving core's cache (see [`buffers`], "Pulls in flight, per peer"). Pulls of
+    /// other peers, and into buffers a handler chose, never wait for it. Waits are counted in
+    /// [`NetStats::rndv_pulls_waited`]. `usize::MAX` lets every pull start at once, as before
+    /// this setting existed; 0 pulls one at a time.
+    pub rndv_pull_budget: usize,
     /// Most bytes of application frames (headers and payload) one rail may hold that UCX has
     /// not completed: queued for the rail's sender, or posted and not yet taken by the peer
     /// (a rendezvous not yet pulled). A peer that is stopped, slow or cut off stops
@@ -513,6 +523,9 @@ pub struct NetStats {
     pub rndv_recycled: u64,
     /// ... into a vector allocated for it (the cache had none of its size class idle).
     pub rndv_allocated: u64,
+    /// Rendezvous pulls into the runtime's buffers that waited for the peer's earlier ones
+    /// ([`NetConfig::rndv_pull_budget`]).
+    pub rndv_pulls_waited: u64,
     /// Bootstrap connections answered with the directory (on the listening shard).
     pub bootstraps_served: u64,
     /// Bootstrap connections closed because their first bytes were not a bootstrap request
@@ -937,6 +950,8 @@ pub(crate) struct NetState {
     max_am_header: usize,
     /// Idle vectors for rendezvous data ([`buffers`]).
     recv_cache: Rc<RefCell<buffers::RecvCache>>,
+    /// Rendezvous pulls into the runtime's buffers, per peer ([`buffers::PullGates`]).
+    pulls: RefCell<buffers::PullGates<inbound::WaitingPull>>,
     /// The clock reading of the driver's current round, taken by the first frame of the round
     /// that needs one: the round's number and the reading ([`NetState::batch_now`]).
     batch: Cell<Option<(u64, Timestamp, Instant)>>,
@@ -1023,6 +1038,7 @@ impl Default for NetConfig {
             max_message_size: Limits::DEFAULT_MAX_MESSAGE_SIZE,
             rndv_timeout: Duration::from_secs(10),
             rndv_cache_bytes: 32 << 20,
+            rndv_pull_budget: 512 << 10,
             max_backlog_bytes: 64 << 20,
             strike_limit: 100,
             strike_window: Duration::from_secs(10),
@@ -1228,6 +1244,10 @@ impl NetState {
         };
         let recv_cache = buffers::RecvCache::new(settings.cfg.rndv_cache_bytes);
         let hasher = DedupHasher::random();
+        let pulls = RefCell::new(buffers::PullGates::new(
+            settings.cfg.rndv_pull_budget,
+            hasher.clone(),
+        ));
         Ok(Self {
             settings,
             my_address: worker.address()?.as_bytes().to_vec(),
@@ -1265,6 +1285,7 @@ impl NetState {
             closed: Cell::new(false),
             max_am_header: worker.max_am_header(),
             recv_cache,
+            pulls,
         })
     }
 
