@@ -19,7 +19,7 @@
 //! | `shardcx_sends_paced` | counter | sends from a task that found UCX's send queue full and waited for room, by `outcome` (`taken`: sent in place, counted in `shardcx_frames_sent` too; `gave_up`: then posted or queued) |
 //! | `shardcx_frames_dropped` | counter | frames dropped, by `reason` |
 //! | `shardcx_rendezvous_received` | counter | frames received by rendezvous, by `into` (`pool`, `recycled`, `allocated`, `declined`) |
-//! | `shardcx_rendezvous_pulls_waited` | counter | rendezvous pulls into the runtime's buffers that waited for the same peer's earlier ones (`rndv_pull_budget`) |
+//! | `shardcx_rendezvous_pulls_waited` | counter | rendezvous pulls into the runtime's buffers that waited for the same rail's earlier ones (`rndv_pull_budget`) |
 //! | `shardcx_handler_panics` | counter | handler calls that panicked |
 //! | `shardcx_handshakes`, `shardcx_rail_joins`, `shardcx_rail_join_retries` | counter | sessions and rails formed |
 //! | `shardcx_bootstraps` | counter | connections to the listener's port, by `outcome` (`served`, `refused`, `timed_out`, `over_cap`) |
@@ -312,7 +312,7 @@ impl Collector for ShardsCollector {
         family(
             &mut encoder,
             "shardcx_rendezvous_pulls_waited",
-            "Rendezvous pulls into the runtime's buffers that waited for the same peer's earlier ones.",
+            "Rendezvous pulls into the runtime's buffers that waited for the same rail's earlier ones.",
             Counter,
             &one(|s| s.net.rndv_pulls_waited),
         )?;

@@ -1112,7 +1112,7 @@ fn a_burst_of_large_frames_is_pulled_a_budget_at_a_time_into_the_same_few_buffer
     let gated = burst_of_large_frames(None);
     assert!(
         gated.waited >= BURST / 2,
-        "{} of {BURST} pulls waited for the peer's earlier ones",
+        "{} of {BURST} pulls waited for the rail's earlier ones",
         gated.waited
     );
     assert!(

@@ -13,24 +13,25 @@
 //! a payload dropped when the cache is full frees its vector. A payload kept with
 //! [`RecycledBuf::into_vec`] leaves the cache for good (no copy).
 //!
-//! # Pulls in flight, per peer
+//! # Pulls in flight, per rail
 //!
-//! Such pulls are also paced ([`PullGates`]): a pull starts while the bytes of the same peer's
-//! pulls in flight are under [`super::NetConfig::rndv_pull_budget`], and the others wait, in
-//! arrival order, taking their buffer only when they start. A stream of large messages then
+//! Such pulls are also paced (`PullGates`): a pull starts while the bytes of the same rail's
+//! pulls in flight (those of one remote shard) are under
+//! [`super::NetConfig::rndv_pull_budget`], and the others wait, in arrival order, taking
+//! their buffer only when they start. A stream of large messages then
 //! lands in the same few buffers, each taken again right after its handler let go of it, and
 //! still in the receiving core's cache; with every announced transfer pulled at once (64 in
 //! flight, or eight of 1 MiB) each landed in a buffer of its own, and the receiving core
 //! copied into memory it did not hold (`shardcx bench --test am-bw` over shared memory:
-//! 64 KiB and 1 MiB messages, see the README). Pulls of different peers never wait for each
-//! other, so a stalled peer holds up only its own.
+//! 64 KiB and 1 MiB messages, see the README). Pulls of different rails never wait for each
+//! other, so a stalled peer (or peer shard) holds up only its own.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::rc::{Rc, Weak};
 
 use crate::proto::request::DedupHasher;
-use crate::proto::NodeId;
+use crate::proto::{NodeId, ShardId};
 
 /// Smallest cached vector: 4 KiB (`1 << MIN_SHIFT`).
 const MIN_SHIFT: u32 = 12;
@@ -156,13 +157,13 @@ impl std::fmt::Debug for RecycledBuf {
     }
 }
 
-/// Rendezvous pulls into the runtime's own buffers (see "Pulls in flight, per peer" above),
-/// per peer: what is in flight, what waits, and what may start now. `T` is a pull not yet
+/// Rendezvous pulls into the runtime's own buffers (see "Pulls in flight, per rail" above),
+/// per rail (a remote node's shard): what is in flight, what waits, and what may start now. `T` is a pull not yet
 /// started (what it needs to start); its bytes count from when it may start until
 /// [`PullGates::leave`].
 pub(super) struct PullGates<T> {
     budget: usize,
-    gates: HashMap<NodeId, Gate<T>, DedupHasher>,
+    gates: HashMap<Rail, Gate<T>, DedupHasher>,
     /// Pulls that may start, in the order they were let in: [`PullGates::take_ready`].
     ready: VecDeque<T>,
     /// Set while a caller takes the ready pulls (one that starts may end at once and let the
@@ -170,15 +171,18 @@ pub(super) struct PullGates<T> {
     starting: bool,
 }
 
-/// One peer's pulls.
+/// A rail, as its remote end: the node and the shard the data comes from.
+pub(super) type Rail = (NodeId, ShardId);
+
+/// One rail's pulls.
 struct Gate<T> {
     in_flight: usize,
     waiting: VecDeque<(usize, T)>,
 }
 
 impl<T> PullGates<T> {
-    /// Gates with at most `budget` bytes of one peer's pulls in flight; one pull is always let
-    /// in, whatever its size, when none of the peer's is.
+    /// Gates with at most `budget` bytes of one rail's pulls in flight; one pull is always let
+    /// in, whatever its size, when none of the rail's is.
     pub(super) fn new(budget: usize, hasher: DedupHasher) -> PullGates<T> {
         PullGates {
             budget,
@@ -188,11 +192,11 @@ impl<T> PullGates<T> {
         }
     }
 
-    /// A pull of `len` bytes from `node`: ready to start when the peer's pulls in flight are
+    /// A pull of `len` bytes on `rail`: ready to start when the rail's pulls in flight are
     /// under the budget, else kept until [`PullGates::leave`] makes room. Returns whether it
     /// has to wait.
-    pub(super) fn enter(&mut self, node: NodeId, len: usize, pull: T) -> bool {
-        let gate = self.gates.entry(node).or_insert_with(|| Gate {
+    pub(super) fn enter(&mut self, rail: Rail, len: usize, pull: T) -> bool {
+        let gate = self.gates.entry(rail).or_insert_with(|| Gate {
             in_flight: 0,
             waiting: VecDeque::new(),
         });
@@ -206,10 +210,10 @@ impl<T> PullGates<T> {
         }
     }
 
-    /// A pull of `len` bytes from `node` has ended (received, failed or given up): the
-    /// peer's next waiting pulls that now fit become ready.
-    pub(super) fn leave(&mut self, node: NodeId, len: usize) {
-        let Some(gate) = self.gates.get_mut(&node) else {
+    /// A pull of `len` bytes on `rail` has ended (received, failed or given up): the rail's
+    /// next waiting pulls that now fit become ready.
+    pub(super) fn leave(&mut self, rail: Rail, len: usize) {
+        let Some(gate) = self.gates.get_mut(&rail) else {
             return;
         };
         gate.in_flight = gate.in_flight.saturating_sub(len);
@@ -221,7 +225,7 @@ impl<T> PullGates<T> {
             self.ready.push_back(pull);
         }
         if gate.in_flight == 0 && gate.waiting.is_empty() {
-            self.gates.remove(&node);
+            self.gates.remove(&rail);
         }
     }
 
@@ -246,7 +250,7 @@ impl<T> PullGates<T> {
         self.starting = false;
     }
 
-    /// Pulls waiting for room, of every peer.
+    /// Pulls waiting for room, on every rail.
     #[cfg(test)]
     fn waiting(&self) -> usize {
         self.gates.values().map(|g| g.waiting.len()).sum()
@@ -300,8 +304,8 @@ mod tests {
         assert_eq!(RecvCache::class_of(4097), (1, 8192));
     }
 
-    fn node(n: u64) -> NodeId {
-        NodeId::new(n)
+    fn node(n: u64) -> Rail {
+        (NodeId::new(n), ShardId::new(0))
     }
 
     fn drain(g: &mut PullGates<u32>) -> Vec<u32> {
@@ -310,17 +314,19 @@ mod tests {
     }
 
     #[test]
-    fn pulls_wait_for_their_peers_budget_in_arrival_order() {
+    fn pulls_wait_for_their_rails_budget_in_arrival_order() {
         let mut g = PullGates::new(512 << 10, DedupHasher::random());
         let (a, b) = (node(1), node(2));
         // Under the budget: in at once; 64 KiB pulls, eight at a time.
         for i in 0..10 {
             assert_eq!(g.enter(a, 64 << 10, i), i >= 8, "pull {i}");
         }
-        // Another peer is not held up by the first one's.
+        // Another peer is not held up by the first one's, nor another shard of the first.
+        assert!(!g.enter((a.0, ShardId::new(1)), 1 << 20, 99));
+        g.leave((a.0, ShardId::new(1)), 1 << 20);
         assert!(!g.enter(b, 1 << 20, 100));
         assert!(g.enter(b, 1 << 20, 101), "one 1 MiB pull at a time");
-        assert_eq!(drain(&mut g), vec![0, 1, 2, 3, 4, 5, 6, 7, 100]);
+        assert_eq!(drain(&mut g), vec![0, 1, 2, 3, 4, 5, 6, 7, 99, 100]);
         assert_eq!(g.waiting(), 3);
         g.leave(a, 64 << 10);
         assert_eq!(drain(&mut g), vec![8]);
@@ -328,13 +334,13 @@ mod tests {
         g.leave(b, 1 << 20);
         assert_eq!(drain(&mut g), vec![9, 101]);
         assert_eq!(g.waiting(), 0);
-        // Everything ends: no gate is kept for a peer with nothing in flight.
+        // Everything ends: no gate is kept for a rail with nothing in flight.
         for _ in 0..8 {
             g.leave(a, 64 << 10);
         }
         g.leave(b, 1 << 20);
         assert!(g.gates.is_empty());
-        // A pull larger than the budget still goes when the peer has nothing in flight.
+        // A pull larger than the budget still goes when the rail has nothing in flight.
         assert!(!g.enter(a, 16 << 20, 7));
         assert_eq!(drain(&mut g), vec![7]);
     }

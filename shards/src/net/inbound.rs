@@ -1221,13 +1221,17 @@ fn deliver_rndv(
         user,
         rndv,
     };
-    if net.pulls.borrow_mut().enter(node, len, pull) {
+    if net
+        .pulls
+        .borrow_mut()
+        .enter((node, header.src_shard), len, pull)
+    {
         net.count(|s| s.rndv_pulls_waited += 1);
     }
     start_ready_pulls(ctx);
 }
 
-/// A rendezvous frame whose data goes into a buffer of the runtime, waiting for the peer's
+/// A rendezvous frame whose data goes into a buffer of the runtime, waiting for its rail's
 /// earlier pulls ([`super::NetConfig::rndv_pull_budget`]).
 pub(super) struct WaitingPull {
     node: NodeId,
@@ -1264,7 +1268,7 @@ fn start_ready_pulls(ctx: &Rc<ShardCtx>) {
 
 /// Pulls `p`'s data into a buffer of the shard's ([`ShardCtx::rndv_buffer`], taken now, when
 /// the pull may start: the one the handler of the peer's previous frame just dropped) and
-/// dispatches the frame; then lets the peer's next pull in.
+/// dispatches the frame; then lets the rail's next pull in.
 fn start_pull(ctx: &Rc<ShardCtx>, p: WaitingPull) {
     let WaitingPull {
         node,
@@ -1273,6 +1277,7 @@ fn start_pull(ctx: &Rc<ShardCtx>, p: WaitingPull) {
         rndv,
     } = p;
     let len = rndv.len();
+    let rail = (node, header.src_shard);
     let c = ctx.clone();
     let buf = ctx.rndv_buffer(len);
     start_now(async move {
@@ -1290,7 +1295,7 @@ fn start_pull(ctx: &Rc<ShardCtx>, p: WaitingPull) {
             Err(_) => c.net().count(|s| s.declined += 1),
         }
         // After the handler: a buffer it dropped is the one the next pull takes.
-        c.net().pulls.borrow_mut().leave(node, len);
+        c.net().pulls.borrow_mut().leave(rail, len);
         start_ready_pulls(&c);
     });
 }

@@ -361,13 +361,14 @@ pub struct NetConfig {
     /// Idle receive vectors kept per shard for rendezvous data that no handler chose a buffer
     /// for and that did not fit the shard's pool ([`buffers`]), default 32 MiB.
     pub rndv_cache_bytes: usize,
-    /// Bytes of one peer's rendezvous data that may be in flight at once into buffers the
-    /// runtime picks (frames with no rendezvous handler, such as the facade's active
-    /// messages); default 512 KiB. A pull starts while the peer's pulls in flight are under
-    /// it (one always starts when none is), the others wait in arrival order and take their
-    /// buffer when they start, so that a stream of large messages lands in a few buffers still
-    /// in the receiving core's cache (see [`buffers`], "Pulls in flight, per peer"). Pulls of
-    /// other peers, and into buffers a handler chose, never wait for it. Waits are counted in
+    /// Bytes of one rail's rendezvous data (from one shard of a peer) that may be in flight
+    /// at once into buffers the runtime picks (frames with no rendezvous handler, such as the
+    /// facade's active messages and checked puts); default 512 KiB. A pull starts while the
+    /// rail's pulls in flight are under it (one always starts when none is), the others wait
+    /// in arrival order and take their buffer when they start, so that a stream of large
+    /// messages lands in a few buffers still in the receiving core's cache (see [`buffers`],
+    /// "Pulls in flight, per rail"). Pulls of other rails, and into buffers a handler chose,
+    /// never wait for it. Waits are counted in
     /// [`NetStats::rndv_pulls_waited`]. `usize::MAX` lets every pull start at once, as before
     /// this setting existed; 0 pulls one at a time.
     pub rndv_pull_budget: usize,
@@ -523,7 +524,7 @@ pub struct NetStats {
     pub rndv_recycled: u64,
     /// ... into a vector allocated for it (the cache had none of its size class idle).
     pub rndv_allocated: u64,
-    /// Rendezvous pulls into the runtime's buffers that waited for the peer's earlier ones
+    /// Rendezvous pulls into the runtime's buffers that waited for the same rail's earlier ones
     /// ([`NetConfig::rndv_pull_budget`]).
     pub rndv_pulls_waited: u64,
     /// Bootstrap connections answered with the directory (on the listening shard).
@@ -950,7 +951,7 @@ pub(crate) struct NetState {
     max_am_header: usize,
     /// Idle vectors for rendezvous data ([`buffers`]).
     recv_cache: Rc<RefCell<buffers::RecvCache>>,
-    /// Rendezvous pulls into the runtime's buffers, per peer ([`buffers::PullGates`]).
+    /// Rendezvous pulls into the runtime's buffers, per rail ([`buffers::PullGates`]).
     pulls: RefCell<buffers::PullGates<inbound::WaitingPull>>,
     /// The clock reading of the driver's current round, taken by the first frame of the round
     /// that needs one: the round's number and the reading ([`NetState::batch_now`]).
