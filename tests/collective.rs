@@ -1924,3 +1924,43 @@ fn public_types_auto_traits() {
     // Compiles only if `Communicator` is NOT Send: it belongs to its rank's shard.
     let _ = <Communicator as AmbiguousIfSend<_>>::some_item;
 }
+
+/// An element whose memory is not its wire form: a `u32` in memory, three bytes on the wire.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Rgb(u32);
+
+impl Element for Rgb {
+    const SIZE: usize = 3;
+    fn write_le(&self, out: &mut [u8]) {
+        out.copy_from_slice(&self.0.to_le_bytes()[..3]);
+    }
+    fn read_le(b: &[u8]) -> Self {
+        Rgb(u32::from_le_bytes([b[0], b[1], b[2], 0]))
+    }
+}
+
+/// Broadcast sends the built-in numbers from the caller's buffer itself
+/// (`Element::as_wire_mut`); elements that are not their own wire form are encoded and
+/// decoded instead, eager and by rendezvous, from a root of either node.
+#[test]
+fn broadcast_encodes_elements_that_are_not_their_own_wire_form() {
+    let _g = serial();
+    all_ok(world(&[1, 2], |mut c: Communicator| async move {
+        let r = c.rank();
+        for (root, n) in [(0, 5), (2, 100_000), (1, 3)] {
+            let want: Vec<Rgb> = (0..n)
+                .map(|i| Rgb((i as u32 * 7 + root as u32) & 0xFF_FFFF))
+                .collect();
+            let mut buf = if r == root {
+                want.clone()
+            } else {
+                vec![Rgb(0xFF_FFFF); n]
+            };
+            c.broadcast(root, &mut buf, T)
+                .await
+                .map_err(|e| format!("rank {r}: broadcast from {root}: {e}"))?;
+            ensure!(r, buf == want, "broadcast of {n} from {root} wrong");
+        }
+        Ok(())
+    }));
+}

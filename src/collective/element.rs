@@ -43,6 +43,17 @@ pub trait Element: Copy + Debug + Send + 'static {
             }
         }
     }
+
+    /// `xs` as their bytes on the wire, in place, when the elements' memory already is that
+    /// (the built-in numbers, and arrays of them, on a little-endian machine): a broadcast
+    /// then sends and receives the caller's buffer itself, with no pass to encode it or to
+    /// decode into it. The default, `None`, has them encoded and decoded. An implementation
+    /// returns `Some` only with exactly `xs.len() * SIZE` bytes that are what
+    /// [`Element::write_le`] writes and [`Element::read_le`] reads.
+    fn as_wire_mut(xs: &mut [Self]) -> Option<&mut [u8]> {
+        let _ = xs;
+        None
+    }
 }
 
 /// Numbers the built-in operators ([`Sum`], [`Prod`], [`Min`], [`Max`]) work on. Integer sums
@@ -199,6 +210,10 @@ macro_rules! element {
                     c.copy_from_slice(&x.to_le_bytes());
                 }
             }
+            fn as_wire_mut(xs: &mut [Self]) -> Option<&mut [u8]> {
+                // Little-endian memory is the wire form (`to_le_bytes`), with no padding.
+                cfg!(target_endian = "little").then(|| bytemuck::cast_slice_mut(xs))
+            }
         }
     )*};
 }
@@ -240,6 +255,10 @@ impl<T: Element, const N: usize> Element for [T; N] {
     }
     fn read_le(bytes: &[u8]) -> Self {
         std::array::from_fn(|i| T::read_le(&bytes[i * T::SIZE..(i + 1) * T::SIZE]))
+    }
+    fn as_wire_mut(xs: &mut [Self]) -> Option<&mut [u8]> {
+        // An array's wire form is its elements' in turn, as its memory is.
+        T::as_wire_mut(xs.as_flattened_mut())
     }
 }
 
@@ -419,6 +438,22 @@ pub(crate) async fn combine_in_turns<T, O: Operator<T> + ?Sized>(
 #[allow(clippy::unwrap_used)] // Tests may unwrap: a panic is a test failure.
 mod tests {
     use super::*;
+
+    #[test]
+    fn built_in_numbers_and_their_arrays_are_their_own_wire_form() {
+        let mut xs = [0x0102_0304u32, 0xA0B0_C0D0];
+        let want = encode(&xs);
+        assert_eq!(u32::as_wire_mut(&mut xs).as_deref(), Some(&want[..]));
+        // Written through the bytes, read back as elements.
+        u32::as_wire_mut(&mut xs).unwrap()[0] = 0xFF;
+        assert_eq!(xs[0], 0x0102_03FF);
+        let mut m = [[1i64, -2, 3, -4], [5, 6, 7, 8]];
+        let want = encode(&m);
+        assert_eq!(<[i64; 4]>::as_wire_mut(&mut m).as_deref(), Some(&want[..]));
+        let mut h = [half::f16::from_f32(1.5), half::f16::from_f32(-2.0)];
+        let want = encode(&h);
+        assert_eq!(half::f16::as_wire_mut(&mut h).as_deref(), Some(&want[..]));
+    }
 
     #[test]
     fn elements_round_trip_through_their_bytes() {
