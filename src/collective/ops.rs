@@ -24,7 +24,9 @@ impl Communicator {
     }
 
     /// Broadcast: `data` of rank `root` is copied into `data` of every rank (the same length
-    /// on every rank).
+    /// on every rank). Built-in numbers are sent from and received into `data` itself
+    /// ([`Element::as_wire_mut`]), so a broadcast that fails may leave a receiving rank's
+    /// `data` partly overwritten.
     pub async fn broadcast<T: Element>(
         &mut self,
         root: usize,
