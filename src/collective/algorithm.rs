@@ -1044,14 +1044,16 @@ pub(crate) async fn scatter(
             let chunks = match data.filter(|_| g.rank() == root) {
                 Some(data) => {
                     let b = data.len() / g.size();
+                    // Each node's ranks' blocks, one slice copy per block (not byte by byte).
                     let chunks = g
                         .node_blocks()
                         .iter()
                         .map(|node| {
-                            node.iter()
-                                .flat_map(|&r| &data[r * b..(r + 1) * b])
-                                .copied()
-                                .collect()
+                            let mut chunk = Vec::with_capacity(node.len() * b);
+                            for &r in node {
+                                chunk.extend_from_slice(&data[r * b..(r + 1) * b]);
+                            }
+                            chunk
                         })
                         .collect();
                     Some(chunks)
