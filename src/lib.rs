@@ -20,7 +20,7 @@ pub use rma::{Region, RemoteRegion, TrustedDescriptor, TrustedRegion};
 pub use rpc::{FunctionId, Rpc, RpcConfig, RpcContext, RpcError, RpcFunction, RpcStats};
 pub use shardcx_shards::cuda::{CudaDevice, CudaError, CudaMode, DeviceBuffer};
 pub use shardcx_shards::proto::{AmId, NodeId, ShardId};
-pub use shardcx_shards::{proto, ucx, SendBuf};
+pub use shardcx_shards::{proto, ucx, SendBuf, SharedElems};
 pub use shutdown::{Shutdown, Stopped, DEFAULT_DRAIN_DEADLINE};
 pub use tag::{MAX_USER_TAG, TAG_MASK_ANY, TAG_MASK_EXACT};
 

@@ -1060,6 +1060,115 @@ fn large_messages_on_4_ranks() {
     }));
 }
 
+/// Two ranks all-reduce vectors of 256 KiB to 4 MiB by halves (`Algorithm::Ring`): each
+/// reduces one half and sends it from its result vector itself (counted in
+/// `CollectiveStats::sent_in_place`). Results checked element by element for a sum of an odd
+/// count of `f32` (halves of different lengths), bytes, a non-commutative operator on `i64`
+/// (`a ∘ b = 3a + b`: rank 0's value must be on the left), and a type that cannot be sent in
+/// place (`[i64; 4]`: recursive doubling, nothing sent in place); below 256 KiB recursive
+/// doubling. Over shared memory, over tcp and between two shards of one node.
+#[test]
+fn two_ranks_all_reduce_large_vectors_by_halves() {
+    let _g = serial();
+    // Two nodes (shared memory, tcp), then two shards of one node (through the mesh: nothing
+    // can be sent in place, the halves are encoded).
+    for (layout, shm) in [(&[1, 1][..], true), (&[1, 1], false), (&[2], false)] {
+        let apart = layout.len() == 2;
+        all_ok(world_over(
+            layout,
+            shm,
+            move |mut c: Communicator| async move {
+                let r = c.rank();
+                let ring = |c: &Communicator, what: &str, want: Algorithm| -> Result<(), String> {
+                    ensure!(
+                        r,
+                        c.last_algorithm() == Some(want),
+                        "{what}: {:?}, not {want:?}",
+                        c.last_algorithm()
+                    );
+                    Ok(())
+                };
+                let before = c.stats().sent_in_place;
+                let n = (1 << 20) / 4 + 3;
+                let xs: Vec<f32> = (0..n).map(|i| ((i % 1000) + 7 * r) as f32).collect();
+                let got = c
+                    .all_reduce(&xs, &Sum, T)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                ring(&c, "f32 sum", Algorithm::Ring)?;
+                let bad = (0..n).find(|&i| got.get(i) != Some(&((2 * (i % 1000) + 7) as f32)));
+                ensure!(
+                    r,
+                    got.len() == n && bad.is_none(),
+                    "f32 sum wrong at {bad:?}"
+                );
+                let sent = c.stats().sent_in_place - before;
+                ensure!(
+                    r,
+                    (sent >= 2) == apart,
+                    "{sent} pieces of the half sent in place"
+                );
+
+                let n = (300 << 10) + 1;
+                let bytes: Vec<u8> = (0..n).map(|i| (i as u8).wrapping_add(r as u8)).collect();
+                let got = c
+                    .all_reduce(&bytes, &Sum, T)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                ring(&c, "u8 sum", Algorithm::Ring)?;
+                let bad = (0..n)
+                    .find(|&i| got.get(i) != Some(&(i as u8).wrapping_mul(2).wrapping_add(1)));
+                ensure!(
+                    r,
+                    got.len() == n && bad.is_none(),
+                    "u8 sum wrong at {bad:?}"
+                );
+
+                let o = UserOp::new(false, |a: &i64, b: &i64| a.wrapping_mul(3).wrapping_add(*b));
+                let n = (2 << 20) / 8 + 1;
+                let ys: Vec<i64> = (0..n).map(|i| (i as i64) * 10 + r as i64).collect();
+                let got = c.all_reduce(&ys, &o, T).await.map_err(|e| e.to_string())?;
+                ring(&c, "i64 3a + b", Algorithm::Ring)?;
+                // (10i) ∘ (10i + 1) = 30i + 10i + 1.
+                let bad = (0..n).find(|&i| got.get(i) != Some(&((i as i64) * 40 + 1)));
+                ensure!(
+                    r,
+                    got.len() == n && bad.is_none(),
+                    "i64 3a + b wrong at {bad:?}"
+                );
+
+                let before = c.stats().sent_in_place;
+                let n = (1 << 20) / 32;
+                let ms: Vec<[i64; 4]> = (0..n).map(|i| [i as i64, r as i64, 1, 2]).collect();
+                let add = UserOp::new(true, |a: &[i64; 4], b: &[i64; 4]| {
+                    std::array::from_fn(|k| a[k].wrapping_add(b[k]))
+                });
+                let got = c
+                    .all_reduce(&ms, &add, T)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                ring(&c, "[i64; 4] sum", Algorithm::RecursiveDoubling)?;
+                let bad = (0..n).find(|&i| got.get(i) != Some(&[2 * i as i64, 1, 2, 4]));
+                ensure!(
+                    r,
+                    got.len() == n && bad.is_none(),
+                    "[i64; 4] sum wrong at {bad:?}"
+                );
+                ensure!(r, c.stats().sent_in_place == before, "arrays sent in place");
+
+                let small: Vec<f32> = vec![r as f32; (128 << 10) / 4];
+                let got = c
+                    .all_reduce(&small, &Sum, T)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                ring(&c, "128 KiB", Algorithm::RecursiveDoubling)?;
+                ensure!(r, got.iter().all(|&x| x == 1.0), "128 KiB sum wrong");
+                Ok(())
+            },
+        ));
+    }
+}
+
 /// The first index of `got` that is not `want(i)`. It lets the shard's other tasks run now
 /// and then: a shard that computes for a second misses its heartbeats and is declared dead.
 async fn first_wrong(got: &[u64], want: impl Fn(usize) -> u64) -> Option<usize> {

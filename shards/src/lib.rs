@@ -104,7 +104,7 @@ pub use mesh::{MeshConfig, MeshStats};
 pub use net::{Directory, NetConfig, NetStats, RailStates, RemoteNode, Traffic};
 pub use pool::{PoolBuf, ShardPool};
 pub use rma::{RemoteRegion, RmaOpError, RmaStats};
-pub use shardcx_ucx::SendBuf;
+pub use shardcx_ucx::{SendBuf, SharedElems};
 pub use spare::SpareVec;
 pub use tag::{TagConfig, TagStats};
 

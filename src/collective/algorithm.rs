@@ -14,7 +14,7 @@
 //! | broadcast | binomial tree | scatter (binomial) + ring all-gather (p > 2) |
 //! | reduce | binomial tree | ring reduce-scatter + binomial gather (commutative, p > 2) |
 //! | barrier, broadcast, reduce over several nodes | through the leaders (below), each level flat as above | the same |
-//! | all-reduce | recursive doubling (non-powers of two folded in; each exchange pipelined in chunks of at most 256 KiB) | ring reduce-scatter + ring all-gather (commutative, p > 2) |
+//! | all-reduce | recursive doubling (non-powers of two folded in; each exchange pipelined in chunks of at most 256 KiB) | ring reduce-scatter + ring all-gather (commutative, p > 2); two ranks, 256 KiB to 4 MiB of built-in numbers: by halves, each rank reducing one and sending it from its result (any operator) |
 //! | all-reduce over several nodes | through the leaders, unless every node has the same power-of-two number of ranks numbered node by node | by slices: a node's ranks reduce-scatter, rank `s` of every node all-reduces slice `s`, a node's ranks all-gather (commutative, as many ranks on every node) |
 //! | reduce-scatter | reduce to rank 0 + scatter (each as above, so through the leaders over several nodes) | ring (commutative) |
 //! | all-gather | Bruck, ⌈log2 p⌉ rounds | ring |
@@ -24,7 +24,8 @@
 //! | all-to-all | pairwise exchange, p − 1 rounds | pairwise exchange |
 //! | scan, exclusive scan | recursive doubling | recursive doubling |
 //!
-//! Non-commutative operators always take the tree and recursive-doubling forms, which combine
+//! Non-commutative operators always take the tree and recursive-doubling forms (and, on two
+//! ranks, the halves, which combine each element once in rank order), which combine
 //! contiguous blocks of ranks, lower ranks on the left: the result is `x0 ∘ x1 ∘ … ∘ x(p-1)`
 //! (through the leaders only when every node's ranks are contiguous).
 //!
@@ -44,11 +45,13 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use super::comm::{Group, PHASE_SHIFT};
+use std::rc::Rc;
+
+use super::comm::{Group, Lent, PHASE_SHIFT};
 use super::cost::{Costs, Shape};
 use super::element::{
     combine_in_turns, combine_le_append_in_turns, combine_le_in_turns, decode_in_turns,
-    encode_in_turns, Element, Operator,
+    decode_into_in_turns, encode_in_turns, extend_from_le_in_turns, Element, Operator,
 };
 use super::error::CollectiveError;
 use super::state::{Bytes, MAX_BUFFERED_BYTES};
@@ -63,7 +66,7 @@ pub enum Algorithm {
     BinomialTree,
     /// Pairs of ranks `r ^ 2^k` exchange and combine.
     RecursiveDoubling,
-    /// Around the ring of ranks, one block per step.
+    /// Around the ring of ranks, one block per step (on two ranks, an all-reduce by halves).
     Ring,
     /// Bruck's all-gather: blocks doubling each round.
     Bruck,
@@ -778,8 +781,97 @@ async fn flat_all_reduce<T: Element, O: Operator<T> + ?Sized>(
         ring_allgather(g, &mut bytes, &ranges, 1).await?;
         return g.decode_result(&bytes).await;
     }
+    let bytes = n * T::SIZE;
+    if p == 2
+        && g.tuning().large(bytes)
+        && (TWO_RANK_HALVES_FROM..=TWO_RANK_HALVES_TO).contains(&bytes)
+        && T::share_wire(&Rc::new(Vec::new()), 0..0).is_some()
+    {
+        g.chose(Algorithm::Ring);
+        return two_rank_all_reduce(g, &data, o).await;
+    }
     g.chose(Algorithm::RecursiveDoubling);
     recursive_doubling(g, data, o).await
+}
+
+/// Smallest vector (bytes) that two ranks all-reduce by halves ([`two_rank_all_reduce`]):
+/// below it the second round trip costs more than the passes over memory it saves (64 KiB:
+/// 27–28 µs by halves against 17 µs by recursive doubling; 128 KiB: even; 256 KiB: 59–60
+/// against 70–75 µs; `shardcx bench --test allreduce --shards 1 --transport shm --cores 0/1`,
+/// 2026-12-07).
+const TWO_RANK_HALVES_FROM: usize = 256 << 10;
+
+/// Largest vector (bytes) that two ranks all-reduce by halves: above it the pieces of the
+/// all-gather, held until the peer has pulled the other half, no longer fit in cache (8 MiB:
+/// 3.07–3.17 ms by halves against 2.87–2.93 ms; 16 MiB: 8.0–8.4 against 6.3 ms).
+const TWO_RANK_HALVES_TO: usize = 4 << 20;
+
+/// The pieces elements `range` travel in: messages of at most [`CHUNK`] bytes (at most
+/// [`MAX_CHUNKS`] of them, none empty), the same on the sending and the receiving rank.
+fn pieces<T: Element>(range: Range<usize>) -> impl Iterator<Item = Range<usize>> {
+    let n = range.len();
+    let chunks = (n * T::SIZE).div_ceil(CHUNK).clamp(1, MAX_CHUNKS);
+    let per = n.div_ceil(chunks).max(1);
+    (0..chunks)
+        .map(move |c| range.start + (c * per).min(n)..range.start + ((c + 1) * per).min(n))
+        .filter(|r| !r.is_empty())
+}
+
+/// All-reduce of two ranks for large vectors of element types whose memory is their wire form
+/// (a ring of two): rank 0 reduces the lower half and rank 1 the upper one (reduce-scatter:
+/// each sends the other the half it reduces, in pieces, and combines the pieces it gets as
+/// they come, straight into the result), then each sends its reduced half from the result
+/// itself ([`Group::send_shared`]: no copy into a send buffer) and puts the other's into
+/// place (all-gather). Per rank the data crosses memory about two and a half times (half
+/// encoded, both halves pulled, half combined, half put in place; rank 1 also fills the
+/// lower half's place first) where recursive doubling takes three (all of it encoded, pulled
+/// and combined).
+async fn two_rank_all_reduce<T: Element, O: Operator<T> + ?Sized>(
+    g: &Group<'_>,
+    data: &[T],
+    o: &O,
+) -> Result<Vec<T>, CollectiveError> {
+    let (r, n) = (g.rank(), data.len());
+    let peer = 1 - r;
+    let (lo, hi) = (block(n, 2, 0), block(n, 2, 1));
+    let (mine, theirs) = if r == 0 { (lo, hi) } else { (hi, lo) };
+    for (c, piece) in pieces::<T>(theirs.clone()).enumerate() {
+        g.send_elems(peer, step(0, c), &data[piece]).await?;
+    }
+    let mut out = Vec::with_capacity(n);
+    if r == 1 {
+        // The lower half's place, written over by the all-gather below.
+        out.resize(theirs.len(), data[0]);
+    }
+    for (c, piece) in pieces::<T>(mine.clone()).enumerate() {
+        let d = recv_len(g, peer, step(0, c), piece.len() * T::SIZE).await?;
+        combine_le_append_in_turns(o, &data[piece], &d, r == 1, &mut out).await;
+    }
+    let out = Rc::new(out);
+    let lent = Lent::default();
+    for (c, piece) in pieces::<T>(mine).enumerate() {
+        g.send_shared(peer, step(1, c), &out, piece, &lent).await?;
+    }
+    let mut got = Vec::new();
+    for (c, piece) in pieces::<T>(theirs.clone()).enumerate() {
+        got.push(recv_len(g, peer, step(1, c), piece.len() * T::SIZE).await?);
+    }
+    let mut out = g.reclaim(peer, out, &lent).await;
+    if r == 0 {
+        for d in &got {
+            extend_from_le_in_turns(d, &mut out).await;
+        }
+    } else {
+        for (d, piece) in got.iter().zip(pieces::<T>(theirs)) {
+            match T::as_wire_mut(&mut out[piece.clone()]) {
+                Some(w) => w.copy_from_slice(d),
+                None => {
+                    decode_into_in_turns(d, &mut out[piece]).await;
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Recursive doubling with the ranks beyond the largest power of two folded in first: ranks

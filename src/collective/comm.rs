@@ -5,7 +5,7 @@ use std::cell::Cell;
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::rc::Rc;
-use std::task::Poll;
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use glommio::timer::sleep;
@@ -843,11 +843,7 @@ impl Op {
             };
             return sent.map_err(|e| self.failed(to, e));
         }
-        let direct = m.node != self.node.id()
-            && len > RNDV_OVER
-            && len <= SEGMENT
-            && self.node.shard_ctx().rail(m.node, m.shard).is_some();
-        if !direct {
+        if !self.direct(m, len) {
             return self.send(to, step, encode_in_turns(xs).await).await;
         }
         room_ahead(&self.node, m.node, len).await;
@@ -864,6 +860,72 @@ impl Op {
             .map_err(|e| self.failed(to, e));
         self.state.keep_send_buf(buf);
         sent
+    }
+
+    /// Whether a message of `len` bytes to `m` goes by rendezvous, in one message, on a rail
+    /// this shard holds: sent straight from a buffer the send owns, no copy on the way.
+    fn direct(&self, m: Member, len: usize) -> bool {
+        m.node != self.node.id()
+            && len > RNDV_OVER
+            && len <= SEGMENT
+            && self.node.shard_ctx().rail(m.node, m.shard).is_some()
+    }
+
+    /// Sends elements `range` of `v` to member `to` from where they are, when the element type
+    /// lends its memory to a send ([`Element::share_wire`]) and the message goes by rendezvous
+    /// on a rail this shard holds: the send keeps a clone of `v` until UCX is done with the
+    /// bytes, and `lent` is told when it lets go (see [`Op::reclaim`]). Otherwise the elements
+    /// are encoded as [`Op::send_elems`] encodes them. Either way the receiver gets the same
+    /// message.
+    pub(crate) async fn send_shared<T: Element>(
+        &self,
+        to: usize,
+        step: u32,
+        v: &Rc<Vec<T>>,
+        range: std::ops::Range<usize>,
+        lent: &Lent,
+    ) -> Result<(), CollectiveError> {
+        let len = range.len() * T::SIZE;
+        let m = self.members[to];
+        let shared = if self.direct(m, len) {
+            T::share_wire(v, range.clone())
+        } else {
+            None
+        };
+        let Some(buf) = shared else {
+            return self.send_elems(to, step, &v[range]).await;
+        };
+        room_ahead(&self.node, m.node, len).await;
+        let buf = match buf {
+            crate::SendBuf::Elems(e) => crate::SendBuf::Elems(e.on_release(lent.release())),
+            other => other,
+        };
+        let h = self.header(Kind::Data, step, len);
+        m.peer()
+            .am_send_buf(COLLECTIVE_AM, &h.encode(), buf)
+            .map_err(|e| self.failed(to, e))?;
+        self.state.count_sent_in_place();
+        Ok(())
+    }
+
+    /// `v` back once no send holds it any more ([`Op::send_shared`]): at once when none does,
+    /// else when the last one lets go (the peer `to` has pulled the bytes, or the send
+    /// failed). The operation's deadline bounds the wait.
+    pub(crate) async fn reclaim<T>(&self, to: usize, v: Rc<Vec<T>>, lent: &Lent) -> Vec<T> {
+        let mut v = v;
+        loop {
+            match Rc::try_unwrap(v) {
+                Ok(v) => {
+                    return v;
+                }
+                Err(still) => {
+                    v = still;
+                    self.waiting_for.set(Some(to));
+                    lent.released().await;
+                    self.waiting_for.set(None);
+                }
+            }
+        }
     }
 
     /// Tells every other rank that this operation ended here with `cause` (best effort, from a
@@ -989,6 +1051,25 @@ impl<'a> Group<'a> {
     /// [`Op::recv`] from group rank `from`.
     pub(crate) async fn recv(&self, from: usize, step: u32) -> Result<Bytes, CollectiveError> {
         self.op.recv(self.op_rank(from), self.step(step)).await
+    }
+
+    /// [`Op::send_shared`] to group rank `to`.
+    pub(crate) async fn send_shared<T: Element>(
+        &self,
+        to: usize,
+        step: u32,
+        v: &Rc<Vec<T>>,
+        range: std::ops::Range<usize>,
+        lent: &Lent,
+    ) -> Result<(), CollectiveError> {
+        self.op
+            .send_shared(self.op_rank(to), self.step(step), v, range, lent)
+            .await
+    }
+
+    /// [`Op::reclaim`] of a vector sent to group rank `to`.
+    pub(crate) async fn reclaim<T>(&self, to: usize, v: Rc<Vec<T>>, lent: &Lent) -> Vec<T> {
+        self.op.reclaim(self.op_rank(to), v, lent).await
     }
 
     /// [`Op::send_elems`] to group rank `to`.
@@ -1176,6 +1257,43 @@ async fn room_ahead(node: &Node, to: NodeId, len: usize) {
             return;
         }
         sleep(ROOM_POLL).await;
+    }
+}
+
+/// Tells the task that lent a vector to sends ([`Op::send_shared`]) when one of them lets go of
+/// it: each send carries a [`Release`] guard, dropped right after its clone of the vector.
+#[derive(Default)]
+pub(crate) struct Lent(Rc<Cell<Option<Waker>>>);
+
+impl Lent {
+    /// The guard a send carries.
+    fn release(&self) -> Release {
+        Release(self.0.clone())
+    }
+
+    /// Resolves after the next release (or a spurious wake-up: the caller looks again).
+    async fn released(&self) {
+        let mut waited = false;
+        poll_fn(|cx| {
+            if waited {
+                return Poll::Ready(());
+            }
+            waited = true;
+            self.0.set(Some(cx.waker().clone()));
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+/// Wakes the task waiting in [`Lent::released`] when dropped.
+struct Release(Rc<Cell<Option<Waker>>>);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if let Some(w) = self.0.take() {
+            w.wake();
+        }
     }
 }
 

@@ -9,6 +9,10 @@
 //! rank order, `x0 ∘ x1 ∘ … ∘ x(p-1)`, always with the lower ranks' value on the left.
 
 use std::fmt::Debug;
+use std::ops::Range;
+use std::rc::Rc;
+
+use crate::{SendBuf, SharedElems};
 
 /// A value collectives can move and reduce: `SIZE` bytes on the wire, little-endian.
 ///
@@ -52,6 +56,19 @@ pub trait Element: Copy + Debug + Send + 'static {
     /// [`Element::write_le`] writes and [`Element::read_le`] reads.
     fn as_wire_mut(xs: &mut [Self]) -> Option<&mut [u8]> {
         let _ = xs;
+        None
+    }
+
+    /// Elements `elems` of the shared vector `xs` as a buffer a send reads from where they are
+    /// ([`crate::SharedElems`]: the send holds a clone of `xs` until UCX is done with the
+    /// bytes), when the elements are plain numbers whose memory is their wire form (the
+    /// built-in numbers on a little-endian machine); `None`, the default, has them encoded
+    /// into a buffer of the send's own. The two-rank all-reduce sends its result vector this
+    /// way and waits for it back before it writes the vector again. An implementation returns
+    /// `Some` only with the bytes [`Element::write_le`] writes, and `None` when `elems` is not
+    /// within `xs`.
+    fn share_wire(xs: &Rc<Vec<Self>>, elems: Range<usize>) -> Option<SendBuf> {
+        let _ = (xs, elems);
         None
     }
 }
@@ -214,6 +231,13 @@ macro_rules! element {
                 // Little-endian memory is the wire form (`to_le_bytes`), with no padding.
                 cfg!(target_endian = "little").then(|| bytemuck::cast_slice_mut(xs))
             }
+            fn share_wire(xs: &Rc<Vec<Self>>, elems: Range<usize>) -> Option<SendBuf> {
+                // As `as_wire_mut`: the memory is the wire form.
+                if cfg!(target_endian = "big") {
+                    return None;
+                }
+                SharedElems::new(xs.clone(), elems).map(SendBuf::from)
+            }
         }
     )*};
 }
@@ -358,11 +382,22 @@ pub(crate) async fn decode_in_turns<T: Element>(bytes: &[u8]) -> Option<Vec<T>> 
         return None;
     }
     let mut out = Vec::with_capacity(bytes.len() / T::SIZE);
-    for chunk in bytes.chunks(TURN * T::SIZE) {
-        T::extend_from_le(chunk, &mut out);
-        glommio::yield_if_needed().await;
-    }
+    extend_from_le_in_turns(bytes, &mut out).await;
     Some(out)
+}
+
+/// Appends the elements in `bytes` to `out` ([`Element::extend_from_le`]), letting the shard's
+/// other tasks run every [`TURN`] elements.
+pub(crate) async fn extend_from_le_in_turns<T: Element>(bytes: &[u8], out: &mut Vec<T>) {
+    if T::SIZE == 0 {
+        return;
+    }
+    for chunk in bytes.chunks(TURN * T::SIZE) {
+        T::extend_from_le(chunk, out);
+        if chunk.len() == TURN * T::SIZE {
+            glommio::yield_if_needed().await;
+        }
+    }
 }
 
 /// [`combine_into`] with `other` still in its wire bytes (`acc.len()` elements of them): read

@@ -54,6 +54,10 @@ pub struct CollectiveStats {
     pub dropped_over_cap: u64,
     /// Aborts received from other ranks.
     pub aborts_received: u64,
+    /// Messages sent from the operation's result vector itself, read by UCX where it is (the
+    /// all-gather half of a two-rank all-reduce, for element types that
+    /// [`share_wire`](super::Element::share_wire)), not copied into a buffer of their own.
+    pub sent_in_place: u64,
     /// Bytes waiting now.
     pub buffered_bytes: u64,
 }
@@ -448,6 +452,11 @@ impl ShardState {
         if let Some(i) = idle {
             s.send_bufs[i] = buf;
         }
+    }
+
+    /// Counts a message sent from a vector in place ([`CollectiveStats::sent_in_place`]).
+    pub(crate) fn count_sent_in_place(&self) {
+        self.inner.borrow_mut().stats.sent_in_place += 1;
     }
 
     pub(crate) fn stats(&self) -> CollectiveStats {

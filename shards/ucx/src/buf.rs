@@ -143,6 +143,8 @@ pub enum SendBuf {
     Shared(std::rc::Rc<[u8]>),
     /// A slice of a registered region.
     Slice(crate::rma::MemSlice),
+    /// Elements of a shared vector of plain numbers, sent as their bytes.
+    Elems(SharedElems),
 }
 
 impl SendBuf {
@@ -154,6 +156,7 @@ impl SendBuf {
             SendBuf::Vec(v) => Some(v),
             SendBuf::Shared(b) => Some(b),
             SendBuf::Slice(s) => s.as_slice(),
+            SendBuf::Elems(e) => Some(e.as_slice()),
         }
     }
 
@@ -164,6 +167,7 @@ impl SendBuf {
             SendBuf::Vec(v) => v.len(),
             SendBuf::Shared(b) => b.len(),
             SendBuf::Slice(s) => s.len(),
+            SendBuf::Elems(e) => e.len,
         }
     }
 
@@ -191,6 +195,81 @@ impl From<crate::rma::MemSlice> for SendBuf {
     }
 }
 
+impl From<SharedElems> for SendBuf {
+    fn from(e: SharedElems) -> SendBuf {
+        SendBuf::Elems(e)
+    }
+}
+
+/// A vector of plain numbers (`bytemuck::Pod`: no padding, no pointers, no interior
+/// mutability) seen as its bytes. Implemented here only, for `Vec<T>`.
+trait PodVec {
+    fn bytes(&self) -> &[u8];
+}
+
+impl<T: bytemuck::Pod> PodVec for Vec<T> {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(self)
+    }
+}
+
+/// A range of elements of a shared vector of plain numbers (`bytemuck::Pod`: the built-in
+/// integers and floats, arrays of them), sent as their bytes in memory, from where they are:
+/// no copy into a buffer of the send's own. The send holds a clone of the `Rc` until UCX is
+/// done with the bytes, so the vector cannot be changed meanwhile (`Rc::get_mut` and
+/// `Rc::try_unwrap` fail until then); a caller that wants it back waits for the `Rc` to be
+/// its alone again, and can be told when with [`SharedElems::on_release`]. The bytes are the
+/// elements' in the machine's byte order.
+pub struct SharedElems {
+    // Dropped first (fields drop in declaration order): the guard below is dropped once the
+    // vector is no longer held here.
+    vec: std::rc::Rc<dyn PodVec>,
+    start: usize,
+    len: usize,
+    guard: Option<Box<dyn std::any::Any>>,
+}
+
+impl SharedElems {
+    /// Elements `elems` of `vec`, or `None` when the range is not within it.
+    pub fn new<T: bytemuck::Pod>(
+        vec: std::rc::Rc<Vec<T>>,
+        elems: std::ops::Range<usize>,
+    ) -> Option<SharedElems> {
+        if elems.start > elems.end || elems.end > vec.len() {
+            return None;
+        }
+        let size = std::mem::size_of::<T>();
+        Some(SharedElems {
+            start: elems.start * size,
+            len: (elems.end - elems.start) * size,
+            vec,
+            guard: None,
+        })
+    }
+
+    /// Has `guard` dropped right after the send let go of the vector (its `Rc` clone
+    /// dropped): a value whose `Drop` wakes the task that waits for the vector back.
+    pub fn on_release(mut self, guard: impl std::any::Any) -> SharedElems {
+        self.guard = Some(Box::new(guard));
+        self
+    }
+
+    /// The bytes sent.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.vec.bytes()[self.start..self.start + self.len]
+    }
+}
+
+impl std::fmt::Debug for SharedElems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedElems")
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .field("guard", &self.guard.is_some())
+            .finish()
+    }
+}
+
 // SAFETY: each variant is an `IoBuf` (above, and `MemSlice` in `rma`); the enum only forwards
 // to the one it holds, which it owns and never swaps while an operation owns the enum.
 unsafe impl IoBuf for SendBuf {
@@ -199,6 +278,7 @@ unsafe impl IoBuf for SendBuf {
             SendBuf::Vec(v) => v.stable_ptr(),
             SendBuf::Shared(b) => b.stable_ptr(),
             SendBuf::Slice(s) => s.stable_ptr(),
+            SendBuf::Elems(e) => e.stable_ptr(),
         }
     }
     fn bytes_init(&self) -> usize {
@@ -206,6 +286,7 @@ unsafe impl IoBuf for SendBuf {
             SendBuf::Vec(v) => v.bytes_init(),
             SendBuf::Shared(b) => b.bytes_init(),
             SendBuf::Slice(s) => s.bytes_init(),
+            SendBuf::Elems(e) => e.bytes_init(),
         }
     }
     fn memory_type(&self) -> MemoryType {
@@ -213,6 +294,7 @@ unsafe impl IoBuf for SendBuf {
             SendBuf::Vec(v) => v.memory_type(),
             SendBuf::Shared(b) => b.memory_type(),
             SendBuf::Slice(s) => s.memory_type(),
+            SendBuf::Elems(e) => e.memory_type(),
         }
     }
     fn mem_handle(&self) -> Option<&MemHandle> {
@@ -220,6 +302,21 @@ unsafe impl IoBuf for SendBuf {
             SendBuf::Slice(s) => s.mem_handle(),
             _ => None,
         }
+    }
+}
+
+// SAFETY: the bytes are those of a `Vec<T: Pod>` behind an `Rc`: they live in the vector's heap
+// allocation, which does not move when the `Rc` moves and is freed only when the last clone
+// goes (this value holds one). No safe code can write them while this clone exists: a shared
+// `Vec` is reached only through `&Vec` (`Rc::get_mut` and `Rc::try_unwrap` fail while another
+// clone lives), and `bytemuck::Pod` types have no interior mutability (its contract). The
+// range was checked against the vector's length in `SharedElems::new`.
+unsafe impl IoBuf for SharedElems {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_slice().as_ptr()
+    }
+    fn bytes_init(&self) -> usize {
+        self.len
     }
 }
 
@@ -324,6 +421,38 @@ mod tests {
         assert!(AlignedBuf::zeroed(10, 3).is_err());
         let empty = AlignedBuf::zeroed(0, 64).expect("alloc");
         assert!(empty.is_empty());
+    }
+
+    #[test]
+    fn shared_elements_are_sent_from_the_vector_and_release_it() {
+        use std::cell::Cell;
+        use std::rc::Rc;
+        struct Flag(Rc<Cell<bool>>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.set(true);
+            }
+        }
+        let v = Rc::new(vec![1.0f32, 2.0, 3.0, 4.0]);
+        assert!(SharedElems::new(v.clone(), 3..5).is_none());
+        let released = Rc::new(Cell::new(false));
+        let e = SharedElems::new(v.clone(), 1..3)
+            .expect("in range")
+            .on_release(Flag(released.clone()));
+        let buf = SendBuf::from(e);
+        assert_eq!(buf.len(), 8);
+        let mut want = 2.0f32.to_ne_bytes().to_vec();
+        want.extend_from_slice(&3.0f32.to_ne_bytes());
+        assert_eq!(buf.as_slice(), Some(&want[..]));
+        // Read where the vector holds them: no copy.
+        assert_eq!(buf.stable_ptr(), v.as_ptr().wrapping_add(1).cast::<u8>());
+        assert_eq!(Rc::strong_count(&v), 2);
+        drop(buf);
+        assert!(released.get());
+        assert_eq!(
+            Rc::try_unwrap(v).expect("ours again"),
+            vec![1.0, 2.0, 3.0, 4.0]
+        );
     }
 
     #[test]

@@ -86,7 +86,7 @@ pub use affinity::{release_async_thread, set_async_thread_cpus, thread_cpus, thr
 pub use am::{
     AmData, AmIdRaw, AmIncoming, AmPayload, AmPayloadBufs, AmProto, AmRecvData, AmRndv, AmSend,
 };
-pub use buf::{AlignedBuf, IoBuf, IoBufMut, MemoryType, SendBuf};
+pub use buf::{AlignedBuf, IoBuf, IoBufMut, MemoryType, SendBuf, SharedElems};
 pub use context::{Config, Context, Features, MemoryTypes};
 pub use driver::{block_on, block_on_with, DEFAULT_SPIN};
 pub use endpoint::{Close, CloseMode, Endpoint, EpFailed, EpOptions, ErrorMode};
