@@ -1738,21 +1738,29 @@ fn shrink_survives_the_loss_of_the_lowest_rank() {
 
 /// Node B of `a_rank_killed_mid_all_reduce`, in a child process: prints its address, makes
 /// the world with node A, then all-reduces until it is killed (or 60 s pass), printing
-/// `ROUND k` now and then.
+/// `ROUND k` now and then. Its shards and the length of the vectors come from the
+/// environment ([`CHILD_SHARDS`], [`CHILD_LEN`]; 2 and 1 without).
 #[test]
 #[ignore = "run by a_rank_killed_mid_all_reduce in a child process"]
 fn child_rank() {
     const A: NodeId = NodeId::new(0xA1);
     const B: NodeId = NodeId::new(0xB1);
+    let var = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (shards, len) = (var(CHILD_SHARDS, 2), var(CHILD_LEN, 1));
     Node::builder()
-        .shards(2)
+        .shards(shards)
         .placement(Placement::Unpinned)
         .transports("tcp")
         .io_memory(256 << 10)
         .node_id(B)
         .psk(KEY)
         .listen("127.0.0.1:0".parse().unwrap())
-        .run(|node: Node| async move {
+        .run(move |node: Node| async move {
             if let Some(a) = node.listen_addr() {
                 println!("ADDR {a}");
             }
@@ -1760,9 +1768,12 @@ fn child_rank() {
             let t0 = Instant::now();
             let mut k = 0u64;
             while t0.elapsed() < LIMIT {
-                let sum = c.all_reduce(&[k], &Sum, T).await.expect("all_reduce");
-                assert_eq!(sum, [k * c.size() as u64]);
-                if c.rank() == 2 && k % 50 == 0 {
+                let sum = c
+                    .all_reduce(&vec![k; len], &Sum, T)
+                    .await
+                    .expect("all_reduce");
+                assert!(sum.iter().all(|&x| x == k * c.size() as u64) && sum.len() == len);
+                if c.rank() == c.size() - shards && k % 50 == 0 {
                     println!("ROUND {k}");
                 }
                 k += 1;
@@ -1771,6 +1782,11 @@ fn child_rank() {
         .expect("node B");
 }
 
+/// The environment variable that gives `child_rank` its shards.
+const CHILD_SHARDS: &str = "SHARDCX_TEST_CHILD_SHARDS";
+/// The environment variable that gives the length of `child_rank`'s vectors.
+const CHILD_LEN: &str = "SHARDCX_TEST_CHILD_LEN";
+
 /// A node killed (SIGKILL) while the ranks all-reduce in a loop: every rank of the other node
 /// fails with `RankFailed` naming a rank of the killed node, or `Aborted`/`Revoked` by a rank
 /// that did (a rank a step ahead waits in the next all-reduce for one that will never come:
@@ -1778,6 +1794,20 @@ fn child_rank() {
 /// Both then shrink the communicator to the ranks of their node, and all-reduce on it.
 #[test]
 fn a_rank_killed_mid_all_reduce() {
+    killed_mid_all_reduce(2, 1);
+}
+
+/// [`a_rank_killed_mid_all_reduce`] with one rank on each node and vectors of 1 MiB, which
+/// two ranks all-reduce by halves: a rank that waits for its peer to pull the half it lent
+/// (or for the peer's half) fails as promptly.
+#[test]
+fn a_rank_killed_mid_a_two_rank_all_reduce_by_halves() {
+    killed_mid_all_reduce(1, (1 << 20) / 8);
+}
+
+/// Two nodes of `shards` shards all-reduce vectors of `len` in a loop until node B, in a
+/// child process, is killed (see [`a_rank_killed_mid_all_reduce`]).
+fn killed_mid_all_reduce(shards: usize, len: usize) {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
     const A: NodeId = NodeId::new(0xA1);
@@ -1785,6 +1815,8 @@ fn a_rank_killed_mid_all_reduce() {
     let _g = serial();
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_rank", "--nocapture"])
+        .env(CHILD_SHARDS, shards.to_string())
+        .env(CHILD_LEN, len.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -1801,7 +1833,7 @@ fn a_rank_killed_mid_all_reduce() {
     let killed_a = killed.clone();
     let a = std::thread::spawn(move || {
         Node::builder()
-            .shards(2)
+            .shards(shards)
             .placement(Placement::Unpinned)
             .transports("tcp")
             .io_memory(256 << 10)
@@ -1818,8 +1850,13 @@ fn a_rank_killed_mid_all_reduce() {
                     let mut k = 0u64;
                     let err = loop {
                         assert!(t0.elapsed() < LIMIT, "no failure within {LIMIT:?}");
-                        match c.all_reduce(&[k], &Sum, Duration::from_secs(60)).await {
-                            Ok(sum) => assert_eq!(sum, [k * c.size() as u64]),
+                        match c
+                            .all_reduce(&vec![k; len], &Sum, Duration::from_secs(60))
+                            .await
+                        {
+                            Ok(sum) => assert!(
+                                sum.len() == len && sum.iter().all(|&x| x == k * c.size() as u64)
+                            ),
                             Err(e) => break e,
                         }
                         k += 1;
@@ -1830,7 +1867,7 @@ fn a_rank_killed_mid_all_reduce() {
                         Ok(mut s) => {
                             let here = s.members().iter().all(|m| m.node == A);
                             match s.all_reduce(&[1u64], &Sum, T).await {
-                                Ok(sum) if here && s.size() == 2 => Ok(sum[0]),
+                                Ok(sum) if here && s.size() == shards => Ok(sum[0]),
                                 Ok(sum) => {
                                     Err(format!("shrunk to {s:?} {:?}: {sum:?}", s.members()))
                                 }
@@ -1865,24 +1902,30 @@ fn a_rank_killed_mid_all_reduce() {
         .recv_timeout(LIMIT)
         .expect("node A still running after LIMIT")
         .expect("node A panicked");
+    // Node A's ranks are 0..shards, node B's shards..2 * shards.
+    let (a_ranks, b_ranks) = (0..shards, shards..2 * shards);
     for (rank, err, after, shrunk) in results {
-        assert_eq!(shrunk, Ok(2), "rank {rank}: the shrunk communicator");
+        assert_eq!(
+            shrunk,
+            Ok(shards as u64),
+            "rank {rank}: the shrunk communicator"
+        );
         let after = after.expect("failed before the kill");
         assert!(
-            matches!(
-                &err,
-                CollectiveError::RankFailed { failed: 2 | 3, .. }
-                    | CollectiveError::Aborted {
-                        by: 0 | 1,
-                        cause: AbortCause::RankFailed,
-                        ..
-                    }
-                    | CollectiveError::Revoked {
-                        by: 0 | 1,
-                        cause: AbortCause::RankFailed,
-                        ..
-                    }
-            ),
+            match &err {
+                CollectiveError::RankFailed { failed, .. } => b_ranks.contains(failed),
+                CollectiveError::Aborted {
+                    by,
+                    cause: AbortCause::RankFailed,
+                    ..
+                }
+                | CollectiveError::Revoked {
+                    by,
+                    cause: AbortCause::RankFailed,
+                    ..
+                } => a_ranks.contains(by),
+                _ => false,
+            },
             "rank {rank}: {err:?}"
         );
         assert!(
