@@ -1169,6 +1169,41 @@ fn two_ranks_all_reduce_large_vectors_by_halves() {
     }
 }
 
+/// A large broadcast between two ranks goes in pieces of at most 256 KiB, each its own
+/// message (1 MiB and 3 bytes: five), passed on as they come; an empty one still completes on
+/// both ranks. Content checked byte by byte.
+#[test]
+fn a_large_broadcast_goes_in_pieces() {
+    let _g = serial();
+    all_ok(world_over(
+        &[1, 1],
+        true,
+        |mut c: Communicator| async move {
+            let r = c.rank();
+            let n = (1 << 20) + 3;
+            let mut buf: Vec<u8> = if r == 1 {
+                (0..n).map(|i| (i % 251) as u8).collect()
+            } else {
+                vec![0; n]
+            };
+            let before = c.stats().arrived;
+            c.broadcast(1, &mut buf, T)
+                .await
+                .map_err(|e| e.to_string())?;
+            let arrived = c.stats().arrived - before;
+            let want = if r == 0 { 5 } else { 0 };
+            ensure!(r, arrived == want, "{arrived} messages arrived, not {want}");
+            let bad = (0..n).find(|&i| buf[i] != (i % 251) as u8);
+            ensure!(r, bad.is_none(), "broadcast wrong at {bad:?}");
+            let mut empty: Vec<u8> = Vec::new();
+            c.broadcast(0, &mut empty, T)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(())
+        },
+    ));
+}
+
 /// The first index of `got` that is not `want(i)`. It lets the shard's other tasks run now
 /// and then: a shard that computes for a second misses its heartbeats and is declared dead.
 async fn first_wrong(got: &[u64], want: impl Fn(usize) -> u64) -> Option<usize> {

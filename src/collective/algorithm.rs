@@ -11,7 +11,7 @@
 //! | operation | small (`n` < [`Tuning::large_from`], or cheaper by [`Tuning::costs`]) | large |
 //! | --- | --- | --- |
 //! | barrier | dissemination, ⌈log2 p⌉ rounds | – |
-//! | broadcast | binomial tree | scatter (binomial) + ring all-gather (p > 2) |
+//! | broadcast | binomial tree (in pieces of at most 256 KiB, each passed on as it comes) | scatter (binomial) + ring all-gather (p > 2) |
 //! | reduce | binomial tree | ring reduce-scatter + binomial gather (commutative, p > 2) |
 //! | barrier, broadcast, reduce over several nodes | through the leaders (below), each level flat as above | the same |
 //! | all-reduce | recursive doubling (non-powers of two folded in; each exchange pipelined in chunks of at most 256 KiB) | ring reduce-scatter + ring all-gather (commutative, p > 2); two ranks, 256 KiB to 4 MiB of built-in numbers: by halves, each rank reducing one and sending it from its result (any operator) |
@@ -486,21 +486,39 @@ async fn binomial_bcast(
     let (r, p) = (g.rank(), g.size());
     let vr = (r + p - root) % p;
     let mut mask = 1;
+    let mut parent = None;
     while mask < p {
         if vr & mask != 0 {
-            let d = recv_len(g, real(vr - mask, root, p), step(phase, 0), buf.len()).await?;
-            buf.copy_from_slice(&d);
+            parent = Some(real(vr - mask, root, p));
             break;
         }
         mask <<= 1;
     }
+    let mut children = Vec::new();
     mask >>= 1;
     while mask > 0 {
         if vr + mask < p {
-            g.send(real(vr + mask, root, p), step(phase, 0), buf.to_vec())
-                .await?;
+            children.push(real(vr + mask, root, p));
         }
         mask >>= 1;
+    }
+    // In pieces, each passed on as soon as it is here: a rank forwards (or the root copies
+    // out) the next piece while its children take the last, and no piece is larger than a
+    // message's part, so none is put together in a vector of its own on arrival.
+    // An empty buffer is still one (empty) message: a rank given a longer one hears of it.
+    let pieces: Vec<Range<usize>> = match buf.len() {
+        0 => std::iter::once(0..0).collect(),
+        n => pieces::<u8>(0..n).collect(),
+    };
+    for (c, piece) in pieces.into_iter().enumerate() {
+        if let Some(parent) = parent {
+            let d = recv_len(g, parent, step(phase, c), piece.len()).await?;
+            buf[piece.clone()].copy_from_slice(&d);
+        }
+        for &child in &children {
+            g.send(child, step(phase, c), buf[piece.clone()].to_vec())
+                .await?;
+        }
     }
     Ok(())
 }
