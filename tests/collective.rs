@@ -1204,6 +1204,73 @@ fn a_large_broadcast_goes_in_pieces() {
     ));
 }
 
+/// Ranks given vectors of different lengths for a large broadcast or two-rank all-reduce
+/// (sent in pieces, so the pieces alone could agree) fail at once with `Mismatch` naming the
+/// other rank (or `Aborted` by it for a mismatch), not at the deadline: a 1 MiB broadcast
+/// into a 2 MiB buffer, a 1 MiB all-reduce against a 2 MiB one (both by halves: their first
+/// pieces have the same length, the lengths they carry differ), and 128 KiB against 1 MiB
+/// (recursive doubling against halves). A rank that only sent (the broadcast's root) sees
+/// the communicator revoked.
+#[test]
+fn large_operations_of_mismatched_lengths_fail_with_mismatch() {
+    let _g = serial();
+    all_ok(world_over(&[1, 1], true, |c: Communicator| async move {
+        let r = c.rank();
+        let mismatch = |out: &Result<(), CollectiveError>| {
+            matches!(
+                out,
+                Err(CollectiveError::Mismatch { other, .. } | CollectiveError::Aborted {
+                    by: other,
+                    cause: AbortCause::Mismatch,
+                    ..
+                }) if *other == 1 - r
+            )
+        };
+        let mut c = c;
+        let t0 = Instant::now();
+        let mut buf = vec![7u8; (1 << 20) << (1 - r)];
+        let out = c.broadcast(1, &mut buf, T).await;
+        ensure!(
+            r,
+            mismatch(&out) || (r == 1 && out.is_ok()),
+            "broadcast: {out:?}"
+        );
+        while c.revoked().is_none() {
+            ensure!(
+                r,
+                t0.elapsed() < T / 3,
+                "not revoked after {:?}",
+                t0.elapsed()
+            );
+            sleep(Duration::from_millis(1)).await;
+        }
+        for (what, n0, n1) in [
+            ("1 MiB against 2 MiB", 1 << 18, 1 << 19),
+            ("128 KiB against 1 MiB", 1 << 15, 1 << 18),
+        ] {
+            c = renew(&c).await?;
+            let t0 = Instant::now();
+            let xs = vec![1.0f32; if r == 0 { n0 } else { n1 }];
+            let out = c.all_reduce(&xs, &Sum, T).await.map(|_| ());
+            ensure!(r, mismatch(&out), "all_reduce {what}: {out:?}");
+            ensure!(
+                r,
+                t0.elapsed() < T / 3,
+                "{what}: failed after {:?}",
+                t0.elapsed()
+            );
+            ensure!(r, c.revoked().is_some(), "{what}: not revoked");
+        }
+        let mut c = renew(&c).await?;
+        let sum = c
+            .all_reduce(&vec![1.0f32; 1 << 18], &Sum, T)
+            .await
+            .map_err(|e| e.to_string())?;
+        ensure!(r, sum.iter().all(|&x| x == 2.0), "after the mismatches");
+        Ok(())
+    }));
+}
+
 /// The first index of `got` that is not `want(i)`. It lets the shard's other tasks run now
 /// and then: a shard that computes for a second misses its heartbeats and is declared dead.
 async fn first_wrong(got: &[u64], want: impl Fn(usize) -> u64) -> Option<usize> {

@@ -510,17 +510,62 @@ async fn binomial_bcast(
         0 => std::iter::once(0..0).collect(),
         n => pieces::<u8>(0..n).collect(),
     };
+    let several = pieces.len() > 1;
     for (c, piece) in pieces.into_iter().enumerate() {
+        let lead = several && c == 0;
         if let Some(parent) = parent {
-            let d = recv_len(g, parent, step(phase, c), piece.len()).await?;
-            buf[piece.clone()].copy_from_slice(&d);
+            let d = recv_total(
+                g,
+                parent,
+                step(phase, c),
+                piece.len(),
+                lead.then_some(buf.len()),
+            )
+            .await?;
+            buf[piece.clone()].copy_from_slice(&d[d.len() - piece.len()..]);
         }
         for &child in &children {
-            g.send(child, step(phase, c), buf[piece.clone()].to_vec())
-                .await?;
+            let mut v = Vec::with_capacity(TOTAL_LEN + piece.len());
+            if lead {
+                v.extend_from_slice(&(buf.len() as u64).to_le_bytes());
+            }
+            v.extend_from_slice(&buf[piece.clone()]);
+            g.send(child, step(phase, c), v).await?;
         }
     }
     Ok(())
+}
+
+/// Bytes before the first of several pieces of one buffer: the buffer's whole length in
+/// bytes, little-endian. The pieces alone could agree in length with what a rank given a
+/// longer buffer expects and leave it waiting for pieces that never come; with the length it
+/// fails at once with `Mismatch`.
+const TOTAL_LEN: usize = 8;
+
+/// Receives a piece of `len` bytes from `from`: when `total` is given (the first of several
+/// pieces), preceded by the sender's whole length, which must be `total`. Returns the message
+/// (the piece is its last `len` bytes).
+async fn recv_total(
+    g: &Group<'_>,
+    from: usize,
+    st: u32,
+    len: usize,
+    total: Option<usize>,
+) -> Result<Bytes, CollectiveError> {
+    let Some(total) = total else {
+        return recv_len(g, from, st, len).await;
+    };
+    let d = recv_len(g, from, st, TOTAL_LEN + len).await?;
+    let mut t = [0u8; TOTAL_LEN];
+    t.copy_from_slice(&d[..TOTAL_LEN]);
+    let sent = u64::from_le_bytes(t);
+    if sent != total as u64 {
+        return Err(g.mismatch(
+            from,
+            format!("{sent} bytes in all where {total} were expected"),
+        ));
+    }
+    Ok(d)
 }
 
 /// Van de Geijn's broadcast: the root's blocks scattered down a binomial tree, then a ring
@@ -853,8 +898,15 @@ async fn two_rank_all_reduce<T: Element, O: Operator<T> + ?Sized>(
     let peer = 1 - r;
     let (lo, hi) = (block(n, 2, 0), block(n, 2, 1));
     let (mine, theirs) = if r == 0 { (lo, hi) } else { (hi, lo) };
+    // The reduce-scatter's first piece carries the vector's whole length (`TOTAL_LEN`), so
+    // that ranks given different lengths fail with `Mismatch`; its steps are those of
+    // recursive doubling's first exchange (phase 1), so that a rank that chose recursive
+    // doubling (given a length outside this algorithm's range) fails the same way.
+    let total = ((n * T::SIZE) as u64).to_le_bytes();
     for (c, piece) in pieces::<T>(theirs.clone()).enumerate() {
-        g.send_elems(peer, step(0, c), &data[piece]).await?;
+        let lead: &[u8] = if c == 0 { &total } else { &[] };
+        g.send_elems_led(peer, step(1, c), lead, &data[piece])
+            .await?;
     }
     let mut out = Vec::with_capacity(n);
     if r == 1 {
@@ -862,17 +914,19 @@ async fn two_rank_all_reduce<T: Element, O: Operator<T> + ?Sized>(
         out.resize(theirs.len(), data[0]);
     }
     for (c, piece) in pieces::<T>(mine.clone()).enumerate() {
-        let d = recv_len(g, peer, step(0, c), piece.len() * T::SIZE).await?;
-        combine_le_append_in_turns(o, &data[piece], &d, r == 1, &mut out).await;
+        let len = piece.len() * T::SIZE;
+        let total = (c == 0).then_some(n * T::SIZE);
+        let d = recv_total(g, peer, step(1, c), len, total).await?;
+        combine_le_append_in_turns(o, &data[piece], &d[d.len() - len..], r == 1, &mut out).await;
     }
     let out = Rc::new(out);
     let lent = Lent::default();
     for (c, piece) in pieces::<T>(mine).enumerate() {
-        g.send_shared(peer, step(1, c), &out, piece, &lent).await?;
+        g.send_shared(peer, step(2, c), &out, piece, &lent).await?;
     }
     let mut got = Vec::new();
     for (c, piece) in pieces::<T>(theirs.clone()).enumerate() {
-        got.push(recv_len(g, peer, step(1, c), piece.len() * T::SIZE).await?);
+        got.push(recv_len(g, peer, step(2, c), piece.len() * T::SIZE).await?);
     }
     let mut out = g.reclaim(peer, out, &lent).await;
     if r == 0 {

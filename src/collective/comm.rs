@@ -828,14 +828,31 @@ impl Op {
         step: u32,
         xs: &[T],
     ) -> Result<(), CollectiveError> {
-        let len = xs.len() * T::SIZE;
+        self.send_elems_led(to, step, &[], xs).await
+    }
+
+    /// [`Op::send_elems`] of a message that starts with the bytes `lead`, then those of `xs`.
+    pub(crate) async fn send_elems_led<T: Element>(
+        &self,
+        to: usize,
+        step: u32,
+        lead: &[u8],
+        xs: &[T],
+    ) -> Result<(), CollectiveError> {
+        let len = lead.len() + xs.len() * T::SIZE;
         let m = self.members[to];
+        let encoded = async || {
+            let mut v = lead.to_vec();
+            v.extend_from_slice(&encode_in_turns(xs).await);
+            v
+        };
         if m.node != self.node.id() && len <= SMALL_SEND {
             // Encoded on the stack and handed to UCX at once on this shard's rail: no vector
             // to allocate and free. Another shard's rail, or one not up yet, goes straight to
             // the sends that may wait (not through `deliver_to`, which would try again).
             let mut bytes = [0u8; SMALL_SEND];
-            T::write_all_le(xs, &mut bytes[..len]);
+            bytes[..lead.len()].copy_from_slice(lead);
+            T::write_all_le(xs, &mut bytes[lead.len()..len]);
             let h = self.header(Kind::Data, step, len);
             let sent = match send_here(&self.node, m, &h, &bytes[..len]) {
                 Some(sent) => sent,
@@ -844,14 +861,17 @@ impl Op {
             return sent.map_err(|e| self.failed(to, e));
         }
         if !self.direct(m, len) {
-            return self.send(to, step, encode_in_turns(xs).await).await;
+            return self.send(to, step, encoded().await).await;
         }
         room_ahead(&self.node, m.node, len).await;
         let mut buf = self.state.take_send_buf(len);
         match Rc::get_mut(&mut buf) {
-            Some(bytes) => encode_into_in_turns(xs, bytes).await,
+            Some(bytes) => {
+                bytes[..lead.len()].copy_from_slice(lead);
+                encode_into_in_turns(xs, &mut bytes[lead.len()..]).await
+            }
             // `take_send_buf` hands out buffers nothing else holds.
-            None => return self.send(to, step, encode_in_turns(xs).await).await,
+            None => return self.send(to, step, encoded().await).await,
         }
         let h = self.header(Kind::Data, step, len);
         let sent = m
@@ -1070,6 +1090,19 @@ impl<'a> Group<'a> {
     /// [`Op::reclaim`] of a vector sent to group rank `to`.
     pub(crate) async fn reclaim<T>(&self, to: usize, v: Rc<Vec<T>>, lent: &Lent) -> Vec<T> {
         self.op.reclaim(self.op_rank(to), v, lent).await
+    }
+
+    /// [`Op::send_elems_led`] to group rank `to`.
+    pub(crate) async fn send_elems_led<T: Element>(
+        &self,
+        to: usize,
+        step: u32,
+        lead: &[u8],
+        xs: &[T],
+    ) -> Result<(), CollectiveError> {
+        self.op
+            .send_elems_led(self.op_rank(to), self.step(step), lead, xs)
+            .await
     }
 
     /// [`Op::send_elems`] to group rank `to`.
