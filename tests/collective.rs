@@ -1208,9 +1208,10 @@ fn a_large_broadcast_goes_in_pieces() {
 /// (sent in pieces, so the pieces alone could agree) fail at once with `Mismatch` naming the
 /// other rank (or `Aborted` by it for a mismatch), not at the deadline: a 1 MiB broadcast
 /// into a 2 MiB buffer, a 1 MiB all-reduce against a 2 MiB one (both by halves: their first
-/// pieces have the same length, the lengths they carry differ), and 128 KiB against 1 MiB
-/// (recursive doubling against halves). A rank that only sent (the broadcast's root) sees
-/// the communicator revoked.
+/// pieces have the same length, the lengths they carry differ), 128 KiB against 1 MiB
+/// (recursive doubling against halves) and 5 MiB against 10 MiB (both by recursive doubling,
+/// in chunks of the same length). A rank that only sent (the broadcast's root) sees the
+/// communicator revoked.
 #[test]
 fn large_operations_of_mismatched_lengths_fail_with_mismatch() {
     let _g = serial();
@@ -1247,6 +1248,8 @@ fn large_operations_of_mismatched_lengths_fail_with_mismatch() {
         for (what, n0, n1) in [
             ("1 MiB against 2 MiB", 1 << 18, 1 << 19),
             ("128 KiB against 1 MiB", 1 << 15, 1 << 18),
+            // Both by recursive doubling, in chunks of the same length.
+            ("5 MiB against 10 MiB", 5 << 18, 5 << 19),
         ] {
             c = renew(&c).await?;
             let t0 = Instant::now();

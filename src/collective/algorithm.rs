@@ -266,8 +266,11 @@ async fn exchange_combine<T: Element, O: Operator<T> + ?Sized>(
         g.send_elems(peer, st(0), &acc).await?;
         return recv_combine_cow(g, peer, st(0), o, acc, peer_is_lower).await;
     }
+    // The first chunk carries the vector's whole length (see `TOTAL_LEN`).
+    let total = ((n * T::SIZE) as u64).to_le_bytes();
     for c in 0..AHEAD.min(chunks) {
-        g.send_elems(peer, st(c), &acc[range(c)]).await?;
+        let lead: &[u8] = if c == 0 { &total } else { &[] };
+        g.send_elems_led(peer, st(c), lead, &acc[range(c)]).await?;
     }
     let mut out = match acc {
         Cow::Owned(v) => Ok(v),
@@ -275,12 +278,12 @@ async fn exchange_combine<T: Element, O: Operator<T> + ?Sized>(
     };
     for c in 0..chunks {
         let r = range(c);
+        let len = r.len() * T::SIZE;
+        let d = recv_total(g, peer, st(c), len, (c == 0).then_some(n * T::SIZE)).await?;
+        let d = &d[d.len() - len..];
         match &mut out {
-            Ok(v) => recv_combine(g, peer, st(c), o, &mut v[r], peer_is_lower).await?,
-            Err((mine, v)) => {
-                let d = recv_len(g, peer, st(c), r.len() * T::SIZE).await?;
-                combine_le_append_in_turns(o, &mine[r], &d, peer_is_lower, v).await;
-            }
+            Ok(v) => combine_le_in_turns(o, &mut v[r], d, peer_is_lower).await,
+            Err((mine, v)) => combine_le_append_in_turns(o, &mine[r], d, peer_is_lower, v).await,
         }
         if c + AHEAD < chunks {
             let ahead = range(c + AHEAD);
