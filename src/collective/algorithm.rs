@@ -267,7 +267,7 @@ async fn exchange_combine<T: Element, O: Operator<T> + ?Sized>(
         return recv_combine_cow(g, peer, st(0), o, acc, peer_is_lower).await;
     }
     // The first chunk carries the vector's whole length (see `TOTAL_LEN`).
-    let total = ((n * T::SIZE) as u64).to_le_bytes();
+    let total = total_lead(n * T::SIZE);
     for c in 0..AHEAD.min(chunks) {
         let lead: &[u8] = if c == 0 { &total } else { &[] };
         g.send_elems_led(peer, st(c), lead, &acc[range(c)]).await?;
@@ -530,7 +530,7 @@ async fn binomial_bcast(
         for &child in &children {
             let mut v = Vec::with_capacity(TOTAL_LEN + piece.len());
             if lead {
-                v.extend_from_slice(&(buf.len() as u64).to_le_bytes());
+                v.extend_from_slice(&total_lead(buf.len()));
             }
             v.extend_from_slice(&buf[piece.clone()]);
             g.send(child, step(phase, c), v).await?;
@@ -544,6 +544,11 @@ async fn binomial_bcast(
 /// longer buffer expects and leave it waiting for pieces that never come; with the length it
 /// fails at once with `Mismatch`.
 const TOTAL_LEN: usize = 8;
+
+/// The lead of the first of several pieces of a buffer of `bytes` bytes ([`TOTAL_LEN`]).
+fn total_lead(bytes: usize) -> [u8; TOTAL_LEN] {
+    (bytes as u64).to_le_bytes()
+}
 
 /// Receives a piece of `len` bytes from `from`: when `total` is given (the first of several
 /// pieces), preceded by the sender's whole length, which must be `total`. Returns the message
@@ -905,7 +910,7 @@ async fn two_rank_all_reduce<T: Element, O: Operator<T> + ?Sized>(
     // that ranks given different lengths fail with `Mismatch`; its steps are those of
     // recursive doubling's first exchange (phase 1), so that a rank that chose recursive
     // doubling (given a length outside this algorithm's range) fails the same way.
-    let total = ((n * T::SIZE) as u64).to_le_bytes();
+    let total = total_lead(n * T::SIZE);
     for (c, piece) in pieces::<T>(theirs.clone()).enumerate() {
         let lead: &[u8] = if c == 0 { &total } else { &[] };
         g.send_elems_led(peer, step(1, c), lead, &data[piece])

@@ -841,9 +841,14 @@ impl Op {
     ) -> Result<(), CollectiveError> {
         let len = lead.len() + xs.len() * T::SIZE;
         let m = self.members[to];
+        // Without a lead, the encoding is the message (no second copy of it).
         let encoded = async || {
-            let mut v = lead.to_vec();
-            v.extend_from_slice(&encode_in_turns(xs).await);
+            if lead.is_empty() {
+                return encode_in_turns(xs).await;
+            }
+            let mut v = vec![0u8; len];
+            v[..lead.len()].copy_from_slice(lead);
+            encode_into_in_turns(xs, &mut v[lead.len()..]).await;
             v
         };
         if m.node != self.node.id() && len <= SMALL_SEND {
@@ -912,14 +917,11 @@ impl Op {
         } else {
             None
         };
-        let Some(buf) = shared else {
+        let Some(elems) = shared else {
             return self.send_elems(to, step, &v[range]).await;
         };
         room_ahead(&self.node, m.node, len).await;
-        let buf = match buf {
-            crate::SendBuf::Elems(e) => crate::SendBuf::Elems(e.on_release(lent.release())),
-            other => other,
-        };
+        let buf = crate::SendBuf::Elems(elems.on_release(lent.release()));
         let h = self.header(Kind::Data, step, len);
         m.peer()
             .am_send_buf(COLLECTIVE_AM, &h.encode(), buf)

@@ -12,7 +12,7 @@ use std::fmt::Debug;
 use std::ops::Range;
 use std::rc::Rc;
 
-use crate::{SendBuf, SharedElems};
+use crate::SharedElems;
 
 /// A value collectives can move and reduce: `SIZE` bytes on the wire, little-endian.
 ///
@@ -60,14 +60,14 @@ pub trait Element: Copy + Debug + Send + 'static {
     }
 
     /// Elements `elems` of the shared vector `xs` as a buffer a send reads from where they are
-    /// ([`crate::SharedElems`]: the send holds a clone of `xs` until UCX is done with the
-    /// bytes), when the elements are plain numbers whose memory is their wire form (the
-    /// built-in numbers on a little-endian machine); `None`, the default, has them encoded
-    /// into a buffer of the send's own. The two-rank all-reduce sends its result vector this
-    /// way and waits for it back before it writes the vector again. An implementation returns
-    /// `Some` only with the bytes [`Element::write_le`] writes, and `None` when `elems` is not
-    /// within `xs`.
-    fn share_wire(xs: &Rc<Vec<Self>>, elems: Range<usize>) -> Option<SendBuf> {
+    /// ([`SharedElems`]: the send holds a clone of `xs` until UCX is done with the bytes),
+    /// when the elements are plain numbers whose memory is their wire form (the built-in
+    /// numbers on a little-endian machine); `None`, the default, has them encoded into a
+    /// buffer of the send's own. The two-rank all-reduce sends its result vector this way and
+    /// waits for it back ([`SharedElems::on_release`]) before it writes the vector again. An
+    /// implementation returns `Some` only with the bytes [`Element::write_le`] writes, and
+    /// `None` when `elems` is not within `xs`.
+    fn share_wire(xs: &Rc<Vec<Self>>, elems: Range<usize>) -> Option<SharedElems> {
         let _ = (xs, elems);
         None
     }
@@ -231,12 +231,12 @@ macro_rules! element {
                 // Little-endian memory is the wire form (`to_le_bytes`), with no padding.
                 cfg!(target_endian = "little").then(|| bytemuck::cast_slice_mut(xs))
             }
-            fn share_wire(xs: &Rc<Vec<Self>>, elems: Range<usize>) -> Option<SendBuf> {
+            fn share_wire(xs: &Rc<Vec<Self>>, elems: Range<usize>) -> Option<SharedElems> {
                 // As `as_wire_mut`: the memory is the wire form.
                 if cfg!(target_endian = "big") {
                     return None;
                 }
-                SharedElems::new(xs.clone(), elems).map(SendBuf::from)
+                SharedElems::new(xs.clone(), elems)
             }
         }
     )*};
